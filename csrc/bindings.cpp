@@ -1,0 +1,158 @@
+// pybind11 bindings of the torch-free data plane. Everything takes raw addresses and sizes.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "common.h"
+#include "cpu_transfer.h"
+#include "host_arena.h"
+#include "kv_layout.h"
+#include "pinned_memory.h"
+#include "thread_pool.h"
+
+namespace py = pybind11;
+
+#ifdef LMC_WITH_CUDA
+void init_cuda_bindings(py::module_& m);
+#endif
+
+namespace lmc {
+namespace {
+
+using IdArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using PtrArray = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+
+ChunkBatch make_batch(const IdArray& ids, const PtrArray& ptrs, int64_t chunk_size, int64_t object_capacity) {
+  LMC_CHECK_ARG(ids.ndim() == 1 && ptrs.ndim() == 1, "block_ids and object_ptrs must be 1-D");
+  ChunkBatch b;
+  b.block_ids = ids.data();
+  b.num_block_ids = ids.shape(0);
+  b.object_ptrs = ptrs.data();
+  b.num_chunks = ptrs.shape(0);
+  b.chunk_size = chunk_size;
+  b.object_capacity = object_capacity;
+  return b;
+}
+
+void cpu_copy(const KVLayout& layout, int64_t chunk_size, const IdArray& ids, const PtrArray& ptrs,
+              int64_t object_capacity, Direction dir) {
+  ChunkBatch b = make_batch(ids, ptrs, chunk_size, object_capacity);
+  py::gil_scoped_release nogil;
+  cpu_transfer(layout, b, dir);
+}
+
+py::dict build_info() {
+  py::dict d;
+  d["version"] = LMC_VERSION;
+  d["build_type"] = LMC_BUILD_TYPE;
+  d["cxx_compiler"] = LMC_CXX_COMPILER;
+  d["pybind11"] = std::to_string(PYBIND11_VERSION_MAJOR) + "." + std::to_string(PYBIND11_VERSION_MINOR) + "." +
+                  std::to_string(PYBIND11_VERSION_PATCH);
+#ifdef LMC_WITH_CUDA
+  d["cuda"] = true;
+  d["cuda_architectures"] = LMC_CUDA_ARCHITECTURES;
+  d["cuda_compiler"] = LMC_CUDA_COMPILER;
+#else
+  d["cuda"] = false;
+  d["cuda_architectures"] = "";
+  d["cuda_compiler"] = "";
+#endif
+  return d;
+}
+
+}  // namespace
+}  // namespace lmc
+
+PYBIND11_MODULE(_C, m) {
+  using namespace lmc;
+  m.doc() = "lmcache-mp data plane (torch-free): host arena, KV layouts, CPU and CUDA transfers";
+  m.def("build_info", &build_info, "How this extension was built");
+
+  py::class_<KVLayout>(m, "KVLayout")
+      .def(py::init<>())
+      .def_readwrite("layer_ptrs", &KVLayout::layer_ptrs)
+      .def_readwrite("num_blocks", &KVLayout::num_blocks)
+      .def_readwrite("block_size", &KVLayout::block_size)
+      .def_readwrite("num_segments", &KVLayout::num_segments)
+      .def_readwrite("segment_stride", &KVLayout::segment_stride)
+      .def_readwrite("block_stride", &KVLayout::block_stride)
+      .def_readwrite("rows_per_block", &KVLayout::rows_per_block)
+      .def_readwrite("row_bytes", &KVLayout::row_bytes)
+      .def_readwrite("row_stride", &KVLayout::row_stride)
+      .def_property_readonly("num_layers", &KVLayout::num_layers)
+      .def_property_readonly("token_bytes", &KVLayout::token_bytes)
+      .def_property_readonly("layer_extent", &KVLayout::layer_extent)
+      .def("object_bytes", &KVLayout::object_bytes, py::arg("chunk_size"))
+      .def("validate", &KVLayout::validate);
+
+  py::class_<HostArena>(m, "HostArena")
+      .def(py::init<uint64_t, uint64_t, bool, int>(), py::arg("capacity"), py::arg("slab_bytes"),
+           py::arg("pin") = false, py::arg("numa_node") = -1)
+      .def_property_readonly("base", &HostArena::base)
+      .def_property_readonly("capacity", &HostArena::capacity)
+      .def_property_readonly("slab_bytes", &HostArena::slab_bytes)
+      .def_property_readonly("fd", &HostArena::fd)
+      .def("size_class", &HostArena::size_class, py::arg("object_bytes"))
+      .def("slot_bytes", &HostArena::slot_bytes, py::arg("size_class"))
+      .def("allocate", &HostArena::allocate, py::arg("size_class"))
+      .def("free", &HostArena::free, py::arg("offset"))
+      .def("free_slots", &HostArena::free_slots, py::arg("size_class"))
+      .def("stats",
+           [](const HostArena& a) {
+             ArenaStats s = a.stats();
+             py::dict d;
+             d["capacity"] = s.capacity;
+             d["slab_bytes"] = s.slab_bytes;
+             d["num_slabs"] = s.num_slabs;
+             d["free_slabs"] = s.free_slabs;
+             d["pending_slabs"] = s.pending_slabs;
+             d["failed_slabs"] = s.failed_slabs;
+             d["bytes_allocated"] = s.bytes_allocated;
+             d["objects"] = s.objects;
+             return d;
+           })
+      .def("pin_status",
+           [](const HostArena& a) {
+             PinStatus p = a.pin_status();
+             py::dict d;
+             d["requested"] = p.requested;
+             d["done"] = p.done;
+             d["bytes_pinned"] = p.bytes_pinned;
+             d["bytes_total"] = p.bytes_total;
+             d["seconds"] = p.seconds;
+             d["error"] = p.error;
+             return d;
+           })
+      .def("wait_pinned", &HostArena::wait_pinned, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "view",
+          [](HostArena& a, int64_t offset, int64_t nbytes) {
+            LMC_CHECK_ARG(offset >= 0 && nbytes >= 0 && static_cast<uint64_t>(offset + nbytes) <= a.capacity(),
+                          "view [", offset, ", ", offset + nbytes, ") is outside the arena");
+            return py::memoryview::from_memory(reinterpret_cast<void*>(a.base() + offset), nbytes, false);
+          },
+          py::arg("offset"), py::arg("nbytes"), py::keep_alive<0, 1>(),
+          "A writable memoryview of arena bytes (keeps the arena alive)");
+
+  m.def(
+      "cpu_gather",
+      [](const KVLayout& l, int64_t cs, const IdArray& ids, const PtrArray& ptrs, int64_t cap) {
+        cpu_copy(l, cs, ids, ptrs, cap, Direction::kGather);
+      },
+      py::arg("layout"), py::arg("chunk_size"), py::arg("block_ids"), py::arg("object_ptrs"),
+      py::arg("object_capacity"), "Copy paged KV blocks into host objects [S, L, T, W] (GIL released)");
+  m.def(
+      "cpu_scatter",
+      [](const KVLayout& l, int64_t cs, const IdArray& ids, const PtrArray& ptrs, int64_t cap) {
+        cpu_copy(l, cs, ids, ptrs, cap, Direction::kScatter);
+      },
+      py::arg("layout"), py::arg("chunk_size"), py::arg("block_ids"), py::arg("object_ptrs"),
+      py::arg("object_capacity"), "Copy host objects back into paged KV blocks (GIL released)");
+  m.def("set_cpu_threads", &set_cpu_threads, py::arg("n"), "Threads for CPU copies (<= 0: one per core)");
+  m.def("cpu_threads", [] { return cpu_pool()->size(); });
+  m.def("pinning_available", &pinning_available);
+
+#ifdef LMC_WITH_CUDA
+  init_cuda_bindings(m);
+#endif
+}

@@ -1,0 +1,13 @@
+// Copies between a paged KV cache in host memory and host objects, on the CPU thread pool.
+#pragma once
+
+#include "kv_layout.h"
+
+namespace lmc {
+
+enum class Direction { kGather, kScatter };  // gather: cache -> objects; scatter: objects -> cache
+
+// Validates everything first (nothing is written on error), then copies.
+void cpu_transfer(const KVLayout& layout, const ChunkBatch& batch, Direction dir);
+
+}  // namespace lmc

@@ -1,0 +1,124 @@
+// pybind11 bindings of the CUDA data plane (submodule _C.cuda).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "common.h"
+#include "cuda/cuda_runtime.h"
+#include "cuda/transfer_engine.h"
+
+namespace py = pybind11;
+
+namespace lmc::cuda {
+namespace {
+
+using IdArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using PtrArray = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+
+Direction parse_direction(const std::string& d) {
+  if (d == "gather" || d == "store") return Direction::kGather;
+  if (d == "scatter" || d == "retrieve") return Direction::kScatter;
+  throw InvalidArgument(concat("direction must be 'gather' or 'scatter', got '", d, "'"));
+}
+
+Mode parse_mode(const std::string& m) {
+  if (m == "direct") return Mode::kDirect;
+  if (m == "staged") return Mode::kStaged;
+  if (m == "dma") return Mode::kDma;
+  if (m == "segment_loop") return Mode::kSegmentLoop;
+  if (m == "batch_uncoalesced") return Mode::kBatchUncoalesced;
+  if (m == "single_buffer") return Mode::kSingleBuffer;
+  throw InvalidArgument(concat("unknown transfer mode '", m, "'"));
+}
+
+}  // namespace
+}  // namespace lmc::cuda
+
+void init_cuda_bindings(py::module_& m) {
+  using namespace lmc;
+  using namespace lmc::cuda;
+  py::module_ c = m.def_submodule("cuda", "CUDA runtime helpers and the GPU transfer engine");
+  c.def("device_count", &device_count, "Visible CUDA devices (0 without driver or device)");
+  c.def("device_uuid", [](int d) { return py::bytes(device_uuid(d)); }, py::arg("device"));
+  c.def("device_name", &device_name, py::arg("device"));
+  c.def("device_pci_bus_id", &device_pci_bus_id, py::arg("device"));
+  c.def("device_by_uuid", [](const py::bytes& u) { return device_by_uuid(u); }, py::arg("uuid"));
+  c.def("driver_version", &driver_version);
+  c.def("runtime_version", &runtime_version);
+
+  c.def(
+      "export_memory",
+      [](uintptr_t ptr) {
+        MemoryExport e = export_memory(ptr);
+        return py::make_tuple(py::bytes(e.handle), e.offset, e.alloc_bytes, e.device);
+      },
+      py::arg("ptr"), "(handle, offset in allocation, allocation bytes, device) of a device pointer");
+  c.def("address_range", [](uintptr_t p) { return address_range(p); }, py::arg("ptr"),
+        "(base, bytes) of the device allocation holding an address");
+  c.def("open_memory", [](const py::bytes& h, int d) { return open_memory(h, d); }, py::arg("handle"),
+        py::arg("device"), "Map another process's allocation; returns its base address");
+  c.def("close_memory", &close_memory, py::arg("base"), py::arg("device"));
+
+  c.def("create_event", &create_event, py::arg("device"), py::arg("interprocess") = true,
+        py::arg("blocking") = false);
+  c.def("destroy_event", &destroy_event, py::arg("event"));
+  c.def("event_ipc_handle", [](uintptr_t e) { return py::bytes(event_ipc_handle(e)); }, py::arg("event"));
+  c.def("open_event", [](const py::bytes& h, int d) { return open_event(h, d); }, py::arg("handle"), py::arg("device"));
+  c.def("record_event", &record_event, py::arg("event"), py::arg("stream"));
+  c.def("stream_wait_event", &stream_wait_event, py::arg("stream"), py::arg("event"));
+  c.def("event_synchronize", &event_synchronize, py::arg("event"), py::call_guard<py::gil_scoped_release>());
+  c.def("event_query", &event_query, py::arg("event"));
+  c.def("create_stream", &create_stream, py::arg("device"), py::arg("high_priority") = false);
+  c.def("destroy_stream", &destroy_stream, py::arg("stream"));
+  c.def("stream_synchronize", &stream_synchronize, py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+
+  py::class_<TransferEngine>(c, "TransferEngine")
+      .def(py::init([](int device, const KVLayout& layout, int64_t chunk_size, int64_t staging_bytes, int direct_ctas,
+                       int pack_ctas, int threads, bool blocking_sync) {
+             EngineOptions o;
+             o.staging_bytes = staging_bytes;
+             o.direct_ctas = direct_ctas;
+             o.pack_ctas = pack_ctas;
+             o.threads = threads;
+             o.blocking_sync = blocking_sync;
+             return new TransferEngine(device, layout, chunk_size, o);
+           }),
+           py::arg("device"), py::arg("layout"), py::arg("chunk_size"), py::arg("staging_bytes") = 64ll << 20,
+           py::arg("direct_ctas") = 4, py::arg("pack_ctas") = 0, py::arg("threads") = 1024,
+           py::arg("blocking_sync") = false)
+      .def(
+          "submit",
+          [](TransferEngine& e, const std::string& direction, const std::string& mode, const IdArray& ids,
+             const PtrArray& ptrs, int64_t chunk_size, int64_t object_capacity, uintptr_t wait_event) {
+            LMC_CHECK_ARG(ids.ndim() == 1 && ptrs.ndim() == 1, "block_ids and object_ptrs must be 1-D");
+            ChunkBatch b;
+            b.block_ids = ids.data();
+            b.num_block_ids = ids.shape(0);
+            b.object_ptrs = ptrs.data();
+            b.num_chunks = ptrs.shape(0);
+            b.chunk_size = chunk_size;
+            b.object_capacity = object_capacity;
+            const Direction d = parse_direction(direction);
+            const Mode md = parse_mode(mode);
+            py::gil_scoped_release nogil;
+            return e.submit(d, md, b, wait_event);
+          },
+          py::arg("direction"), py::arg("mode"), py::arg("block_ids"), py::arg("object_ptrs"), py::arg("chunk_size"),
+          py::arg("object_capacity"), py::arg("wait_event") = 0)
+      .def("wait", &TransferEngine::wait, py::arg("ticket"), py::call_guard<py::gil_scoped_release>())
+      .def("query", &TransferEngine::query, py::arg("ticket"))
+      .def("completion_handle", [](TransferEngine& e, uint64_t t) { return py::bytes(e.completion_handle(t)); },
+           py::arg("ticket"))
+      .def_property_readonly("device", &TransferEngine::device)
+      .def_property_readonly("direct_supported", &TransferEngine::direct_supported)
+      .def("stats", [](const TransferEngine& e) {
+        EngineStats s = e.stats();
+        py::dict d;
+        d["submitted"] = s.submitted;
+        d["completed"] = s.completed;
+        d["batched_memcpy_calls"] = s.batched_memcpy_calls;
+        d["fallback_memcpy_calls"] = s.fallback_memcpy_calls;
+        d["staging_bytes"] = s.staging_bytes;
+        return d;
+      });
+}

@@ -1,0 +1,118 @@
+// Moves chunks between one registered GPU KV cache and host objects, in one of three modes:
+//   direct: a kernel with few CTAs reads/writes pinned host memory itself (zero-copy);
+//   staged: a kernel packs each chunk into a device staging ring at device-memory speed and the
+//           copy engine moves the packed chunk with one DMA, pipelined across chunks;
+//   dma:    copy engines only, one batched memcpy call of coalesced segments.
+// Store (gather) and retrieve (scatter) each have their own streams, so both directions run at
+// once; retrieve streams have high priority. Every submission ends with a pooled completion event
+// on the direction's main stream, so completions of one direction finish in submission order.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cpu_transfer.h"  // Direction
+#include "cuda/transfer_kernels.h"
+#include "kv_layout.h"
+
+namespace lmc::cuda {
+
+enum class Mode : int {
+  kDirect = 0,
+  kStaged = 1,
+  kDma = 2,
+  // Reference ways of doing the same copy, kept for the benchmarks:
+  kSegmentLoop = 3,       // one cudaMemcpyAsync per (layer, K/V, block) segment
+  kBatchUncoalesced = 4,  // one cudaMemcpyBatchAsync of every segment, none merged
+  kSingleBuffer = 5,      // per chunk: gather into one device buffer, then one memcpy; no overlap
+};
+
+struct EngineOptions {
+  int64_t staging_bytes = 64ll << 20;  // per direction; at least two chunks are kept
+  int direct_ctas = 4;
+  int pack_ctas = 0;  // 0: one per SM
+  int threads = 1024;
+  bool blocking_sync = false;  // host waits sleep in the driver instead of spinning
+};
+
+struct EngineStats {
+  int64_t submitted = 0;
+  int64_t completed = 0;
+  int64_t batched_memcpy_calls = 0;
+  int64_t fallback_memcpy_calls = 0;
+  int64_t staging_bytes = 0;
+};
+
+class TransferEngine {
+ public:
+  TransferEngine(int device, const KVLayout& layout, int64_t chunk_size, const EngineOptions& options);
+  ~TransferEngine();
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
+
+  // Validates everything (nothing is enqueued on error), makes the work wait for wait_event
+  // (0: none; e.g. an event the worker recorded after producing the KV), enqueues the copies and
+  // returns a ticket. Thread-safe per direction.
+  uint64_t submit(Direction dir, Mode mode, const ChunkBatch& batch, uintptr_t wait_event);
+  // Blocks (call without the GIL) until the ticket's copies have finished; rethrows CUDA errors.
+  void wait(uint64_t ticket);
+  bool query(uint64_t ticket);
+  // The completion event's inter-process handle, for a client stream to wait on.
+  std::string completion_handle(uint64_t ticket);
+
+  int device() const { return device_; }
+  bool direct_supported() const { return direct_supported_; }
+  EngineStats stats() const;
+
+ private:
+  struct Ticket {
+    uint64_t id;
+    int dir;
+    int event;  // index into the direction's pool
+  };
+  struct Side {  // one direction
+    std::mutex mu;
+    cudaStream_t main = nullptr;  // kernels, batched DMA, completion
+    cudaStream_t copy = nullptr;  // staged DMA
+    std::vector<cudaEvent_t> pool;  // completion events (inter-process)
+    std::vector<std::string> pool_handles;
+    std::vector<int> free_events;
+    // staging ring (device memory), allocated on first staged use
+    char* staging = nullptr;
+    int slots = 0;
+    std::vector<cudaEvent_t> slot_ready;  // pack done (gather) / upload done (scatter)
+    std::vector<cudaEvent_t> slot_free;   // slot may be overwritten
+    int next_slot = 0;
+    cudaEvent_t copy_done = nullptr;
+  };
+
+  int take_event(Side& side);
+  void ensure_staging(Side& side);
+  void enqueue_direct(Side& side, bool gather, const ChunkBatch& b, int ctas);
+  void enqueue_staged(Side& side, bool gather, const ChunkBatch& b, bool single_buffer);
+  void enqueue_dma(Side& side, bool gather, const ChunkBatch& b, bool coalesce, bool batched);
+  LaunchTable table_for(const ChunkBatch& b, int64_t first_chunk, int64_t n_chunks) const;
+
+  int device_;
+  KVLayout layout_;
+  int64_t chunk_size_;
+  EngineOptions opt_;
+  DeviceLayout dlay_;
+  uint64_t* d_layer_ptrs_ = nullptr;
+  int num_sms_ = 0;
+  bool direct_supported_ = false;
+  int64_t object_bytes_ = 0;
+  Side sides_[2];  // 0: gather (store), 1: scatter (retrieve)
+
+  mutable std::mutex ticket_mu_;
+  std::deque<Ticket> tickets_;  // in flight
+  uint64_t next_ticket_ = 1;
+  EngineStats stats_;
+};
+
+}  // namespace lmc::cuda

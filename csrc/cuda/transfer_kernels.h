@@ -1,0 +1,45 @@
+// Gather/scatter kernels between paged KV blocks and chunk objects ([S, L, T, W] bytes).
+// The objects may be pinned host memory (read or written over PCIe: "direct") or a device
+// staging buffer ("staged"). Kernels know raw addresses only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace lmc::cuda {
+
+constexpr int kMaxLaunchChunks = 128;
+constexpr int kMaxLaunchBlockIds = 2048;
+
+// The per-launch part of a request, passed by value as a kernel parameter (no upload).
+struct LaunchTable {
+  int32_t num_chunks = 0;
+  int32_t blocks_per_chunk = 0;
+  uint64_t objects[kMaxLaunchChunks];
+  int32_t block_ids[kMaxLaunchBlockIds];
+};
+
+// Geometry of a registered cache, as the kernels walk it. A "span" is the contiguous unit one
+// warp copies: a whole block segment when its rows are contiguous, otherwise one row.
+struct DeviceLayout {
+  const uint64_t* layer_ptrs = nullptr;  // device array, num_layers entries
+  int32_t num_layers = 0;
+  int32_t num_segments = 0;
+  int32_t spans_per_block = 0;
+  int64_t segment_stride = 0;
+  int64_t block_stride = 0;
+  int64_t span_stride = 0;  // bytes between spans of one block in the cache
+  int64_t span_bytes = 0;
+  int64_t block_bytes = 0;  // of one segment of one layer, in the object
+  int64_t plane_bytes = 0;  // chunk_size * W: one (segment, layer) plane of an object
+};
+
+// Largest power-of-two access width (16, 8, 4, 2 or 1 bytes) every address and size allows.
+int access_width(const DeviceLayout& layout, const uint64_t* host_layer_ptrs, const LaunchTable& t);
+
+// gather: cache -> objects; otherwise objects -> cache. grid_ctas CTAs of threads threads.
+void launch_kv_copy(bool gather, const DeviceLayout& layout, const LaunchTable& table, int width, int grid_ctas,
+                    int threads, cudaStream_t stream);
+
+}  // namespace lmc::cuda

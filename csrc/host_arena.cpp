@@ -1,0 +1,244 @@
+#include "host_arena.h"
+
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+#include "common.h"
+#include "pinned_memory.h"
+
+namespace lmc {
+
+namespace {
+constexpr uint64_t kSlotAlign = 256;  // keeps every object 16-byte (vector) and cache-line aligned
+constexpr uint64_t kPage = 4096;
+
+std::string errno_text(const char* what) { return concat(what, ": ", std::strerror(errno)); }
+
+// Prefer the GPU's NUMA node for the arena's pages (raw syscall: no libnuma dependency).
+void prefer_numa_node(void* addr, uint64_t len, int node) {
+  if (node < 0 || node >= 64) return;
+  unsigned long mask = 1UL << node;
+  constexpr int kMpolPreferred = 1;
+  // Best effort: without NUMA support the kernel answers ENOSYS/EINVAL and placement is default.
+  syscall(SYS_mbind, addr, len, kMpolPreferred, &mask, 64, 0);
+}
+}  // namespace
+
+HostArena::HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_node) : pin_(pin) {
+  LMC_CHECK_ARG(slab_bytes >= kPage && slab_bytes % kPage == 0, "slab size must be a positive multiple of ",
+                kPage, " bytes, got ", slab_bytes);
+  LMC_CHECK_ARG(capacity >= slab_bytes, "arena capacity (", capacity, " bytes) is smaller than one slab (",
+                slab_bytes, " bytes)");
+  LMC_CHECK_ARG(slab_bytes / kSlotAlign <= UINT32_MAX, "slab size too large");
+  slab_bytes_ = slab_bytes;
+  const uint64_t n = capacity / slab_bytes;
+  capacity_ = n * slab_bytes;
+
+  fd_ = static_cast<int>(syscall(SYS_memfd_create, "lmcache_mp_arena", 0u));
+  if (fd_ < 0) throw std::runtime_error(errno_text("memfd_create"));
+  if (ftruncate(fd_, static_cast<off_t>(capacity_)) != 0) {
+    std::string e = errno_text("ftruncate of the arena");
+    close(fd_);
+    throw std::runtime_error(e);
+  }
+  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd_, 0);
+  if (p == MAP_FAILED) {
+    std::string e = errno_text("mmap of the arena");
+    close(fd_);
+    throw std::runtime_error(e);
+  }
+  base_ = static_cast<uint8_t*>(p);
+  prefer_numa_node(base_, capacity_, numa_node);
+
+  slabs_.resize(n);
+  if (pin_) {
+    pin_thread_ = std::thread([this] { pin_loop(); });
+  } else {
+    for (int64_t i = static_cast<int64_t>(n) - 1; i >= 0; --i) free_slabs_.push_back(static_cast<int>(i));
+    pin_done_ = true;
+  }
+}
+
+HostArena::~HostArena() {
+  stop_ = true;
+  if (pin_thread_.joinable()) pin_thread_.join();
+  if (pin_) {
+    for (int64_t i = 0; i < slabs_pinned_; ++i) unpin_host_memory(base_ + i * slab_bytes_);
+  }
+  if (base_) munmap(base_, capacity_);
+  if (fd_ >= 0) close(fd_);
+}
+
+void HostArena::pin_loop() {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < slabs_.size() && !stop_; ++i) {
+    std::string err;
+    const bool ok = pin_host_memory(base_ + i * slab_bytes_, slab_bytes_, &err);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (ok) {
+        // Pinning goes in order, so slabs_pinned_ also says which prefix to unpin at the end.
+        ++slabs_pinned_;
+        free_slabs_.insert(free_slabs_.begin(), static_cast<int>(i));
+      } else {
+        if (pin_error_.empty()) pin_error_ = err;
+        slabs_failed_ = static_cast<int64_t>(slabs_.size() - i);
+        break;  // later slabs would fail the same way; they stay withheld
+      }
+      pin_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    pin_cv_.notify_all();
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    pin_done_ = true;
+  }
+  pin_cv_.notify_all();
+}
+
+int HostArena::size_class(uint64_t object_bytes) {
+  LMC_CHECK_ARG(object_bytes > 0, "object size must be positive");
+  std::lock_guard<std::mutex> lk(mu_);
+  for (size_t i = 0; i < classes_.size(); ++i)
+    if (classes_[i].object_bytes == object_bytes) return static_cast<int>(i);
+  const uint64_t slot = (object_bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
+  LMC_CHECK_ARG(slot <= slab_bytes_, "an object of ", object_bytes, " bytes does not fit in a slab of ",
+                slab_bytes_, " bytes; raise the slab size or lower the chunk size");
+  SizeClass c;
+  c.object_bytes = object_bytes;
+  c.slot_bytes = slot;
+  c.slots_per_slab = static_cast<uint32_t>(slab_bytes_ / slot);
+  classes_.push_back(c);
+  return static_cast<int>(classes_.size() - 1);
+}
+
+uint64_t HostArena::slot_bytes(int cls) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  LMC_CHECK_ARG(cls >= 0 && cls < static_cast<int>(classes_.size()), "unknown size class ", cls);
+  return classes_[cls].slot_bytes;
+}
+
+void HostArena::list_remove(SizeClass& c, int s) {
+  Slab& sl = slabs_[s];
+  if (!sl.in_partial) return;
+  if (sl.prev >= 0) slabs_[sl.prev].next = sl.next;
+  else c.partial_head = sl.next;
+  if (sl.next >= 0) slabs_[sl.next].prev = sl.prev;
+  sl.prev = sl.next = -1;
+  sl.in_partial = false;
+}
+
+void HostArena::list_push(SizeClass& c, int s) {
+  Slab& sl = slabs_[s];
+  if (sl.in_partial) return;
+  sl.prev = -1;
+  sl.next = c.partial_head;
+  if (c.partial_head >= 0) slabs_[c.partial_head].prev = s;
+  c.partial_head = s;
+  sl.in_partial = true;
+}
+
+int64_t HostArena::allocate(int cls) {
+  std::lock_guard<std::mutex> lk(mu_);
+  LMC_CHECK_ARG(cls >= 0 && cls < static_cast<int>(classes_.size()), "unknown size class ", cls);
+  SizeClass& c = classes_[cls];
+  if (c.partial_head < 0) {
+    if (free_slabs_.empty()) return -1;
+    const int s = free_slabs_.back();
+    free_slabs_.pop_back();
+    Slab& sl = slabs_[s];
+    sl.cls = cls;
+    sl.num_used = 0;
+    sl.used.assign(c.slots_per_slab, 0);
+    sl.free_slots.resize(c.slots_per_slab);
+    for (uint32_t k = 0; k < c.slots_per_slab; ++k) sl.free_slots[k] = c.slots_per_slab - 1 - k;
+    list_push(c, s);
+  }
+  const int s = c.partial_head;
+  Slab& sl = slabs_[s];
+  const uint32_t slot = sl.free_slots.back();
+  sl.free_slots.pop_back();
+  sl.used[slot] = 1;
+  ++sl.num_used;
+  if (sl.free_slots.empty()) list_remove(c, s);
+  bytes_allocated_ += c.slot_bytes;
+  ++objects_;
+  return static_cast<int64_t>(s) * static_cast<int64_t>(slab_bytes_) + static_cast<int64_t>(slot * c.slot_bytes);
+}
+
+void HostArena::free(int64_t offset) {
+  std::lock_guard<std::mutex> lk(mu_);
+  LMC_CHECK_ARG(offset >= 0 && static_cast<uint64_t>(offset) < capacity_, "offset ", offset,
+                " is outside the arena");
+  const int s = static_cast<int>(offset / static_cast<int64_t>(slab_bytes_));
+  Slab& sl = slabs_[s];
+  LMC_CHECK_ARG(sl.cls >= 0, "offset ", offset, " is not an allocated object");
+  SizeClass& c = classes_[sl.cls];
+  const uint64_t in_slab = static_cast<uint64_t>(offset) - static_cast<uint64_t>(s) * slab_bytes_;
+  LMC_CHECK_ARG(in_slab % c.slot_bytes == 0 && in_slab / c.slot_bytes < c.slots_per_slab, "offset ", offset,
+                " is not the start of an object");
+  const uint32_t slot = static_cast<uint32_t>(in_slab / c.slot_bytes);
+  LMC_CHECK_ARG(sl.used[slot], "object at offset ", offset, " was already freed");
+  sl.used[slot] = 0;
+  sl.free_slots.push_back(slot);
+  --sl.num_used;
+  bytes_allocated_ -= c.slot_bytes;
+  --objects_;
+  if (sl.num_used == 0) {
+    list_remove(c, s);
+    sl.cls = -1;
+    sl.used.clear();
+    sl.used.shrink_to_fit();
+    sl.free_slots.clear();
+    sl.free_slots.shrink_to_fit();
+    free_slabs_.push_back(s);
+  } else {
+    list_push(c, s);
+  }
+}
+
+int64_t HostArena::free_slots(int cls) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  LMC_CHECK_ARG(cls >= 0 && cls < static_cast<int>(classes_.size()), "unknown size class ", cls);
+  int64_t n = 0;
+  for (int s = classes_[cls].partial_head; s >= 0; s = slabs_[s].next) n += slabs_[s].free_slots.size();
+  return n;
+}
+
+ArenaStats HostArena::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  ArenaStats st;
+  st.capacity = capacity_;
+  st.slab_bytes = slab_bytes_;
+  st.num_slabs = static_cast<int64_t>(slabs_.size());
+  st.free_slabs = static_cast<int64_t>(free_slabs_.size());
+  st.failed_slabs = slabs_failed_;
+  st.pending_slabs = pin_ ? st.num_slabs - slabs_pinned_ - slabs_failed_ : 0;
+  st.bytes_allocated = bytes_allocated_;
+  st.objects = objects_;
+  return st;
+}
+
+PinStatus HostArena::pin_status() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  PinStatus p;
+  p.requested = pin_;
+  p.done = pin_done_;
+  p.bytes_pinned = static_cast<uint64_t>(slabs_pinned_) * slab_bytes_;
+  p.bytes_total = pin_ ? capacity_ : 0;
+  p.seconds = pin_seconds_;
+  p.error = pin_error_;
+  return p;
+}
+
+bool HostArena::wait_pinned(double timeout_s) const {
+  std::unique_lock<std::mutex> lk(mu_);
+  return pin_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return pin_done_; });
+}
+
+}  // namespace lmc

@@ -1,0 +1,114 @@
+// The host arena: one large region of (shared, optionally pinned) memory handed out as objects.
+//
+// Slab allocator. The region is cut into equal slabs; a slab serves one size class (one object
+// size, i.e. one registered layout) as an array of fixed-size slots. Allocate and free are O(1):
+// a class keeps a list of slabs with free slots, a slab a stack of free slots, and a slab whose
+// last object is freed goes back to the shared pool for any class.
+//
+// The memory is a memfd that other processes can map through /proc/<pid>/fd/<fd>. When pinning
+// is asked for, a background thread page-locks the slabs one by one and only then makes each
+// available, so start-up never waits for pinning.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace lmc {
+
+struct ArenaStats {
+  uint64_t capacity = 0;
+  uint64_t slab_bytes = 0;
+  int64_t num_slabs = 0;
+  int64_t free_slabs = 0;        // available to any class
+  int64_t pending_slabs = 0;     // not yet pinned
+  int64_t failed_slabs = 0;      // pinning failed; withheld
+  uint64_t bytes_allocated = 0;  // slot bytes handed out
+  int64_t objects = 0;
+};
+
+struct PinStatus {
+  bool requested = false;
+  bool done = false;
+  uint64_t bytes_pinned = 0;
+  uint64_t bytes_total = 0;
+  double seconds = 0;
+  std::string error;  // first pinning error, if any
+};
+
+class HostArena {
+ public:
+  // capacity is rounded down to whole slabs; numa_node < 0 leaves placement to the kernel.
+  HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_node);
+  ~HostArena();
+  HostArena(const HostArena&) = delete;
+  HostArena& operator=(const HostArena&) = delete;
+
+  uintptr_t base() const { return reinterpret_cast<uintptr_t>(base_); }
+  uint64_t capacity() const { return capacity_; }
+  uint64_t slab_bytes() const { return slab_bytes_; }
+  int fd() const { return fd_; }
+
+  // The size class for objects of this many bytes (created on first use).
+  int size_class(uint64_t object_bytes);
+  uint64_t slot_bytes(int size_class) const;
+  // Offset of a free slot of that class, or -1 when no memory is free.
+  int64_t allocate(int size_class);
+  // Returns a slot; throws InvalidArgument on an offset that is not an allocated slot.
+  void free(int64_t offset);
+  // Slots a class could still hand out without taking a slab from the pool.
+  int64_t free_slots(int size_class) const;
+
+  ArenaStats stats() const;
+  PinStatus pin_status() const;
+  // Waits until pinning has finished (or timeout_s passed); true when finished.
+  bool wait_pinned(double timeout_s) const;
+
+ private:
+  struct Slab {
+    int cls = -1;
+    std::vector<uint32_t> free_slots;
+    std::vector<uint8_t> used;  // per slot
+    uint32_t num_used = 0;
+    int prev = -1, next = -1;  // in its class's list of slabs with free slots
+    bool in_partial = false;
+  };
+  struct SizeClass {
+    uint64_t object_bytes = 0;
+    uint64_t slot_bytes = 0;
+    uint32_t slots_per_slab = 0;
+    int partial_head = -1;
+  };
+
+  void pin_loop();
+  void list_remove(SizeClass& c, int s);
+  void list_push(SizeClass& c, int s);
+
+  uint8_t* base_ = nullptr;
+  int fd_ = -1;
+  uint64_t capacity_ = 0;
+  uint64_t slab_bytes_ = 0;
+  bool pin_ = false;
+
+  mutable std::mutex mu_;
+  std::vector<Slab> slabs_;
+  std::vector<int> free_slabs_;
+  std::vector<SizeClass> classes_;
+  uint64_t bytes_allocated_ = 0;
+  int64_t objects_ = 0;
+
+  // pinning
+  std::thread pin_thread_;
+  std::atomic<bool> stop_{false};
+  mutable std::condition_variable pin_cv_;
+  int64_t slabs_pinned_ = 0, slabs_failed_ = 0;
+  bool pin_done_ = false;
+  double pin_seconds_ = 0;
+  std::string pin_error_;
+};
+
+}  // namespace lmc

@@ -1,0 +1,435 @@
+"""Client: the library engine workers use to talk to an lmcache-mp server.
+
+Thread-safe. Store and retrieve return futures, served by one background I/O thread; quick
+synchronous calls (lookup, release, status, ...) go out on a socket of the calling thread, so
+they cost one round trip and no thread hand-offs. A heartbeat notices a restarted server: the
+client then fails what was in flight and registers its KV caches again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import zmq
+
+from lmcache_mp import protocol as p
+from lmcache_mp.client.io_thread import IOThread
+from lmcache_mp.client.tensors import DescribedCache, describe_kv_caches
+from lmcache_mp.errors import ProtocolMismatch, RequestError, ServerUnavailable
+from lmcache_mp.keys import DIGEST_BYTES, pack_hashes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    stored: int  # chunks written by this request
+    present: int  # chunks that were already stored
+    skipped: int  # chunks the server had no memory for (everything else leased or in use)
+
+    @property
+    def chunks(self) -> int:
+        """Leading chunks of the request now present on the server."""
+        return self.stored + self.present
+
+
+@dataclass(frozen=True)
+class RetrieveResult:
+    loaded: int  # leading chunks written into the given blocks
+
+
+class KVCacheHandle:
+    """A registered KV cache. Keeps its tensors alive; re-registered after a server restart."""
+
+    def __init__(self, tensors: list, model: str, world_size: int, rank: int, layout: str,
+                 block_size: int | None, described: DescribedCache):
+        self.tensors = tensors
+        self.model = model
+        self.world_size = world_size
+        self.rank = rank
+        self.requested_layout = layout
+        self.requested_block_size = block_size
+        self.described = described
+        self.kv_id = 0
+        self.layout = ""
+        self.object_bytes = 0
+        self.transfer_mode = ""
+        self.shared = False
+        self.block_size = 0
+        self.num_blocks = 0
+        self.events: _EventPool | None = None
+        self.closed = False
+
+    @property
+    def device(self) -> str:
+        return self.described.device
+
+    def _apply(self, r: p.RegisterReply) -> None:
+        self.kv_id, self.layout, self.object_bytes = r.kv_id, r.layout, r.object_bytes
+        self.transfer_mode, self.shared = r.transfer_mode, r.shared
+        self.block_size, self.num_blocks = r.block_size, r.num_blocks
+
+    def __repr__(self) -> str:
+        return (f"KVCacheHandle(model={self.model!r}, rank={self.rank}/{self.world_size}, layout={self.layout}, "
+                f"device={self.device}, kv_id={self.kv_id})")
+
+
+class _EventPool:
+    """Inter-process CUDA events this client records for the server to wait on, reused once the
+    server has answered (by then it has queued its wait)."""
+
+    def __init__(self, device: int):
+        self.device = device
+        self._free: list[tuple[int, bytes]] = []
+        self._lock = threading.Lock()
+        self._all: list[int] = []
+
+    def record(self, stream: int) -> tuple[tuple[int, bytes], bytes]:
+        from lmcache_mp import _C
+
+        with self._lock:
+            ev = self._free.pop() if self._free else None
+        if ev is None:
+            e = _C.cuda.create_event(self.device, interprocess=True, blocking=False)
+            ev = (e, _C.cuda.event_ipc_handle(e))
+            with self._lock:
+                self._all.append(e)
+        _C.cuda.record_event(ev[0], stream)
+        return ev, ev[1]
+
+    def give_back(self, ev: tuple[int, bytes]) -> None:
+        with self._lock:
+            self._free.append(ev)
+
+
+class _OpenedEvents:
+    """Completion events of the server, opened once each (opening is costly)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._events: dict[tuple[int, bytes], int] = {}
+
+    def get(self, device: int, handle: bytes) -> int:
+        from lmcache_mp import _C
+
+        with self._lock:
+            ev = self._events.get((device, handle))
+            if ev is None:
+                ev = self._events[(device, handle)] = _C.cuda.open_event(handle, device)
+            return ev
+
+
+def _current_stream(device: int) -> int:
+    import torch
+
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _check(reply: Any, expected: type) -> Any:
+    if isinstance(reply, p.Error):
+        if reply.code == p.ErrorCode.PROTOCOL_MISMATCH:
+            raise ProtocolMismatch(reply.message)
+        if reply.code == p.ErrorCode.SHUTTING_DOWN:
+            raise ServerUnavailable(reply.message)
+        raise RequestError(reply.code, reply.message)
+    if not isinstance(reply, expected):
+        raise RequestError(int(p.ErrorCode.INTERNAL), f"expected {expected.__name__}, got {type(reply).__name__}")
+    return reply
+
+
+class Client:
+    """Connects to a server (handshake first: raises ServerUnavailable if none answers within
+    connect_timeout, ProtocolMismatch on a version mismatch)."""
+
+    def __init__(self, url: str, *, timeout: float = 10.0, connect_timeout: float = 5.0,
+                 heartbeat_interval: float = 1.0, name: str = ""):
+        self.url = url
+        self.timeout = timeout
+        self.name = name or f"pid{os.getpid()}"
+        self.client_id = secrets.token_bytes(16)
+        self._ctx = zmq.Context()
+        self._local = threading.local()
+        self._sync_sockets: list[zmq.Socket] = []
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._handles: list[KVCacheHandle] = []
+        self._opened = _OpenedEvents()
+        self._closed = False
+        self._restarting = threading.Lock()
+        self._io: IOThread | None = None
+        try:
+            hello = self._hello(connect_timeout)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.server_info = {f: getattr(hello, f) for f in hello.__struct_fields__}
+        self.chunk_size: int = hello.chunk_size
+        self.session_id: bytes = hello.session_id
+        self._io = IOThread(self._ctx, url, self._heartbeat_msg, heartbeat_interval)
+        weakref.finalize(self, Client._finalize, self._io, self._ctx)
+
+    # ---- synchronous calls on the caller's socket ----------------------------------------------
+
+    def _socket(self) -> zmq.Socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            if self._closed:
+                raise ServerUnavailable("the client is closed")
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.connect(self.url)
+            self._local.sock = sock
+            with self._lock:
+                self._sync_sockets.append(sock)
+        return sock
+
+    def _call(self, msg: p._Msg, expected: type, timeout: float | None = None) -> Any:
+        timeout = self.timeout if timeout is None else timeout
+        sock = self._socket()
+        rid = next(self._ids)
+        deadline = time.monotonic() + timeout
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
+        try:
+            sock.send_multipart((p.pack_request_id(rid), p.encode(msg)), copy=False)
+        except zmq.Again:
+            raise ServerUnavailable(f"no server reachable at {self.url} within {timeout:.3g} s") from None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(left * 1000, zmq.POLLIN):
+                raise ServerUnavailable(f"no reply to {type(msg).__name__} from {self.url} within {timeout:.3g} s")
+            frames = sock.recv_multipart()
+            if len(frames) == 2 and len(frames[0]) == 8 and p.unpack_request_id(frames[0]) == rid:
+                return _check(p.decode_reply(frames[1]), expected)
+            # a late reply to a request that timed out earlier: skip it
+
+    def _hello(self, timeout: float) -> p.HelloReply:
+        msg = p.Hello(version=p.PROTOCOL_VERSION, client_id=self.client_id, client_name=self.name, pid=os.getpid(),
+                      capabilities=["reply_on_submit"])
+        return self._call(msg, p.HelloReply, timeout)
+
+    def lookup(self, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1, lock: bool = False,
+               salt: bytes = b"", timeout: float | None = None) -> int:
+        """Leading chunks present for every rank of (model, world_size). lock=True leases them
+        until a retrieve consumes them, release(), this client's close, or the server's TTL."""
+        msg = p.Lookup(client_id=self.client_id, model=model, world_size=world_size, hashes=pack_hashes(hashes),
+                       lock=lock, salt=salt)
+        return self._call(msg, p.LookupReply, timeout).hits
+
+    def release(self, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1, salt: bytes = b"",
+                timeout: float | None = None) -> int:
+        """Drop this client's lookup leases on these chunks; returns the leases dropped."""
+        msg = p.Release(client_id=self.client_id, model=model, world_size=world_size, hashes=pack_hashes(hashes),
+                        salt=salt)
+        return self._call(msg, p.ReleaseReply, timeout).released
+
+    def ping(self, timeout: float | None = None) -> float:
+        """Round-trip seconds."""
+        t0 = time.perf_counter()
+        self._call(p.Ping(client_id=self.client_id), p.PingReply, timeout)
+        return time.perf_counter() - t0
+
+    def status(self, timeout: float | None = None) -> dict:
+        return self._call(p.Status(), p.StatusReply, timeout).status
+
+    def clear(self, timeout: float | None = None) -> int:
+        """Remove every object not in use on the server; returns how many."""
+        return self._call(p.Clear(), p.ClearReply, timeout).removed
+
+    # ---- registration ------------------------------------------------------------------------
+
+    def register_kv_cache(self, kv_caches: Sequence[Any] | dict, *, model: str, world_size: int = 1, rank: int = 0,
+                          layout: str = "auto", block_size: int | None = None) -> KVCacheHandle:
+        """Register one tensor per layer (CPU tensors in shared memory, or CUDA tensors)."""
+        tensors = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
+        handle = KVCacheHandle(tensors, model, world_size, rank, layout, block_size, describe_kv_caches(tensors))
+        self._register(handle)
+        if handle.device == "cuda":
+            handle.events = _EventPool(handle.described.device_index)
+        with self._lock:
+            self._handles.append(handle)
+        return handle
+
+    def _register(self, handle: KVCacheHandle) -> None:
+        d = handle.described
+        msg = p.RegisterKVCache(client_id=self.client_id, model=handle.model, world_size=handle.world_size,
+                                rank=handle.rank, device=d.device, device_uuid=d.device_uuid,
+                                layout=handle.requested_layout, layers=d.layers,
+                                block_size=handle.requested_block_size or 0)
+        handle._apply(self._call(msg, p.RegisterReply, max(self.timeout, 30.0)))
+
+    def unregister_kv_cache(self, handle: KVCacheHandle, timeout: float | None = None) -> None:
+        with self._lock:
+            if handle in self._handles:
+                self._handles.remove(handle)
+        if handle.closed:
+            return
+        handle.closed = True
+        try:
+            self._call(p.UnregisterKVCache(kv_id=handle.kv_id), p.UnregisterReply, timeout)
+        except RequestError as e:
+            if e.code != p.ErrorCode.UNKNOWN_REGISTRATION:
+                raise
+
+    # ---- store / retrieve --------------------------------------------------------------------
+
+    def _request_args(self, handle: KVCacheHandle, hashes, block_ids) -> tuple[bytes, bytes]:
+        if handle.closed:
+            raise ValueError("this KV cache was unregistered")
+        packed = pack_hashes(hashes)
+        ids = p.pack_block_ids(block_ids)
+        n = len(packed) // DIGEST_BYTES
+        need = n * (self.chunk_size // handle.block_size)
+        if len(ids) // 4 != need:
+            raise ValueError(f"{n} chunks of {self.chunk_size} tokens need {need} block ids "
+                             f"(blocks of {handle.block_size} tokens), got {len(ids) // 4}")
+        return packed, ids
+
+    def store(self, handle: KVCacheHandle, hashes: bytes | Iterable[bytes], block_ids, *, salt: bytes = b"",
+              stream: Any = None, timeout: float | None = None) -> "Future[StoreResult]":
+        """Copy these chunks' blocks into the server. The future resolves once the bytes are in
+        host memory (the blocks may then be reused). On CUDA the server first waits for the work
+        queued so far on `stream` (default: the current stream), so the KV may still be in flight."""
+        packed, ids = self._request_args(handle, hashes, block_ids)
+        event, ev_handle, settled = None, b"", None
+        if handle.events is not None:
+            event, ev_handle = handle.events.record(self._stream_ptr(handle, stream))
+            settled = lambda: handle.events.give_back(event)  # noqa: E731
+        msg = p.Store(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle)
+
+        def convert(reply: Any) -> StoreResult:
+            r = self._checked(reply, p.StoreReply)
+            return StoreResult(r.stored, r.present, r.skipped)
+
+        return self._async(msg, timeout, convert, settled)
+
+    def retrieve(self, handle: KVCacheHandle, hashes: bytes | Iterable[bytes], block_ids, *, salt: bytes = b"",
+                 stream: Any = None, wait: str = "host", timeout: float | None = None) -> "Future[RetrieveResult]":
+        """Load the leading stored chunks into these blocks; result.loaded says how many.
+
+        CUDA: the server waits for the work queued so far on `stream` before writing. wait="host"
+        resolves the future when the bytes are in the blocks; wait="stream" resolves it as soon as
+        `stream` has been made to wait for the copy (the host never blocks on the copy)."""
+        if wait not in ("host", "stream"):
+            raise ValueError("wait must be 'host' or 'stream'")
+        packed, ids = self._request_args(handle, hashes, block_ids)
+        event, ev_handle, settled, stream_ptr = None, b"", None, 0
+        if handle.events is not None:
+            stream_ptr = self._stream_ptr(handle, stream)
+            event, ev_handle = handle.events.record(stream_ptr)
+            settled = lambda: handle.events.give_back(event)  # noqa: E731
+        early = wait == "stream" and handle.device == "cuda"
+        msg = p.Retrieve(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle,
+                         reply_on_submit=early)
+
+        def convert(reply: Any) -> RetrieveResult:
+            r = self._checked(reply, p.RetrieveReply)
+            if early and r.event:
+                from lmcache_mp import _C
+
+                dev = handle.described.device_index
+                _C.cuda.stream_wait_event(stream_ptr, self._opened.get(dev, r.event))
+            return RetrieveResult(r.loaded)
+
+        return self._async(msg, timeout, convert, settled)
+
+    @staticmethod
+    def _stream_ptr(handle: KVCacheHandle, stream: Any) -> int:
+        if stream is None:
+            return _current_stream(handle.described.device_index)
+        return int(getattr(stream, "cuda_stream", stream))
+
+    def _async(self, msg: p._Msg, timeout: float | None, convert, settled) -> Future:
+        if self._closed or self._io is None:
+            raise ServerUnavailable("the client is closed")
+        return self._io.request(msg, self.timeout if timeout is None else timeout, convert, settled)
+
+    def _checked(self, reply: Any, expected: type) -> Any:
+        if isinstance(reply, p.Error) and reply.code == p.ErrorCode.UNKNOWN_REGISTRATION:
+            self._suspect_restart()
+        return _check(reply, expected)
+
+    # ---- restarts ----------------------------------------------------------------------------
+
+    def _heartbeat_msg(self):
+        def convert(reply: Any) -> None:
+            if isinstance(reply, p.PingReply) and reply.session_id != self.session_id:
+                self._suspect_restart()
+
+        return p.Ping(client_id=self.client_id), convert
+
+    def _suspect_restart(self) -> None:
+        if self._closed or not self._restarting.acquire(blocking=False):
+            return
+        threading.Thread(target=self._recover, name="lmcache-client-recover", daemon=True).start()
+
+    def _recover(self) -> None:
+        """Runs off the I/O thread: handshake again and re-register every KV cache."""
+        try:
+            hello = self._hello(self.timeout)
+            if hello.session_id == self.session_id:
+                return
+            logger.warning("lmcache-mp server at %s restarted: registering %d KV caches again",
+                           self.url, len(self._handles))
+            if self._io is not None:
+                self._io.fail_all(ServerUnavailable("the server restarted; the request was lost"))
+            self.session_id = hello.session_id
+            self.chunk_size = hello.chunk_size
+            with self._lock:
+                handles = list(self._handles)
+            for h in handles:
+                try:
+                    self._register(h)
+                except Exception as e:
+                    logger.error("re-registering %r failed: %s", h, e)
+        except ServerUnavailable:
+            pass  # still down; the next heartbeat tries again
+        except Exception:
+            logger.exception("recovering from a server restart failed")
+        finally:
+            self._restarting.release()
+
+    # ---- closing -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unregister every KV cache, drop this client's leases on the server, stop threads."""
+        if self._closed:
+            return
+        try:
+            self._call(p.Bye(client_id=self.client_id), p.ByeReply, min(self.timeout, 2.0))
+        except Exception as e:  # the server may be gone; its heartbeat timeout cleans up
+            logger.debug("goodbye to %s failed: %s", self.url, e)
+        with self._lock:
+            for h in self._handles:
+                h.closed = True
+            self._handles.clear()
+        self._closed = True
+        if self._io is not None:
+            self._io.stop()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        with self._lock:
+            socks, self._sync_sockets = self._sync_sockets, []
+        for s in socks:
+            s.close(linger=0)
+        self._ctx.destroy(linger=0)
+
+    @staticmethod
+    def _finalize(io: IOThread, ctx: zmq.Context) -> None:
+        io.stop()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,182 @@
+"""The client's I/O thread: owns the asynchronous DEALER socket, matches replies to futures,
+enforces per-request timeouts, and sends heartbeats.
+
+Other threads hand requests over through a deque and an eventfd that the thread polls together
+with the socket: no sleeps, and a request leaves as soon as it is queued.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import zmq
+
+from lmcache_mp import protocol as p
+from lmcache_mp.errors import ServerUnavailable
+
+logger = logging.getLogger(__name__)
+
+# Called on the I/O thread with the decoded reply; returns the future's result or raises.
+Converter = Callable[[Any], Any]
+
+
+class _Pending:
+    __slots__ = ("future", "convert", "deadline", "what", "on_settled")
+
+    def __init__(self, future: Future, convert: Converter, deadline: float, what: str, on_settled):
+        self.future = future
+        self.convert = convert
+        self.deadline = deadline
+        self.what = what
+        self.on_settled = on_settled
+
+
+class IOThread:
+    def __init__(self, ctx: zmq.Context, url: str, heartbeat: Callable[[], tuple[p._Msg, Converter]] | None,
+                 heartbeat_interval: float):
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a server that is not there
+        self._sock.connect(url)
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._inbox: collections.deque = collections.deque()
+        self._pending: dict[int, _Pending] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._ids = itertools.count(1 << 62)  # apart from the sync sockets' ids
+        self._heartbeat = heartbeat
+        self._interval = heartbeat_interval
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="lmcache-client-io", daemon=True)
+        self._thread.start()
+
+    def request(self, msg: p._Msg, timeout: float, convert: Converter,
+                on_settled: Callable[[], None] | None = None) -> Future:
+        """Queue msg; the future gets convert(reply), or an error. on_settled runs once the
+        request is answered, failed or timed out (e.g. to return a pooled event)."""
+        fut: Future = Future()
+        if self._stop:
+            fut.set_exception(ServerUnavailable("the client is closed"))
+            return fut
+        rid = next(self._ids)
+        self._inbox.append((rid, p.encode(msg), _Pending(fut, convert, time.monotonic() + timeout,
+                                                         type(msg).__name__, on_settled)))
+        try:
+            os.eventfd_write(self._wake, 1)
+        except OSError:
+            pass
+        return fut
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every request in flight (e.g. the server restarted and will never answer)."""
+        self._inbox.append((None, None, error))
+        try:
+            os.eventfd_write(self._wake, 1)
+        except OSError:
+            pass
+
+    # ---- on the I/O thread --------------------------------------------------------------------
+
+    def _settle(self, pend: _Pending, result: Any = None, error: BaseException | None = None) -> None:
+        if pend.on_settled is not None:
+            try:
+                pend.on_settled()
+            except Exception:
+                logger.exception("error returning resources of a %s request", pend.what)
+        if pend.future.done():
+            return
+        if error is not None:
+            pend.future.set_exception(error)
+        else:
+            pend.future.set_result(result)
+
+    def _send_queued(self) -> None:
+        while self._inbox:
+            rid, body, pend = self._inbox.popleft()
+            if rid is None:  # fail_all marker
+                for r, pd in list(self._pending.items()):
+                    del self._pending[r]
+                    self._settle(pd, error=pend)
+                continue
+            try:
+                self._sock.send_multipart((p.pack_request_id(rid), body), flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as e:
+                self._settle(pend, error=ServerUnavailable(f"cannot send {pend.what}: server not connected ({e})"))
+                continue
+            self._pending[rid] = pend
+            heapq.heappush(self._deadlines, (pend.deadline, rid))
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2 or len(frames[0]) != 8:
+                logger.warning("ignored a malformed reply from the server")
+                continue
+            pend = self._pending.pop(p.unpack_request_id(frames[0]), None)
+            if pend is None:
+                continue  # answered after its timeout
+            try:
+                result = pend.convert(p.decode_reply(frames[1]))
+            except BaseException as e:
+                self._settle(pend, error=e)
+            else:
+                self._settle(pend, result=result)
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            pend = self._pending.pop(rid, None)
+            if pend is not None:
+                self._settle(pend, error=ServerUnavailable(f"no reply to {pend.what} within its timeout"))
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
+        next_beat = time.monotonic() + self._interval
+        while not self._stop:
+            now = time.monotonic()
+            wake_at = min(next_beat, self._deadlines[0][0] if self._deadlines else next_beat)
+            ready = dict(poller.poll(max(0.0, wake_at - now) * 1000))
+            if self._wake in ready:
+                try:
+                    os.eventfd_read(self._wake)
+                except BlockingIOError:
+                    pass
+            self._send_queued()
+            if self._sock in ready:
+                self._receive()
+            now = time.monotonic()
+            self._expire(now)
+            if now >= next_beat and self._heartbeat is not None:
+                next_beat = now + self._interval
+                msg, convert = self._heartbeat()
+                self.request(msg, self._interval * 2, convert)
+        err = ServerUnavailable("the client is closed")
+        for pend in list(self._pending.values()):
+            self._settle(pend, error=err)
+        while self._inbox:
+            _rid, _body, pend = self._inbox.popleft()
+            if isinstance(pend, _Pending):
+                self._settle(pend, error=err)
+        self._sock.close(linger=0)
+        os.close(self._wake)
+
+    def stop(self) -> None:
+        self._stop = True
+        try:
+            os.eventfd_write(self._wake, 1)
+        except OSError:
+            pass
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5)

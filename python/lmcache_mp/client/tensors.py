@@ -1,0 +1,76 @@
+"""Describing a worker's KV-cache tensors for registration: shapes, strides and where the bytes
+are (a shared-memory file for CPU tensors, a CUDA IPC handle for GPU tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from lmcache_mp import protocol as p
+from lmcache_mp.shm import find_shared_region
+
+
+@dataclass
+class DescribedCache:
+    device: str  # "cpu" | "cuda"
+    device_index: int  # CUDA ordinal in this process (-1 on the CPU)
+    device_uuid: bytes
+    layers: list[p.LayerRef]
+
+
+def _as_list(kv_caches: Sequence[Any] | Mapping[str, Any]) -> list:
+    tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
+    if not tensors:
+        raise ValueError("kv_caches is empty: pass one tensor per layer")
+    return tensors
+
+
+def _span_bytes(t) -> int:
+    """Bytes from the tensor's first element to one past its last."""
+    if t.numel() == 0:
+        raise ValueError("KV-cache tensors must not be empty")
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def describe_kv_caches(kv_caches) -> DescribedCache:
+    import torch
+
+    tensors = _as_list(kv_caches)
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"KV caches must be torch tensors, got {type(t).__name__}")
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        raise ValueError("all layers of one KV cache must be on the same device")
+    layers = []
+    if device.type == "cpu":
+        for t in tensors:
+            region = find_shared_region(t.data_ptr(), _span_bytes(t))
+            mem = p.MemoryRef(kind="shm", name=region.name, offset=region.offset, size=region.size)
+            layers.append(_layer(t, mem))
+        return DescribedCache("cpu", -1, b"", layers)
+    if device.type != "cuda":
+        raise ValueError(f"KV caches on {device.type} are not supported (cpu or cuda)")
+    from lmcache_mp import _C
+
+    if not _C.build_info()["cuda"]:
+        raise RuntimeError("lmcache-mp was built without CUDA: reinstall with nvcc available to use GPU caches")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    exports: dict[int, tuple[bytes, int]] = {}  # allocation base -> (handle, allocation bytes)
+    with torch.cuda.device(index):
+        for t in tensors:
+            ptr = t.data_ptr()
+            base, _ = _C.cuda.address_range(ptr)
+            if base not in exports:
+                handle, _offset, alloc_bytes, _dev = _C.cuda.export_memory(ptr)
+                exports[base] = (handle, alloc_bytes)
+            handle, alloc_bytes = exports[base]
+            mem = p.MemoryRef(kind="cuda_ipc", handle=handle, offset=ptr - base, size=alloc_bytes)
+            layers.append(_layer(t, mem))
+    return DescribedCache("cuda", index, _C.cuda.device_uuid(index), layers)
+
+
+def _layer(t, mem: p.MemoryRef) -> p.LayerRef:
+    return p.LayerRef(shape=list(t.shape), strides=list(t.stride()), dtype=str(t.dtype).removeprefix("torch."),
+                      element_size=t.element_size(), memory=mem)

@@ -1,0 +1,146 @@
+"""Server configuration: one dataclass; CLI > LMCACHE_MP_* environment > --config TOML > defaults."""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+ENV_PREFIX = "LMCACHE_MP_"
+DEVICES = ("auto", "cpu", "cuda")
+TRANSFER_MODES = ("auto", "direct", "staged", "dma")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kb": 1000, "kib": 1 << 10,
+    "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30,
+    "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40,
+}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as '64GiB', '512 MiB', '1.5G' (K/M/G/T are binary)."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 64GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class ServerConfig:
+    """Settings of one cache server. Sizes accept ints (bytes) or strings like '64GiB'."""
+
+    url: str = "tcp://127.0.0.1:5555"
+    """ZeroMQ endpoint to bind: tcp://HOST:PORT (port 0 picks a free one) or ipc:///path."""
+    l1_size: int | str = "4GiB"
+    """Host memory for cached chunks. Pinned (page-locked) on the cuda device."""
+    chunk_size: int = 256
+    """Tokens per chunk: the unit of hashing, lookup and storage."""
+    device: str = "auto"
+    """cpu: KV caches in shared memory; cuda: GPU caches over CUDA IPC; auto: cuda if usable."""
+    transfer_mode: str = "auto"
+    """GPU copy path: direct (zero-copy kernel), staged (device ring + DMA), dma (copy engines)."""
+    staging_size: int | str = "64MiB"
+    """Device staging ring per registration and direction (staged mode)."""
+    direct_ctas: int = 4
+    """CTAs of the zero-copy kernel (direct mode): few, to leave the SMs to the engine."""
+    slab_size: int | str = "256MiB"
+    """Arena slab: the largest object (one chunk of one rank) must fit in one."""
+    lease_ttl: float = 30.0
+    """Seconds a lookup lease lives if no retrieve or release consumes it."""
+    heartbeat_timeout: float = 10.0
+    """Seconds without a heartbeat after which a client's leases and registrations are dropped."""
+    cpu_threads: int = 0
+    """Threads for CPU copies (0: one per core, at most 16)."""
+    numa_node: int = -1
+    """NUMA node for the arena (-1: the first GPU's node where known, else the kernel's choice)."""
+    metrics_port: int = 0
+    """Serve Prometheus metrics on this port (0: off)."""
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        self.l1_size = parse_size(self.l1_size)
+        self.staging_size = parse_size(self.staging_size)
+        self.slab_size = parse_size(self.slab_size)
+        if not re.match(r"^(tcp|ipc|inproc)://", self.url):
+            raise ValueError(f"url must start with tcp://, ipc:// or inproc://, got {self.url!r}")
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"transfer_mode must be one of {TRANSFER_MODES}, got {self.transfer_mode!r}")
+        if self.slab_size < 4096 or self.slab_size % 4096:
+            raise ValueError(f"slab_size must be a multiple of 4 KiB, got {self.slab_size}")
+        # A small L1 gets small slabs, so that it still holds several slabs.
+        self.slab_size = min(self.slab_size, max(4096, (self.l1_size // 4) // 4096 * 4096))
+        if self.l1_size < self.slab_size:
+            raise ValueError(f"l1_size ({format_size(self.l1_size)}) must hold at least one slab")
+        if self.lease_ttl <= 0 or self.heartbeat_timeout <= 0:
+            raise ValueError("lease_ttl and heartbeat_timeout must be positive")
+        if self.direct_ctas <= 0:
+            raise ValueError("direct_ctas must be positive")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_sources(
+        cls,
+        cli: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        config_file: str | None = None,
+    ) -> "ServerConfig":
+        """Merge settings: CLI values (None = not given) > LMCACHE_MP_* env > TOML file > defaults."""
+        names = set(cls.field_names())
+        values: dict[str, Any] = {}
+        if config_file:
+            with open(config_file, "rb") as f:
+                data = tomllib.load(f)
+            data = data.get("server", data)  # allow a [server] table or top-level keys
+            unknown = set(data) - names
+            if unknown:
+                raise ValueError(f"unknown settings in {config_file}: {sorted(unknown)}")
+            values.update({k: _coerce(k, v) for k, v in data.items()})
+        for name in names:
+            raw = (env if env is not None else os.environ).get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                values[name] = _coerce(name, raw)
+        for name, v in (cli or {}).items():
+            if v is not None and name in names:
+                values[name] = _coerce(name, v)
+        return cls(**values)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Values from env and files arrive as strings or TOML types: give them the field's type."""
+    default = _DEFAULTS[name]
+    if not isinstance(value, str):
+        return value
+    if isinstance(default, bool):
+        return value.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(value)
+    if isinstance(default, float):
+        return float(value)
+    return value  # str and size fields (parse_size takes the string)

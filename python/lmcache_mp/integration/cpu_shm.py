@@ -1,0 +1,139 @@
+"""Move an engine's existing CPU KV-cache tensors into named shared memory, in place.
+
+An engine allocates its CPU KV cache in ordinary process memory and hands references to it to
+many places (attention layers, the model runner, kernel-block views). The server can only reach
+memory it can map by name, so the bytes must move into a file under /dev/shm *without* any of
+those references changing. Swapping the data pointer of the tensors' common storage does that:
+every tensor and view of the storage then addresses the shared mapping.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+from lmcache_mp import shm
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SharedBuffer:
+    """One storage moved to shared memory: the file name and its size in bytes."""
+
+    name: str
+    nbytes: int
+    base: int
+
+    @property
+    def path(self) -> str:
+        return os.path.join(shm.SHM_DIR, self.name)
+
+
+_lock = threading.Lock()
+_owned: dict[str, SharedBuffer] = {}
+
+
+def _unlink_all() -> None:
+    with _lock:
+        buffers = list(_owned.values())
+        _owned.clear()
+    for buf in buffers:
+        try:
+            os.unlink(buf.path)
+        except FileNotFoundError:
+            pass
+
+
+atexit.register(_unlink_all)
+
+
+def _is_shared(storage) -> bool:
+    try:
+        shm.find_shared_region(storage.data_ptr(), max(storage.nbytes(), 1))
+        return True
+    except ValueError:
+        return False
+
+
+def _forget_region(buf: SharedBuffer) -> None:
+    # shm keeps a registry of address ranges; drop ours so a later allocation at the same
+    # address is not mistaken for this (removed) file.
+    regions = getattr(shm, "_regions", None)
+    lock = getattr(shm, "_lock", None)
+    if regions is None or lock is None:
+        return
+    with lock:
+        entry = regions.get(buf.base)
+        if entry is not None and entry[1] == buf.name:
+            del regions[buf.base]
+
+
+def move_to_shared_memory(tensors: Sequence) -> list[SharedBuffer]:
+    """Put the storages behind `tensors` (CPU) into /dev/shm files, keeping every reference valid.
+
+    Tensors already in registered shared memory are left alone. Returns the buffers created;
+    their files are removed by `release_shared_memory` or at process exit.
+    """
+    import torch
+
+    created: list[SharedBuffer] = []
+    seen: set[int] = set()
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"move_to_shared_memory takes CPU tensors, got {t.device}")
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or _is_shared(storage):
+            seen.add(key)
+            continue
+        seen.add(key)
+        nbytes = storage.nbytes()
+        name = shm.new_shared_name()
+        path = os.path.join(shm.SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        buf = SharedBuffer(name=name, nbytes=nbytes, base=0)
+        with _lock:
+            _owned[name] = buf
+        try:
+            mapped = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+            mapped.copy_(storage)
+            if hasattr(storage, "_swap_data_ptr_"):
+                # The storage object every view shares now owns the mapping; `mapped` gets the
+                # old heap memory and frees it when it goes out of scope.
+                storage._swap_data_ptr_(mapped)
+            else:  # older torch: re-point each given tensor (misses other views of the storage)
+                logger.warning("torch lacks UntypedStorage._swap_data_ptr_; re-pointing the layer tensors only")
+                for other in tensors:
+                    if other.untyped_storage().data_ptr() == key:
+                        other.set_(mapped, other.storage_offset(), other.size(), other.stride())
+                storage = mapped
+            del mapped
+        except BaseException:
+            release_shared_memory([buf])
+            raise
+        buf.base = storage.data_ptr()
+        shm.register_shared_region(buf.base, nbytes, name)
+        created.append(buf)
+        logger.info("moved a %.1f MiB CPU KV cache into shared memory %s", nbytes / 2**20, path)
+    return created
+
+
+def release_shared_memory(buffers: Sequence[SharedBuffer]) -> None:
+    """Remove the files (the mappings stay valid while the tensors live)."""
+    for buf in buffers:
+        with _lock:
+            _owned.pop(buf.name, None)
+        _forget_region(buf)
+        try:
+            os.unlink(buf.path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,261 @@
+"""vLLM V1 KV connector backed by the lmcache-mp server.
+
+    from vllm.config import KVTransferConfig
+    KVTransferConfig(
+        kv_connector="LMCacheMPConnector",
+        kv_connector_module_path="lmcache_mp.integration.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"lmcache_mp.url": "tcp://127.0.0.1:5555"},
+    )
+
+Extra-config keys (all optional): `lmcache_mp.url` (default tcp://127.0.0.1:5555),
+`lmcache_mp.model` (default: the served model name; engines sharing a cache must agree),
+`lmcache_mp.lookup_timeout` (seconds, default 0.2), `lmcache_mp.store_decode` (default false),
+and the other `ConnectorConfig` fields. The scheduler never waits on an absent or slow server
+for longer than one lookup timeout per retry interval; it then serves without the cache.
+
+This module is a thin adapter: all logic is in `connector_core` (see
+docs/vllm-connector-notes.md for the vLLM interface it follows).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from lmcache_mp.integration.connector_core import (
+    ConnectorConfig,
+    ScheduledRequest,
+    SchedulerCore,
+    StepPlan,
+    WorkerCore,
+)
+
+try:  # the label vLLM's metrics give our hits
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _HIT_SOURCE = CacheHitSource.HOST
+except ImportError:  # pragma: no cover - older vLLM
+    _HIT_SOURCE = None
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LMCacheMPConnector", "LMCacheMPConnectorMetadata"]
+
+
+class LMCacheMPConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, sent from the scheduler to every worker."""
+
+    def __init__(self, plan: StepPlan):
+        self.plan = plan
+
+    def __repr__(self) -> str:
+        p = self.plan
+        return f"LMCacheMPConnectorMetadata(loads={len(p.loads)}, stores={len(p.stores)}, preempted={len(p.preempted)})"
+
+
+def _served_model_name(vllm_config: "VllmConfig") -> str:
+    mc = vllm_config.model_config
+    name = getattr(mc, "served_model_name", None) or mc.model
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else mc.model
+    return str(name)
+
+
+def _request_salt(request: "Request") -> bytes:
+    """Keys must differ wherever the KV differs for the same tokens: LoRA adapter, cache salt."""
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append("lora:" + str(getattr(lora, "lora_name", None) or getattr(lora, "lora_int_id", "")))
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append("salt:" + str(salt))
+    return "\0".join(parts).encode() if parts else b""
+
+
+def _cacheable(request: "Request") -> bool:
+    # Token ids stand for their KV only for plain text: multimodal placeholders and prompt
+    # embeddings would alias different contents under one key.
+    return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
+
+
+class LMCacheMPConnector(KVConnectorBase_V1):
+    """Prefix cache in the lmcache-mp server: loads hits before the forward pass, stores new
+    full prompt chunks after it. Synchronous loads; asynchronous stores."""
+
+    if _HIT_SOURCE is not None:
+        _cache_hit_source = _HIT_SOURCE
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        pc = vllm_config.parallel_config
+        self._tp = int(pc.tensor_parallel_size)
+        self._pp = int(pc.pipeline_parallel_size)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._cfg = ConnectorConfig.from_extra_config(
+            extra,
+            model=_served_model_name(vllm_config),
+            block_size=int(vllm_config.cache_config.block_size),
+            world_size=self._tp * self._pp,
+        )
+        self._use_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+        self._scheduler: SchedulerCore | None = None
+        self._worker: WorkerCore | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerCore(self._cfg)
+            self._scheduler.start()
+        else:
+            self._worker = WorkerCore(self._cfg, rank=self._rank(), layout="mla" if self._use_mla else "auto")
+        logger.info(
+            "lmcache-mp connector (%s): server %s, model %r, world size %d",
+            role.name.lower(),
+            self._cfg.url,
+            self._cfg.model,
+            self._cfg.world_size,
+        )
+
+    def _rank(self) -> int:
+        """This worker's rank among the engine's tp * pp ranks."""
+        try:
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+            return get_pp_group().rank_in_group * self._tp + get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 - groups not initialised (single process)
+            return int(getattr(self._vllm_config.parallel_config, "rank", 0)) % (self._tp * self._pp)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped store is only a later cache miss
+
+    # ==== worker side ==========================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(list(kv_caches.values()))
+
+    def _plan(self) -> StepPlan | None:
+        meta = self._connector_metadata
+        return meta.plan if isinstance(meta, LMCacheMPConnectorMetadata) else None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, LMCacheMPConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        plan = self._plan()
+        if self._worker is None or plan is None or not plan.loads:
+            return
+        # Loads are synchronous: vLLM calls this before the forward pass of any step that has
+        # them, and the pass must see the bytes.
+        self._worker.start_loads(plan)
+        self._worker.wait_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole chunks are stored after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if self._worker is not None and plan is not None and plan.stores:
+            self._worker.start_stores(plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        done = self._worker.finished(finished_req_ids)
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # ==== scheduler side =======================================================================
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        null_block = getattr(gpu_block_pool, "null_block", None)
+        if self._scheduler is not None and null_block is not None:
+            self._scheduler.scratch_block_id = int(null_block.block_id)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        n = self._scheduler.num_new_matched_tokens(
+            request.request_id,
+            request.all_token_ids,
+            num_computed_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            salt=_request_salt(request),
+            generation=int(getattr(request, "num_preemptions", 0)),
+            cacheable=_cacheable(request),
+        )
+        return n, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        groups = blocks.get_block_ids()
+        self._scheduler.on_allocated(request.request_id, groups[0] if groups else [], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        so = scheduler_output
+        spec = so.scheduled_spec_decode_tokens or {}
+        state = getattr(so, "kv_connector_block_state", None)
+
+        def table(req_id: str):
+            if state is None:
+                return None
+            ids = state.get_block_ids(req_id)
+            return ids[0] if ids else None
+
+        scheduled: list[ScheduledRequest] = []
+        for new in so.scheduled_new_reqs:
+            rid = new.req_id
+            block_ids = table(rid)
+            scheduled.append(
+                ScheduledRequest(
+                    req_id=rid,
+                    num_computed_tokens=new.num_computed_tokens,
+                    num_new_tokens=so.num_scheduled_tokens.get(rid, 0) - len(spec.get(rid, ())),
+                    block_ids=block_ids if block_ids is not None else (new.block_ids[0] if new.block_ids else []),
+                )
+            )
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            scheduled.append(
+                ScheduledRequest(
+                    req_id=rid,
+                    num_computed_tokens=cached.num_computed_tokens[i],
+                    num_new_tokens=so.num_scheduled_tokens.get(rid, 0) - len(spec.get(rid, ())),
+                    block_ids=table(rid),
+                    new_block_ids=new_ids[0] if new_ids else None,
+                    resumed=rid in cached.resumed_req_ids,
+                )
+            )
+        plan = self._scheduler.build_plan(scheduled, so.preempted_req_ids or ())
+        return LMCacheMPConnectorMetadata(plan)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request.request_id), None

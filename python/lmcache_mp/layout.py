@@ -1,0 +1,201 @@
+"""KV-cache layouts: from a layer tensor's shape and strides to the geometry the data plane copies.
+
+Supported (shapes in elements, any dtype):
+
+- ``mha``:          vLLM flash-attention ``[2, num_blocks, block_size, num_heads, head_size]``
+- ``block_major``:  ``[num_blocks, 2, block_size, num_heads, head_size]``
+- ``mla``:          ``[num_blocks, block_size, head_dim]``
+- ``opaque``:       ``[num_blocks, ...]`` with each block packed in an engine-specific order, e.g.
+  vLLM's CPU cache ``[num_blocks, num_heads, block_size, 2 * head_size]``; copied whole.
+
+Token layouts may be strided (padding between tokens, blocks or K/V) as long as the bytes of one
+token of one layer are contiguous. Host objects are ``[S, L, T, W]`` bytes (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+KINDS = ("mha", "block_major", "mla", "opaque")
+
+
+class LayoutError(ValueError):
+    """A KV-cache tensor that no supported layout describes."""
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """Geometry of a registered KV cache, without its addresses. Strides are in bytes."""
+
+    kind: str
+    dtype: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_segments: int
+    segment_stride: int
+    block_stride: int
+    rows_per_block: int
+    row_bytes: int
+    row_stride: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one segment of one layer."""
+        return self.rows_per_block * self.row_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        """W: bytes of one token of one segment of one layer."""
+        return self.block_bytes // self.block_size
+
+    @property
+    def layer_extent(self) -> int:
+        """Bytes from a layer's base address to one past the last byte the layout touches."""
+        return (
+            (self.num_segments - 1) * self.segment_stride
+            + (self.num_blocks - 1) * self.block_stride
+            + (self.rows_per_block - 1) * self.row_stride
+            + self.row_bytes
+        )
+
+    def object_bytes(self, chunk_size: int) -> int:
+        return self.num_segments * self.num_layers * chunk_size * self.token_bytes
+
+    def format_key(self) -> tuple:
+        """What the bytes of a host object mean. Objects are only ever copied into a cache whose
+        key is equal: token layouts share the [S, L, T, W] format whatever their block size or
+        strides; opaque blocks are only meaningful to the same kind and block size."""
+        if self.kind == "opaque":
+            return ("opaque", self.block_size, self.num_layers, self.token_bytes, self.dtype)
+        return ("tokens", self.num_segments, self.num_layers, self.token_bytes, self.dtype)
+
+    def native(self, layer_ptrs: Sequence[int]):
+        """The C++ descriptor with these layer addresses."""
+        from lmcache_mp import _C
+
+        if len(layer_ptrs) != self.num_layers:
+            raise LayoutError(f"expected {self.num_layers} layer addresses, got {len(layer_ptrs)}")
+        n = _C.KVLayout()
+        n.layer_ptrs = [int(p) for p in layer_ptrs]
+        n.num_blocks = self.num_blocks
+        n.block_size = self.block_size
+        n.num_segments = self.num_segments
+        n.segment_stride = self.segment_stride
+        n.block_stride = self.block_stride
+        n.rows_per_block = self.rows_per_block
+        n.row_bytes = self.row_bytes
+        n.row_stride = self.row_stride
+        n.validate()
+        return n
+
+
+def _check_contiguous(shape: Sequence[int], strides: Sequence[int], what: str) -> None:
+    """Raise unless the (element) dims are C-contiguous, ignoring dims of size 1."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            raise LayoutError(f"{what} must be contiguous (shape {list(shape)}, strides {list(strides)})")
+        expected *= size
+
+
+def _guess_kind(shape: Sequence[int]) -> str:
+    if len(shape) == 5:
+        if shape[0] == 2 and shape[1] != 2:
+            return "mha"
+        if shape[1] == 2 and shape[0] != 2:
+            return "block_major"
+        raise LayoutError(f"shape {list(shape)} could be 'mha' or 'block_major': pass layout= explicitly")
+    if len(shape) == 3:
+        return "mla"
+    if len(shape) == 4:
+        return "opaque"
+    raise LayoutError(f"no KV layout has {len(shape)} dimensions (shape {list(shape)})")
+
+
+def infer_layout(
+    shape: Sequence[int],
+    strides: Sequence[int],
+    element_size: int,
+    dtype: str,
+    num_layers: int,
+    kind: str = "auto",
+    block_size: int | None = None,
+) -> LayoutSpec:
+    """Describe one layer tensor (all layers must share shape, strides and dtype).
+
+    `strides` are in elements, as torch and numpy-divided-by-itemsize report them. For `opaque`
+    layouts `block_size` defaults to dim 2 (vLLM's CPU cache ``[NB, H, BS, 2*D]``).
+    """
+    shape = [int(s) for s in shape]
+    strides = [int(s) for s in strides]
+    if len(shape) != len(strides):
+        raise LayoutError(f"shape {shape} and strides {strides} differ in length")
+    if any(s <= 0 for s in shape):
+        raise LayoutError(f"every dimension must be positive, got shape {shape}")
+    if any(s < 0 for s in strides):
+        raise LayoutError(f"negative strides are not supported, got {strides}")
+    if element_size <= 0 or num_layers <= 0:
+        raise LayoutError("element_size and num_layers must be positive")
+    if kind == "auto":
+        kind = _guess_kind(shape)
+    if kind not in KINDS:
+        raise LayoutError(f"unknown layout {kind!r}; expected one of {KINDS} or 'auto'")
+    e = element_size
+    common = dict(kind=kind, dtype=dtype, num_layers=num_layers)
+    if kind in ("mha", "block_major"):
+        if len(shape) != 5:
+            raise LayoutError(f"layout {kind!r} needs 5 dimensions, got shape {shape}")
+        seg_dim, blk_dim = (0, 1) if kind == "mha" else (1, 0)
+        if shape[seg_dim] != 2:
+            raise LayoutError(f"layout {kind!r} needs size 2 (K, V) in dim {seg_dim}, got shape {shape}")
+        _check_contiguous(shape[3:], strides[3:], "the heads x head_size of one token")
+        row_bytes = shape[3] * shape[4] * e
+        return LayoutSpec(
+            **common,
+            num_blocks=shape[blk_dim],
+            block_size=shape[2],
+            num_segments=2,
+            segment_stride=strides[seg_dim] * e,
+            block_stride=strides[blk_dim] * e,
+            rows_per_block=shape[2],
+            row_bytes=row_bytes,
+            row_stride=strides[2] * e if shape[2] > 1 else row_bytes,
+        )
+    if kind == "mla":
+        if len(shape) != 3:
+            raise LayoutError(f"layout 'mla' needs 3 dimensions, got shape {shape}")
+        _check_contiguous(shape[2:], strides[2:], "the head_dim of one token")
+        row_bytes = shape[2] * e
+        return LayoutSpec(
+            **common,
+            num_blocks=shape[0],
+            block_size=shape[1],
+            num_segments=1,
+            segment_stride=0,
+            block_stride=strides[0] * e,
+            rows_per_block=shape[1],
+            row_bytes=row_bytes,
+            row_stride=strides[1] * e if shape[1] > 1 else row_bytes,
+        )
+    # opaque: whole blocks, each contiguous
+    if len(shape) < 2:
+        raise LayoutError(f"layout 'opaque' needs at least 2 dimensions, got shape {shape}")
+    _check_contiguous(shape[1:], strides[1:], "an opaque block")
+    bs = block_size if block_size is not None else (shape[2] if len(shape) > 2 else 1)
+    block_bytes = math.prod(shape[1:]) * e
+    if bs <= 0 or block_bytes % bs:
+        raise LayoutError(f"block of {block_bytes} bytes cannot hold {bs} tokens evenly")
+    return LayoutSpec(
+        **common,
+        num_blocks=shape[0],
+        block_size=bs,
+        num_segments=1,
+        segment_stride=0,
+        block_stride=strides[0] * e,
+        rows_per_block=1,
+        row_bytes=block_bytes,
+        row_stride=block_bytes,
+    )

@@ -1,0 +1,56 @@
+"""Typed wrappers over the compiled data plane (``lmcache_mp._C``)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from lmcache_mp import _C
+
+HostArena = _C.HostArena
+
+
+def build_info() -> dict[str, Any]:
+    """How the extension was built: version, CUDA on/off, architectures, compilers."""
+    info = dict(_C.build_info())
+    info["cuda_devices"] = cuda_device_count()
+    return info
+
+
+def cuda_built() -> bool:
+    return bool(_C.build_info()["cuda"])
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process sees (0 when built without CUDA, or without driver or device)."""
+    return _C.cuda.device_count() if cuda_built() else 0
+
+
+def _ids(block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    ids = np.asarray(block_ids)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"block ids must be integers, got dtype {ids.dtype}")
+    return np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+
+
+def _ptrs(object_ptrs: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(object_ptrs, dtype=np.uint64)).reshape(-1)
+
+
+def cpu_gather(layout, chunk_size: int, block_ids, object_ptrs, object_capacity: int) -> None:
+    """Copy the blocks of len(object_ptrs) chunks from a host KV cache into host objects.
+
+    Checks every block id, the id count and the object size before any byte moves.
+    """
+    _C.cpu_gather(layout, int(chunk_size), _ids(block_ids), _ptrs(object_ptrs), int(object_capacity))
+
+
+def cpu_scatter(layout, chunk_size: int, block_ids, object_ptrs, object_capacity: int) -> None:
+    """Copy host objects back into the blocks of a host KV cache (same checks as cpu_gather)."""
+    _C.cpu_scatter(layout, int(chunk_size), _ids(block_ids), _ptrs(object_ptrs), int(object_capacity))
+
+
+def set_cpu_threads(n: int) -> None:
+    """Threads used by CPU copies (n <= 0: one per core, at most 16)."""
+    _C.set_cpu_threads(int(n))

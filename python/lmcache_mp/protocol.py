@@ -1,0 +1,301 @@
+"""The wire protocol: the only module that knows how requests and replies are framed and encoded.
+
+Transport: ZeroMQ DEALER (client) to ROUTER (server).
+  request frames:  [request_id (8 bytes, little-endian), body]
+  reply frames:    [request_id, body]            (the ROUTER adds/strips the peer identity)
+Body: one msgpack-encoded msgspec Struct, tagged by its op code, encoded as an array. Every
+request gets exactly one reply with the same request_id: the op's reply struct, or `Error`.
+Op codes and error codes are append-only; fields are only ever appended, with defaults.
+Chunk hashes travel packed (16 bytes each), block ids as packed little-endian int32.
+docs/protocol.md describes the schema for other implementations.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 16 << 20
+# CPU KV caches live in files SHM_DIR/SHM_PREFIX* that the server maps by name.
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "lmcache_mp_"
+BLOCK_ID_DTYPE = np.dtype("<i4")
+
+_REQ_ID = struct.Struct("<Q")
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    REGISTER_KV_CACHE = 2
+    UNREGISTER_KV_CACHE = 3
+    STORE = 4
+    RETRIEVE = 5
+    LOOKUP = 6
+    RELEASE = 7
+    CLEAR = 8
+    PING = 9
+    STATUS = 10
+    BYE = 11
+
+
+class ErrorCode(enum.IntEnum):
+    BAD_REQUEST = 1  # undecodable or truncated frames, wrong field types
+    UNKNOWN_OP = 2
+    PROTOCOL_MISMATCH = 3
+    INVALID_ARGUMENT = 4  # decodable but invalid: sizes, lengths, block-id bounds, names
+    UNKNOWN_REGISTRATION = 5  # kv_id not registered (e.g. the server restarted)
+    UNSUPPORTED = 6  # e.g. a CUDA cache on a server without the CUDA data plane
+    DEVICE_ERROR = 7  # the copy itself failed
+    SHUTTING_DOWN = 8
+    INTERNAL = 9
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=False, forbid_unknown_fields=False):
+    pass
+
+
+# ---- pieces ----------------------------------------------------------------------------------
+
+
+class MemoryRef(_Msg):
+    """Where a layer tensor's bytes are. CPU: a shared-memory file name. CUDA: an IPC handle of
+    the allocation. `offset` is the tensor's first byte inside it, `size` the bytes it holds."""
+
+    kind: str  # "shm" | "cuda_ipc"
+    name: str = ""
+    handle: bytes = b""
+    offset: int = 0
+    size: int = 0
+
+
+class LayerRef(_Msg):
+    shape: list[int]
+    strides: list[int]  # in elements
+    dtype: str
+    element_size: int
+    memory: MemoryRef
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+
+class Hello(_Msg, tag=int(Op.HELLO)):
+    version: int
+    client_id: bytes
+    client_name: str = ""
+    pid: int = 0
+    capabilities: list[str] = []
+
+
+class RegisterKVCache(_Msg, tag=int(Op.REGISTER_KV_CACHE)):
+    client_id: bytes
+    model: str
+    world_size: int
+    rank: int
+    device: str  # "cpu" | "cuda"
+    device_uuid: bytes
+    layout: str  # "auto" or a layout kind
+    layers: list[LayerRef]
+    block_size: int = 0  # only for opaque layouts whose block size the shape does not tell
+
+
+class UnregisterKVCache(_Msg, tag=int(Op.UNREGISTER_KV_CACHE)):
+    kv_id: int
+
+
+class Store(_Msg, tag=int(Op.STORE)):
+    kv_id: int
+    hashes: bytes
+    block_ids: bytes
+    salt: bytes = b""
+    event: bytes = b""  # IPC event the worker recorded after producing the KV (CUDA)
+
+
+class Retrieve(_Msg, tag=int(Op.RETRIEVE)):
+    kv_id: int
+    hashes: bytes
+    block_ids: bytes
+    salt: bytes = b""
+    event: bytes = b""  # IPC event to wait for before writing the blocks (CUDA)
+    reply_on_submit: bool = False  # reply once queued, with a completion event to wait on
+
+
+class Lookup(_Msg, tag=int(Op.LOOKUP)):
+    client_id: bytes
+    model: str
+    world_size: int
+    hashes: bytes
+    lock: bool = False
+    salt: bytes = b""
+
+
+class Release(_Msg, tag=int(Op.RELEASE)):
+    client_id: bytes
+    model: str
+    world_size: int
+    hashes: bytes
+    salt: bytes = b""
+
+
+class Clear(_Msg, tag=int(Op.CLEAR)):
+    pass
+
+
+class Ping(_Msg, tag=int(Op.PING)):
+    client_id: bytes = b""
+
+
+class Status(_Msg, tag=int(Op.STATUS)):
+    pass
+
+
+class Bye(_Msg, tag=int(Op.BYE)):
+    """The client is closing: drop its leases and registrations now."""
+
+    client_id: bytes
+
+
+Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Store, Retrieve, Lookup, Release, Clear, Ping, Status, Bye]
+
+# ---- replies ---------------------------------------------------------------------------------
+
+
+class Error(_Msg, tag=0):
+    code: int
+    message: str
+
+
+class HelloReply(_Msg, tag=int(Op.HELLO)):
+    protocol_version: int
+    server_version: str
+    session_id: bytes  # changes when the server restarts
+    chunk_size: int
+    device: str
+    capabilities: list[str] = []
+
+
+class RegisterReply(_Msg, tag=int(Op.REGISTER_KV_CACHE)):
+    kv_id: int
+    layout: str
+    object_bytes: int
+    transfer_mode: str
+    shared: bool  # objects shared by all ranks (MLA)
+    block_size: int
+    num_blocks: int
+
+
+class UnregisterReply(_Msg, tag=int(Op.UNREGISTER_KV_CACHE)):
+    kv_id: int
+
+
+class StoreReply(_Msg, tag=int(Op.STORE)):
+    stored: int  # chunks written now
+    present: int  # chunks that were already there
+    skipped: int  # chunks not stored: no memory (everything leased or in use)
+
+
+class RetrieveReply(_Msg, tag=int(Op.RETRIEVE)):
+    loaded: int  # leading chunks written into the blocks
+    event: bytes = b""  # with reply_on_submit: IPC event recorded after the copy
+
+
+class LookupReply(_Msg, tag=int(Op.LOOKUP)):
+    hits: int
+
+
+class ReleaseReply(_Msg, tag=int(Op.RELEASE)):
+    released: int
+
+
+class ClearReply(_Msg, tag=int(Op.CLEAR)):
+    removed: int
+
+
+class PingReply(_Msg, tag=int(Op.PING)):
+    session_id: bytes
+
+
+class StatusReply(_Msg, tag=int(Op.STATUS)):
+    status: dict[str, Any]
+
+
+class ByeReply(_Msg, tag=int(Op.BYE)):
+    leases: int
+    registrations: int
+
+
+Reply = Union[
+    Error,
+    HelloReply,
+    RegisterReply,
+    UnregisterReply,
+    StoreReply,
+    RetrieveReply,
+    LookupReply,
+    ReleaseReply,
+    ClearReply,
+    PingReply,
+    StatusReply,
+    ByeReply,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+class FrameError(Exception):
+    """A request that cannot be decoded; `code` is the ErrorCode to answer with."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def pack_request_id(request_id: int) -> bytes:
+    return _REQ_ID.pack(request_id)
+
+
+def unpack_request_id(frame: bytes) -> int:
+    return _REQ_ID.unpack(frame)[0]
+
+
+def decode_request(body: bytes) -> Request:
+    """Decode a request body, or raise FrameError(BAD_REQUEST or UNKNOWN_OP)."""
+    try:
+        return _request_decoder.decode(body)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        if "Invalid value" in text and "$[0]" in text:
+            raise FrameError(ErrorCode.UNKNOWN_OP, f"unknown op code: {text}") from None
+        raise FrameError(ErrorCode.BAD_REQUEST, f"malformed request: {text}") from None
+    except msgspec.DecodeError as e:
+        raise FrameError(ErrorCode.BAD_REQUEST, f"undecodable request: {e}") from None
+
+
+def decode_reply(body: bytes) -> Reply:
+    return _reply_decoder.decode(body)
+
+
+def pack_block_ids(block_ids) -> bytes:
+    ids = np.asarray(block_ids)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"block ids must be integers, got dtype {ids.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(BLOCK_ID_DTYPE).max):
+        raise ValueError("block ids must be in [0, 2**31)")
+    return np.ascontiguousarray(ids, dtype=BLOCK_ID_DTYPE).tobytes()
+
+
+def unpack_block_ids(data: bytes) -> np.ndarray:
+    if len(data) % BLOCK_ID_DTYPE.itemsize:
+        raise ValueError(f"block ids must be packed int32, got {len(data)} bytes")
+    return np.frombuffer(data, dtype=BLOCK_ID_DTYPE)

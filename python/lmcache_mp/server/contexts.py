@@ -1,0 +1,248 @@
+"""Registered KV caches as the server sees them: where their bytes are and how to copy them.
+
+`CPUCacheContext`: a worker's cache in shared memory, copied by the CPU thread pool.
+`GPUCacheContext`: a worker's CUDA cache opened over CUDA IPC, copied by the transfer engine
+(kernels and copy engines) on the server's own streams.
+
+Both are created from a validated registration request; neither trusts the client: every layer
+must fit inside the memory it names before any address is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from lmcache_mp import protocol as p
+from lmcache_mp.layout import LayoutError, LayoutSpec, infer_layout
+from lmcache_mp.native import cpu_gather, cpu_scatter
+from lmcache_mp.server.shared_memory import SharedMapping
+
+logger = logging.getLogger(__name__)
+
+MAX_LAYERS = 4096
+
+
+class RegistrationError(ValueError):
+    """The registration request does not describe a usable KV cache."""
+
+
+def describe_layers(req: p.RegisterKVCache) -> LayoutSpec:
+    """The layout shared by every layer tensor of the request."""
+    if not req.layers:
+        raise RegistrationError("a KV cache needs at least one layer tensor")
+    if len(req.layers) > MAX_LAYERS:
+        raise RegistrationError(f"too many layers ({len(req.layers)} > {MAX_LAYERS})")
+    first = req.layers[0]
+    for i, layer in enumerate(req.layers):
+        if (layer.shape, layer.strides, layer.dtype, layer.element_size) != (
+            first.shape, first.strides, first.dtype, first.element_size,
+        ):
+            raise RegistrationError(f"layer {i} differs from layer 0 in shape, strides or dtype")
+    try:
+        return infer_layout(
+            first.shape, first.strides, first.element_size, first.dtype, len(req.layers), req.layout,
+            block_size=req.block_size or None,
+        )
+    except LayoutError as e:
+        raise RegistrationError(str(e)) from None
+
+
+@dataclass
+class Registration:
+    """What every context records about its registration."""
+
+    kv_id: int
+    client_id: bytes
+    model: str
+    world_size: int
+    rank: int
+    spec: LayoutSpec
+    chunk_size: int
+
+    @property
+    def shared(self) -> bool:
+        """MLA caches hold the same bytes on every rank: one object serves all of them."""
+        return self.spec.kind == "mla"
+
+    @property
+    def object_bytes(self) -> int:
+        return self.spec.object_bytes(self.chunk_size)
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size // self.spec.block_size
+
+
+def _check_extent(spec: LayoutSpec, i: int, offset: int, size: int) -> None:
+    if offset < 0 or offset + spec.layer_extent > size:
+        raise RegistrationError(
+            f"layer {i}: the layout spans [{offset}, {offset + spec.layer_extent}) bytes but its "
+            f"memory holds {size}"
+        )
+
+
+class CPUCacheContext:
+    device = "cpu"
+    transfer_mode = "cpu"
+
+    def __init__(self, reg: Registration, req: p.RegisterKVCache):
+        self.reg = reg
+        self._maps: dict[str, SharedMapping] = {}
+        try:
+            ptrs = []
+            for i, layer in enumerate(req.layers):
+                m = layer.memory
+                if m.kind != "shm":
+                    raise RegistrationError(f"layer {i}: a CPU cache needs shared memory, got {m.kind!r}")
+                mapping = self._maps.get(m.name)
+                if mapping is None:
+                    mapping = self._maps[m.name] = SharedMapping(m.name, 1)
+                _check_extent(reg.spec, i, m.offset, mapping.size)
+                ptrs.append(mapping.address + m.offset)
+            self.native = reg.spec.native(ptrs)
+        except (OSError, ValueError) as e:
+            self.close()
+            raise RegistrationError(str(e)) from None
+
+    def copy(self, direction: str, block_ids: np.ndarray, object_ptrs: np.ndarray, capacity: int) -> None:
+        fn = cpu_gather if direction == "gather" else cpu_scatter
+        fn(self.native, self.reg.chunk_size, block_ids, object_ptrs, capacity)
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
+
+
+class IpcMemoryCache:
+    """Opened CUDA IPC allocations, shared by registrations and refcounted: a process may open
+    one allocation only once, and several layers or registrations often live in the same one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: dict[tuple[int, bytes], list[int]] = {}  # (device, handle) -> [base, refs]
+
+    def acquire(self, device: int, handle: bytes) -> int:
+        from lmcache_mp import _C
+
+        with self._lock:
+            entry = self._open.get((device, handle))
+            if entry is None:
+                entry = self._open[(device, handle)] = [_C.cuda.open_memory(handle, device), 0]
+            entry[1] += 1
+            return entry[0]
+
+    def release(self, device: int, handle: bytes) -> None:
+        from lmcache_mp import _C
+
+        with self._lock:
+            entry = self._open.get((device, handle))
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._open[(device, handle)]
+                try:
+                    _C.cuda.close_memory(entry[0], device)
+                except RuntimeError as e:  # the exporter may already be gone
+                    logger.warning("closing an IPC mapping failed: %s", e)
+
+
+class IpcEventCache:
+    """Opened inter-process events of workers, by handle (opening one is costly)."""
+
+    def __init__(self, limit: int = 4096):
+        self._lock = threading.Lock()
+        self._events: dict[tuple[int, bytes], int] = {}
+        self._limit = limit
+
+    def get(self, device: int, handle: bytes) -> int:
+        from lmcache_mp import _C
+
+        with self._lock:
+            ev = self._events.get((device, handle))
+            if ev is None:
+                if len(self._events) >= self._limit:  # a worker that never reuses events
+                    old_key = next(iter(self._events))
+                    _C.cuda.destroy_event(self._events.pop(old_key))
+                ev = self._events[(device, handle)] = _C.cuda.open_event(handle, device)
+            return ev
+
+    def close(self) -> None:
+        from lmcache_mp import _C
+
+        with self._lock:
+            for ev in self._events.values():
+                _C.cuda.destroy_event(ev)
+            self._events.clear()
+
+
+ModePolicy = Callable[[LayoutSpec, str, int], str]
+
+
+class GPUCacheContext:
+    """One registered CUDA KV cache: opened tensors, layout, transfer engine and its streams."""
+
+    device = "cuda"
+
+    def __init__(
+        self,
+        reg: Registration,
+        req: p.RegisterKVCache,
+        device_index: int,
+        ipc: IpcMemoryCache,
+        events: IpcEventCache,
+        transfer_mode: str,
+        choose_mode: ModePolicy,
+        staging_bytes: int,
+        direct_ctas: int,
+    ):
+        from lmcache_mp import _C
+
+        self.reg = reg
+        self.device_index = device_index
+        self.transfer_mode = transfer_mode
+        self._choose_mode = choose_mode
+        self._ipc = ipc
+        self._events = events
+        self._handles: list[bytes] = []
+        try:
+            ptrs = []
+            for i, layer in enumerate(req.layers):
+                m = layer.memory
+                if m.kind != "cuda_ipc":
+                    raise RegistrationError(f"layer {i}: a CUDA cache needs a CUDA IPC handle, got {m.kind!r}")
+                base = ipc.acquire(device_index, m.handle)
+                self._handles.append(m.handle)
+                _, alloc_bytes = _C.cuda.address_range(base)
+                _check_extent(reg.spec, i, m.offset, alloc_bytes)
+                ptrs.append(base + m.offset)
+            self.native = reg.spec.native(ptrs)
+            self.engine = _C.cuda.TransferEngine(
+                device_index, self.native, reg.chunk_size, staging_bytes=staging_bytes, direct_ctas=direct_ctas
+            )
+        except (RuntimeError, ValueError) as e:
+            self.close()
+            raise RegistrationError(str(e)) from None
+
+    def mode_for(self, direction: str, num_chunks: int) -> str:
+        if self.transfer_mode != "auto":
+            return self.transfer_mode
+        return self._choose_mode(self.reg.spec, direction, num_chunks)
+
+    def submit(self, direction: str, block_ids: np.ndarray, object_ptrs: np.ndarray, capacity: int,
+               wait_event: bytes) -> int:
+        ev = self._events.get(self.device_index, wait_event) if wait_event else 0
+        mode = self.mode_for(direction, len(object_ptrs))
+        return self.engine.submit(direction, mode, block_ids, object_ptrs, self.reg.chunk_size, capacity, ev)
+
+    def close(self) -> None:
+        self.engine = None  # the engine synchronises its streams when destroyed
+        for h in self._handles:
+            self._ipc.release(self.device_index, h)
+        self._handles.clear()

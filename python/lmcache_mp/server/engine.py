@@ -1,0 +1,480 @@
+"""MPCacheEngine: registrations, store, retrieve, lookup and leases over the L1 host arena.
+
+Requests arrive from the transport with a `reply` callable. Cheap requests (hello, ping,
+lookup, release, status, clear) are answered at once on the caller's thread. Work on a
+registration (store, retrieve, unregister) runs on that registration's worker thread; on the
+GPU the worker only validates and enqueues the copy, and a completion thread replies once the
+bytes have landed, so one registration keeps several requests in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from lmcache_mp import protocol as p
+from lmcache_mp._version import __version__
+from lmcache_mp.config import ServerConfig, format_size
+from lmcache_mp.keys import DIGEST_BYTES
+from lmcache_mp.native import HostArena, cuda_device_count, set_cpu_threads
+from lmcache_mp.server.contexts import (
+    CPUCacheContext,
+    GPUCacheContext,
+    IpcEventCache,
+    IpcMemoryCache,
+    Registration,
+    RegistrationError,
+    describe_layers,
+)
+from lmcache_mp.server.policy import choose_transfer_mode
+from lmcache_mp.server.workers import CompletionWaiter, SerialWorker
+from lmcache_mp.storage.l1 import SHARED_RANK, L1Store, ObjectKey
+
+logger = logging.getLogger(__name__)
+
+Reply = Callable[[p._Msg], None]
+MAX_CHUNKS_PER_REQUEST = 1 << 16
+
+
+class RequestFailure(Exception):
+    def __init__(self, code: p.ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _invalid(message: str) -> RequestFailure:
+    return RequestFailure(p.ErrorCode.INVALID_ARGUMENT, message)
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "cpu":
+        return "cpu"
+    n = cuda_device_count()
+    if requested == "cuda" and n == 0:
+        raise RuntimeError("device=cuda but no CUDA device is usable (or lmcache-mp was built without CUDA)")
+    return "cuda" if n > 0 else "cpu"
+
+
+def _gpu_numa_node() -> int:
+    from lmcache_mp import _C
+
+    try:
+        bus = _C.cuda.device_pci_bus_id(0).lower()
+        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError, RuntimeError):
+        return -1
+
+
+class _Entry:
+    """A live registration: its context, its worker and, on the GPU, its completion threads."""
+
+    def __init__(self, ctx, worker: SerialWorker):
+        self.ctx = ctx
+        self.worker = worker
+        self.store_done: CompletionWaiter | None = None
+        self.retrieve_done: CompletionWaiter | None = None
+
+
+class MPCacheEngine:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.session_id = secrets.token_bytes(16)
+        if config.cpu_threads:
+            set_cpu_threads(config.cpu_threads)
+        pin = self.device == "cuda"
+        numa = config.numa_node if config.numa_node >= 0 else (_gpu_numa_node() if pin else -1)
+        self.arena = HostArena(config.l1_size, config.slab_size, pin, numa)
+        self.l1 = L1Store(self.arena)
+        self._lock = threading.Lock()
+        self._entries: dict[int, _Entry] = {}
+        self._clients: dict[bytes, float] = {}  # client id -> last time heard from
+        self._ipc = IpcMemoryCache() if self.device == "cuda" else None
+        self._events = IpcEventCache() if self.device == "cuda" else None
+        self._uuids: dict[bytes, int] = {}
+        if self.device == "cuda":
+            from lmcache_mp import _C
+
+            self._uuids = {_C.cuda.device_uuid(i): i for i in range(_C.cuda.device_count())}
+        self._close_hooks: list[Callable[[], None]] = []
+        self._closed = False
+        self.started = time.time()
+        logger.info(
+            "L1: %s of %s host memory (slabs of %s%s)",
+            format_size(self.arena.capacity), "pinned" if pin else "shared",
+            format_size(self.arena.slab_bytes), f", NUMA node {numa}" if numa >= 0 else "",
+        )
+
+    # ---- dispatch ----------------------------------------------------------------------------
+
+    def handle(self, msg: p._Msg, reply: Reply) -> None:
+        """Answer one decoded request, now or later; exactly one reply either way."""
+        try:
+            if self._closed:
+                raise RequestFailure(p.ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                raise RequestFailure(p.ErrorCode.UNKNOWN_OP, f"unsupported request {type(msg).__name__}")
+            handler(self, msg, reply)
+        except RequestFailure as e:
+            reply(p.Error(code=int(e.code), message=str(e)))
+        except Exception as e:
+            logger.exception("internal error handling %s", type(msg).__name__)
+            reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
+
+    def _touch(self, client_id: bytes) -> None:
+        if client_id:
+            self._clients[client_id] = time.monotonic()
+
+    def _hello(self, msg: p.Hello, reply: Reply) -> None:
+        if msg.version != p.PROTOCOL_VERSION:
+            raise RequestFailure(
+                p.ErrorCode.PROTOCOL_MISMATCH,
+                f"client speaks protocol {msg.version}, server {p.PROTOCOL_VERSION}: upgrade the older side",
+            )
+        self._touch(msg.client_id)
+        logger.debug("hello from %s (pid %d)", msg.client_name or msg.client_id.hex(), msg.pid)
+        reply(p.HelloReply(protocol_version=p.PROTOCOL_VERSION, server_version=__version__,
+                           session_id=self.session_id, chunk_size=self.config.chunk_size, device=self.device,
+                           capabilities=["lookup_lock", "reply_on_submit"]))
+
+    def _ping(self, msg: p.Ping, reply: Reply) -> None:
+        self._touch(msg.client_id)
+        reply(p.PingReply(session_id=self.session_id))
+
+    def _status(self, msg: p.Status, reply: Reply) -> None:
+        reply(p.StatusReply(status=self.status()))
+
+    def _clear(self, msg: p.Clear, reply: Reply) -> None:
+        reply(p.ClearReply(removed=self.clear()))
+
+    # ---- registration ------------------------------------------------------------------------
+
+    def register_kv_cache(self, msg: p.RegisterKVCache, reply: Reply) -> None:
+        if not (1 <= msg.world_size <= 4096 and 0 <= msg.rank < msg.world_size):
+            raise _invalid(f"rank {msg.rank} / world_size {msg.world_size} is not a valid pair")
+        if not msg.model or len(msg.model) > 1024:
+            raise _invalid("model must be a non-empty name of at most 1024 characters")
+        if msg.device not in ("cpu", "cuda"):
+            raise _invalid(f"device must be 'cpu' or 'cuda', got {msg.device!r}")
+        if msg.device != self.device:
+            raise RequestFailure(
+                p.ErrorCode.UNSUPPORTED,
+                f"this server runs on the {self.device} device; it cannot take a {msg.device} KV cache",
+            )
+        try:
+            spec = describe_layers(msg)
+        except RegistrationError as e:
+            raise _invalid(str(e)) from None
+        if self.config.chunk_size % spec.block_size:
+            raise _invalid(f"block size {spec.block_size} does not divide the chunk size {self.config.chunk_size}")
+        self._touch(msg.client_id)
+        kv_id = secrets.randbits(63)  # unguessable, never reused: a stale id cannot hit another cache
+        reg = Registration(kv_id=kv_id, client_id=msg.client_id, model=msg.model, world_size=msg.world_size,
+                           rank=msg.rank, spec=spec, chunk_size=self.config.chunk_size)
+        if reg.object_bytes > self.arena.slab_bytes:
+            raise _invalid(f"one chunk of this cache is {format_size(reg.object_bytes)}, more than a slab "
+                           f"({format_size(self.arena.slab_bytes)}): raise --slab-size or lower --chunk-size")
+        worker = SerialWorker(f"lmcache-kv-{kv_id & 0xFFFF:04x}")
+
+        def open_context() -> None:
+            try:
+                if self.device == "cpu":
+                    ctx = CPUCacheContext(reg, msg)
+                else:
+                    dev = self._uuids.get(msg.device_uuid)
+                    if dev is None:
+                        raise RegistrationError("the KV cache is on a GPU this server cannot see "
+                                                f"(uuid {msg.device_uuid.hex()}); check CUDA_VISIBLE_DEVICES")
+                    ctx = GPUCacheContext(reg, msg, dev, self._ipc, self._events, self.config.transfer_mode,
+                                          choose_transfer_mode, self.config.staging_size, self.config.direct_ctas)
+            except RegistrationError as e:
+                worker.stop()
+                reply(p.Error(code=int(p.ErrorCode.INVALID_ARGUMENT), message=str(e)))
+                return
+            entry = _Entry(ctx, worker)
+            if self.device == "cuda":
+                entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", ctx.engine.wait)
+                entry.retrieve_done = CompletionWaiter(f"lmcache-load-{kv_id & 0xFFFF:04x}", ctx.engine.wait)
+            with self._lock:
+                self._entries[kv_id] = entry
+            logger.info("registered %s KV cache: model %s rank %d/%d, %d layers x %d blocks of %d tokens, "
+                        "%s, %s per chunk, transfer mode %s", spec.kind, reg.model, reg.rank, reg.world_size,
+                        spec.num_layers, spec.num_blocks, spec.block_size, spec.dtype,
+                        format_size(reg.object_bytes), ctx.transfer_mode)
+            reply(p.RegisterReply(kv_id=kv_id, layout=spec.kind, object_bytes=reg.object_bytes,
+                                  transfer_mode=ctx.transfer_mode, shared=reg.shared, block_size=spec.block_size,
+                                  num_blocks=spec.num_blocks))
+
+        worker.submit(open_context)
+
+    def _entry(self, kv_id: int) -> _Entry:
+        with self._lock:
+            entry = self._entries.get(kv_id)
+        if entry is None:
+            raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION,
+                                 f"no KV cache is registered as {kv_id} (was the server restarted?)")
+        return entry
+
+    def unregister_kv_cache(self, msg: p.UnregisterKVCache, reply: Reply | None = None) -> None:
+        with self._lock:
+            entry = self._entries.pop(msg.kv_id, None)
+        if entry is None:
+            if reply is not None:
+                raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION, f"no KV cache is registered as {msg.kv_id}")
+            return
+
+        def close() -> None:  # runs after the registration's queued work
+            for waiter in (entry.store_done, entry.retrieve_done):
+                if waiter is not None:
+                    waiter.stop()
+            entry.ctx.close()
+            entry.worker.stop()
+            logger.info("unregistered KV cache of model %s rank %d", entry.ctx.reg.model, entry.ctx.reg.rank)
+            if reply is not None:
+                reply(p.UnregisterReply(kv_id=msg.kv_id))
+
+        entry.worker.submit(close)
+
+    # ---- store / retrieve --------------------------------------------------------------------
+
+    def _chunks(self, entry: _Entry, hashes: bytes, block_ids: bytes, salt: bytes):
+        reg: Registration = entry.ctx.reg
+        if len(hashes) % DIGEST_BYTES:
+            raise _invalid(f"hashes must be packed {DIGEST_BYTES}-byte digests, got {len(hashes)} bytes")
+        n = len(hashes) // DIGEST_BYTES
+        if n > MAX_CHUNKS_PER_REQUEST:
+            raise _invalid(f"too many chunks in one request ({n} > {MAX_CHUNKS_PER_REQUEST})")
+        if len(salt) > 256:
+            raise _invalid("salt must be at most 256 bytes")
+        try:
+            ids = p.unpack_block_ids(block_ids)
+        except ValueError as e:
+            raise _invalid(str(e)) from None
+        if len(ids) != n * reg.blocks_per_chunk:
+            raise _invalid(f"{n} chunks of {reg.chunk_size} tokens need {n * reg.blocks_per_chunk} block ids "
+                           f"(blocks of {reg.spec.block_size}), got {len(ids)}")
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= reg.spec.num_blocks):
+            bad = int(ids[(ids < 0) | (ids >= reg.spec.num_blocks)][0])
+            raise _invalid(f"block id {bad} is out of range [0, {reg.spec.num_blocks})")
+        rank = SHARED_RANK if reg.shared else reg.rank
+        keys = [ObjectKey(reg.model, reg.world_size, rank, hashes[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES], salt)
+                for i in range(n)]
+        return reg, keys, ids.astype(np.int64).reshape(n, reg.blocks_per_chunk)
+
+    def _object_ptrs(self, objs) -> np.ndarray:
+        return np.fromiter((self.arena.base + o.offset for o in objs), dtype=np.uint64, count=len(objs))
+
+    def store(self, msg: p.Store, reply: Reply) -> None:
+        entry = self._entry(msg.kv_id)
+        reg, keys, ids = self._chunks(entry, msg.hashes, msg.block_ids, msg.salt)
+        self._touch(reg.client_id)
+        entry.worker.submit(lambda: self._run_store(entry, msg, reg, keys, ids, reply))
+
+    def _run_store(self, entry: _Entry, msg: p.Store, reg: Registration, keys, ids, reply: Reply) -> None:
+        plan = self.l1.begin_store(keys, reg.object_bytes, reg.spec.format_key())
+        if not plan.objects:
+            reply(p.StoreReply(stored=0, present=plan.present, skipped=plan.skipped))
+            return
+        if plan.skipped:
+            logger.debug("store skipped %d chunks: no evictable memory", plan.skipped)
+        block_ids = ids[plan.indices].reshape(-1)
+        ptrs = self._object_ptrs(plan.objects)
+        capacity = plan.objects[0].nbytes
+        ok = p.StoreReply(stored=len(plan.objects), present=plan.present, skipped=plan.skipped)
+        try:
+            if entry.store_done is None:
+                entry.ctx.copy("gather", block_ids, ptrs, capacity)
+            else:
+                ticket = entry.ctx.submit("gather", block_ids, ptrs, capacity, msg.event)
+
+                def done(err: BaseException | None) -> None:
+                    if err is None:
+                        self.l1.commit(plan)
+                        reply(ok)
+                    else:
+                        self.l1.abort(plan)
+                        logger.error("store on model %s rank %d failed: %s", reg.model, reg.rank, err)
+                        reply(p.Error(code=int(p.ErrorCode.DEVICE_ERROR), message=str(err)))
+
+                entry.store_done.add(ticket, done)
+                return
+        except ValueError as e:
+            self.l1.abort(plan)
+            reply(p.Error(code=int(p.ErrorCode.INVALID_ARGUMENT), message=str(e)))
+            return
+        except Exception as e:
+            self.l1.abort(plan)
+            logger.error("store on model %s rank %d failed: %s", reg.model, reg.rank, e)
+            reply(p.Error(code=int(p.ErrorCode.DEVICE_ERROR), message=str(e)))
+            return
+        self.l1.commit(plan)
+        reply(ok)
+
+    def retrieve(self, msg: p.Retrieve, reply: Reply) -> None:
+        entry = self._entry(msg.kv_id)
+        reg, keys, ids = self._chunks(entry, msg.hashes, msg.block_ids, msg.salt)
+        flat = ids.reshape(-1)
+        if len(np.unique(flat)) != len(flat):
+            raise _invalid("block ids of a retrieve must be distinct (two chunks cannot fill one block)")
+        self._touch(reg.client_id)
+        entry.worker.submit(lambda: self._run_retrieve(entry, msg, reg, keys, ids, reply))
+
+    def _run_retrieve(self, entry: _Entry, msg: p.Retrieve, reg: Registration, keys, ids, reply: Reply) -> None:
+        objs = self.l1.begin_read(keys, reg.spec.format_key())
+        if not objs:
+            reply(p.RetrieveReply(loaded=0))
+            return
+        block_ids = ids[: len(objs)].reshape(-1)
+        ptrs = self._object_ptrs(objs)
+        try:
+            if entry.retrieve_done is None:
+                entry.ctx.copy("scatter", block_ids, ptrs, objs[0].nbytes)
+            else:
+                ticket = entry.ctx.submit("scatter", block_ids, ptrs, objs[0].nbytes, msg.event)
+                early = msg.reply_on_submit
+                if early:
+                    reply(p.RetrieveReply(loaded=len(objs), event=entry.ctx.engine.completion_handle(ticket)))
+
+                def done(err: BaseException | None) -> None:
+                    self.l1.end_read(objs)
+                    if err is not None:
+                        logger.error("retrieve on model %s rank %d failed: %s", reg.model, reg.rank, err)
+                    if early:
+                        return
+                    if err is None:
+                        reply(p.RetrieveReply(loaded=len(objs)))
+                    else:
+                        reply(p.Error(code=int(p.ErrorCode.DEVICE_ERROR), message=str(err)))
+
+                entry.retrieve_done.add(ticket, done)
+                return
+        except Exception as e:
+            self.l1.end_read(objs)
+            code = p.ErrorCode.INVALID_ARGUMENT if isinstance(e, ValueError) else p.ErrorCode.DEVICE_ERROR
+            logger.error("retrieve on model %s rank %d failed: %s", reg.model, reg.rank, e)
+            reply(p.Error(code=int(code), message=str(e)))
+            return
+        self.l1.end_read(objs)
+        reply(p.RetrieveReply(loaded=len(objs)))
+
+    # ---- lookup and leases -------------------------------------------------------------------
+
+    @staticmethod
+    def _digests(msg) -> list[bytes]:
+        if len(msg.hashes) % DIGEST_BYTES:
+            raise _invalid(f"hashes must be packed {DIGEST_BYTES}-byte digests, got {len(msg.hashes)} bytes")
+        if not 1 <= msg.world_size <= 4096:
+            raise _invalid(f"world_size must be in [1, 4096], got {msg.world_size}")
+        h = msg.hashes
+        return [h[i:i + DIGEST_BYTES] for i in range(0, len(h), DIGEST_BYTES)]
+
+    def lookup(self, msg: p.Lookup, reply: Reply) -> None:
+        digests = self._digests(msg)
+        self._touch(msg.client_id)
+        hits = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt, lock=msg.lock, owner=msg.client_id,
+                              ttl=self.config.lease_ttl)
+        reply(p.LookupReply(hits=hits))
+
+    def release(self, msg: p.Release, reply: Reply) -> None:
+        digests = self._digests(msg)
+        self._touch(msg.client_id)
+        reply(p.ReleaseReply(released=self.l1.release(msg.client_id, msg.model, msg.world_size, digests, msg.salt)))
+
+    def clear(self) -> int:
+        removed = self.l1.clear()
+        logger.info("cleared %d objects", removed)
+        return removed
+
+    def get_chunk_size(self) -> int:
+        return self.config.chunk_size
+
+    # ---- housekeeping ------------------------------------------------------------------------
+
+    def _forget_client(self, client: bytes) -> tuple[int, int]:
+        """Drop a client's leases and registrations; returns how many of each."""
+        self._clients.pop(client, None)
+        dropped = self.l1.drop_owner(client)
+        with self._lock:
+            owned = [kv for kv, e in self._entries.items() if e.ctx.reg.client_id == client]
+        for kv_id in owned:
+            self.unregister_kv_cache(p.UnregisterKVCache(kv_id=kv_id))
+        return dropped, len(owned)
+
+    def _bye(self, msg: p.Bye, reply: Reply) -> None:
+        leases, regs = self._forget_client(msg.client_id)
+        reply(p.ByeReply(leases=leases, registrations=regs))
+
+    def tick(self) -> None:
+        """Expire leases; forget clients that stopped sending heartbeats, with their leases and
+        registrations (called about once a second by the transport)."""
+        self.l1.expire()
+        deadline = time.monotonic() - self.config.heartbeat_timeout
+        for client in [c for c, seen in list(self._clients.items()) if seen < deadline]:
+            dropped, owned = self._forget_client(client)
+            if dropped or owned:
+                logger.info("client %s went silent: dropped %d leases and %d registrations",
+                            client.hex()[:8], dropped, owned)
+
+    def status(self) -> dict:
+        with self._lock:
+            regs = [
+                {"kv_id": kv, "model": e.ctx.reg.model, "rank": e.ctx.reg.rank, "world_size": e.ctx.reg.world_size,
+                 "layout": e.ctx.reg.spec.kind, "device": e.ctx.device, "transfer_mode": e.ctx.transfer_mode,
+                 "object_bytes": e.ctx.reg.object_bytes}
+                for kv, e in self._entries.items()
+            ]
+        arena = dict(self.arena.stats())
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "device": self.device,
+            "chunk_size": self.config.chunk_size,
+            "clients": len(self._clients),
+            "registrations": regs,
+            "l1": {**self.l1.stats(), "capacity": arena["capacity"], "arena": arena,
+                   "pinning": dict(self.arena.pin_status())},
+        }
+
+    def add_close_hook(self, fn: Callable[[], None]) -> None:
+        self._close_hooks.append(fn)
+
+    def close(self) -> None:
+        """Stop taking requests, finish queued work, free every registration and the arena."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            kv_ids = list(self._entries)
+        for kv_id in kv_ids:
+            entry = self._entries.get(kv_id)
+            self.unregister_kv_cache(p.UnregisterKVCache(kv_id=kv_id))
+            if entry is not None:
+                entry.worker.stop(timeout=30)
+        if self._events is not None:
+            self._events.close()
+        self.l1.clear()
+        for hook in self._close_hooks:  # e.g. stop the transport once the last replies are out
+            hook()
+
+    _handlers = {
+        p.Hello: _hello,
+        p.Ping: _ping,
+        p.Status: _status,
+        p.Clear: _clear,
+        p.RegisterKVCache: register_kv_cache,
+        p.UnregisterKVCache: unregister_kv_cache,
+        p.Store: store,
+        p.Retrieve: retrieve,
+        p.Lookup: lookup,
+        p.Release: release,
+        p.Bye: _bye,
+    }

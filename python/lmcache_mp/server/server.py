@@ -1,0 +1,89 @@
+"""Server: the engine plus its socket thread, in this process (tests, embedding, the CLI)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from lmcache_mp.config import ServerConfig
+from lmcache_mp.server.engine import MPCacheEngine
+from lmcache_mp.server.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCacheEngine | None:
+    """Start a cache server for `config`.
+
+    return_engine=True: start it in background threads and return the engine (its `url` is the
+    bound endpoint; `close()` stops the whole server). Otherwise serve until SIGINT or SIGTERM,
+    then drain and stop.
+    """
+    engine = MPCacheEngine(config)
+    try:
+        transport = Transport(config.url, engine)
+    except Exception:
+        engine.close()
+        raise
+    engine.url = transport.url
+    engine.add_close_hook(transport.stop)
+    transport.start()
+    if return_engine:
+        return engine
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        logger.info("received %s: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    logger.info("ready: serving on %s", transport.url)
+    try:
+        while not stop.wait(3600):
+            pass
+    finally:
+        engine.close()
+        for s, h in previous.items():
+            signal.signal(s, h)
+        logger.info("stopped")
+    return None
+
+
+class Server:
+    """A cache server running in background threads of this process.
+
+    >>> server = Server(ServerConfig(url="tcp://127.0.0.1:0", l1_size="2GiB", device="cpu")).start()
+    >>> server.url            # the bound endpoint
+    >>> server.stop()
+    """
+
+    def __init__(self, config: ServerConfig | None = None, **overrides):
+        if config is None:
+            config = ServerConfig(**overrides)
+        elif overrides:
+            raise TypeError("pass either a ServerConfig or keyword settings, not both")
+        self.config = config
+        self.engine: MPCacheEngine | None = None
+
+    def start(self) -> "Server":
+        if self.engine is None:
+            self.engine = run_cache_server(self.config, return_engine=True)
+        return self
+
+    @property
+    def url(self) -> str:
+        if self.engine is None:
+            raise RuntimeError("the server is not started")
+        return self.engine.url
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

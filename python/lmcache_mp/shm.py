@@ -1,0 +1,101 @@
+"""Named shared memory for CPU KV caches: tensors a worker makes and the server maps by name.
+
+A tensor made by `shared_cpu_tensor` lives in a file under /dev/shm; the server opens the same
+file and maps it, so both processes see the same bytes. The file is removed when the returned
+tensor object is garbage collected or the process exits (mappings already open stay valid, and
+views keep the memory; but a server that restarts can map it again only while it exists, so keep
+the returned tensor alive as long as the cache is registered).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass
+
+from lmcache_mp.protocol import SHM_DIR, SHM_PREFIX
+
+
+_lock = threading.Lock()
+_regions: dict[int, tuple[int, str]] = {}  # base address -> (bytes, name)
+
+
+@dataclass(frozen=True)
+class SharedRegion:
+    """Where a CPU tensor's bytes live: a shared-memory file and the offset into it."""
+
+    name: str
+    offset: int
+    size: int  # bytes of the whole file
+
+
+def _unlink(name: str, base: int) -> None:
+    with _lock:
+        _regions.pop(base, None)
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
+def new_shared_name() -> str:
+    return f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:16]}"
+
+
+def _validate_name(name: str) -> str:
+    if not name.startswith(SHM_PREFIX) or "/" in name or name in (".", ".."):
+        raise ValueError(f"not an lmcache-mp shared-memory name: {name!r}")
+    return name
+
+
+def shared_cpu_tensor(shape, dtype, *, fill: float | None = 0):
+    """A torch CPU tensor in named shared memory that another process can open by name.
+
+    >>> kv = shared_cpu_tensor((2, 1024, 16, 8, 128), torch.bfloat16)
+    """
+    import torch
+
+    shape = tuple(int(s) for s in shape)
+    numel = 1
+    for s in shape:
+        numel *= s
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = max(numel * itemsize, 1)
+    name = new_shared_name()
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    tensor = flat.view(shape)
+    if fill is not None:
+        tensor.fill_(fill)
+    base = flat.data_ptr()
+    with _lock:
+        _regions[base] = (nbytes, name)
+    weakref.finalize(tensor, _unlink, name, base)
+    atexit.register(_unlink, name, base)
+    return tensor
+
+
+def register_shared_region(base: int, nbytes: int, name: str) -> None:
+    """Declare that [base, base+nbytes) is the mapping of the shared-memory file `name`."""
+    with _lock:
+        _regions[int(base)] = (int(nbytes), _validate_name(name))
+
+
+def find_shared_region(ptr: int, nbytes: int) -> SharedRegion:
+    """The shared-memory file holding [ptr, ptr+nbytes), or ValueError if it is ordinary memory."""
+    with _lock:
+        for base, (size, name) in _regions.items():
+            if base <= ptr and ptr + nbytes <= base + size:
+                return SharedRegion(name=name, offset=ptr - base, size=size)
+    raise ValueError(
+        "CPU KV-cache tensors must live in shared memory: make them with "
+        "lmcache_mp.shared_cpu_tensor(shape, dtype)"
+    )

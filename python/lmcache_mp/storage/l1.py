@@ -1,0 +1,330 @@
+"""L1: the index of chunk objects in the host arena, with leases and LRU eviction.
+
+An object is *committed* (visible to lookup and retrieve) only after its bytes have landed; a
+store that fails or is abandoned frees its slots and leaves nothing visible. An object is
+*evictable* when it is committed, nobody reads it and it carries no live lease; only evictable
+objects sit in the per-size-class LRU lists, so eviction takes the oldest in O(1).
+
+Leases: lookup(lock=True) leases the objects of the found prefix, one *use* per rank that will
+read the object (a shared MLA object gets world_size uses). A retrieve consumes one use of each
+object it reads; release() drops the leases a client took; a lease also ends when its client is
+gone or its TTL passes.
+
+All methods are thread-safe (one lock; every operation is short).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Sequence
+
+logger = logging.getLogger(__name__)
+
+SHARED_RANK = -1  # rank of objects shared by every rank (MLA)
+
+
+class ObjectKey(NamedTuple):
+    model: str
+    world_size: int
+    rank: int  # SHARED_RANK for objects every rank reads
+    digest: bytes
+    salt: bytes
+
+
+@dataclass
+class Lease:
+    owner: bytes
+    uses: int
+    expires: float
+    serial: int
+
+
+@dataclass(eq=False)
+class L1Object:
+    key: ObjectKey
+    offset: int
+    size_class: int
+    nbytes: int  # slot bytes taken from the arena
+    format_key: tuple
+    committed: bool = False
+    readers: int = 0
+    leases: list[Lease] = field(default_factory=list)
+
+
+@dataclass
+class StorePlan:
+    """What a store will write: `objects[i]` receives chunk `indices[i]` of the request."""
+
+    indices: list[int]
+    objects: list[L1Object]
+    present: int  # chunks already stored (or being stored by another request)
+    skipped: int  # chunks not stored: no memory
+
+
+class L1Store:
+    def __init__(self, arena, clock: Callable[[], float] = time.monotonic):
+        self.arena = arena
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._index: dict[ObjectKey, L1Object] = {}
+        self._lru: dict[int, OrderedDict[ObjectKey, L1Object]] = {}  # size class -> evictable, oldest first
+        self._expiry: list[tuple[float, int, L1Object, Lease]] = []  # heap of lease deadlines
+        self._serial = itertools.count()
+        self._classes: dict[int, int] = {}  # object bytes -> size class
+        self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "leases_expired": 0}
+
+    # ---- helpers (lock held) -------------------------------------------------------------------
+
+    def _evictable(self, obj: L1Object) -> bool:
+        return obj.committed and obj.readers == 0 and not obj.leases
+
+    def _park(self, obj: L1Object) -> None:
+        """Put obj at the most-recently-used end of its LRU list if it is evictable."""
+        lru = self._lru.setdefault(obj.size_class, OrderedDict())
+        lru.pop(obj.key, None)
+        if self._evictable(obj):
+            lru[obj.key] = obj
+
+    def _unpark(self, obj: L1Object) -> None:
+        lru = self._lru.get(obj.size_class)
+        if lru is not None:
+            lru.pop(obj.key, None)
+
+    def _free(self, obj: L1Object) -> None:
+        self._unpark(obj)
+        if self._index.get(obj.key) is obj:
+            del self._index[obj.key]
+        self.arena.free(obj.offset)
+
+    def _expire_leases(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] <= now:
+            _, _, obj, lease = heapq.heappop(self._expiry)
+            if lease in obj.leases:
+                obj.leases.remove(lease)
+                self.counters["leases_expired"] += 1
+                self._park(obj)
+
+    def _allocate(self, size_class: int) -> int:
+        off = self.arena.allocate(size_class)
+        if off >= 0:
+            return off
+        self._expire_leases(self._clock())
+        same = self._lru.get(size_class)
+        if same:  # freeing one object of this class frees exactly the slot we need
+            _, victim = same.popitem(last=False)
+            self._free(victim)
+            self.counters["evicted"] += 1
+            return self.arena.allocate(size_class)
+        # Other classes give memory back only when a whole slab empties: evict oldest first.
+        while True:
+            heads = [(next(iter(lru.values())), c) for c, lru in self._lru.items() if lru]
+            if not heads:
+                return -1
+            victim = heads[0][0]  # any class's oldest is a fair choice; classes are few
+            self._lru[heads[0][1]].pop(victim.key)
+            self._free(victim)
+            self.counters["evicted"] += 1
+            off = self.arena.allocate(size_class)
+            if off >= 0:
+                return off
+
+    def _size_class(self, object_bytes: int) -> int:
+        cls = self._classes.get(object_bytes)
+        if cls is None:
+            cls = self.arena.size_class(object_bytes)
+            self._classes[object_bytes] = cls
+        return cls
+
+    # ---- store -------------------------------------------------------------------------------
+
+    def begin_store(self, keys: Sequence[ObjectKey], object_bytes: int, format_key: tuple) -> StorePlan:
+        """Reserve objects for the keys not yet present. Stops at the first chunk it cannot place
+        (a later chunk is useless without the earlier ones: lookups are prefix lookups)."""
+        plan = StorePlan(indices=[], objects=[], present=0, skipped=0)
+        with self._lock:
+            cls = self._size_class(object_bytes)
+            for i, key in enumerate(keys):
+                obj = self._index.get(key)
+                if obj is not None and obj.format_key != format_key:
+                    if not self._evictable(obj):
+                        plan.skipped = len(keys) - i
+                        break
+                    self._free(obj)  # stale bytes of another layout: replace them
+                    obj = None
+                if obj is not None:
+                    plan.present += 1
+                    if obj.committed:
+                        self._park(obj)  # a store of existing data counts as a use
+                    continue
+                off = self._allocate(cls)
+                if off < 0:
+                    plan.skipped = len(keys) - i
+                    break
+                obj = L1Object(key=key, offset=off, size_class=cls, nbytes=self.arena.slot_bytes(cls),
+                               format_key=format_key)
+                self._index[key] = obj
+                plan.indices.append(i)
+                plan.objects.append(obj)
+        return plan
+
+    def commit(self, plan: StorePlan) -> None:
+        with self._lock:
+            for obj in plan.objects:
+                obj.committed = True
+                self._park(obj)
+            self.counters["stored"] += len(plan.objects)
+
+    def abort(self, plan: StorePlan) -> None:
+        with self._lock:
+            for obj in plan.objects:
+                self._free(obj)
+
+    # ---- read --------------------------------------------------------------------------------
+
+    def begin_read(self, keys: Sequence[ObjectKey], format_key: tuple) -> list[L1Object]:
+        """Pin the leading committed objects of this format and consume one lease use of each."""
+        out: list[L1Object] = []
+        with self._lock:
+            for key in keys:
+                obj = self._index.get(key)
+                if obj is None or not obj.committed or obj.format_key != format_key:
+                    break
+                obj.readers += 1
+                if obj.leases:
+                    lease = obj.leases[0]
+                    lease.uses -= 1
+                    if lease.uses <= 0:
+                        obj.leases.pop(0)
+                self._unpark(obj)
+                out.append(obj)
+        return out
+
+    def end_read(self, objs: Sequence[L1Object]) -> None:
+        with self._lock:
+            for obj in objs:
+                obj.readers -= 1
+                self._park(obj)
+
+    # ---- lookup and leases -------------------------------------------------------------------
+
+    def _present(self, key: ObjectKey) -> L1Object | None:
+        obj = self._index.get(key)
+        return obj if obj is not None and obj.committed else None
+
+    def lookup(
+        self,
+        model: str,
+        world_size: int,
+        digests: Sequence[bytes],
+        salt: bytes = b"",
+        lock: bool = False,
+        owner: bytes = b"",
+        ttl: float = 30.0,
+    ) -> int:
+        """Leading chunks present for every rank (or as one shared object), leased if lock."""
+        hits = 0
+        with self._lock:
+            now = self._clock()
+            self._expire_leases(now)
+            for digest in digests:
+                shared = self._present(ObjectKey(model, world_size, SHARED_RANK, digest, salt))
+                if shared is not None:
+                    found = [(shared, world_size)]
+                else:
+                    found = []
+                    for r in range(world_size):
+                        obj = self._present(ObjectKey(model, world_size, r, digest, salt))
+                        if obj is None:
+                            break
+                        found.append((obj, 1))
+                    if len(found) != world_size:
+                        break
+                hits += 1
+                if lock:
+                    for obj, uses in found:
+                        lease = Lease(owner=owner, uses=uses, expires=now + ttl, serial=next(self._serial))
+                        obj.leases.append(lease)
+                        heapq.heappush(self._expiry, (lease.expires, lease.serial, obj, lease))
+                        self._unpark(obj)
+                else:
+                    for obj, _ in found:
+                        self._park(obj)  # a lookup hit is a use
+            self.counters["lookups"] += 1
+            self.counters["hits"] += hits
+        return hits
+
+    def release(self, owner: bytes, model: str, world_size: int, digests: Sequence[bytes], salt: bytes = b"") -> int:
+        """Drop one lease of `owner` on each object of these chunks; returns leases dropped."""
+        dropped = 0
+        with self._lock:
+            for digest in digests:
+                keys = [ObjectKey(model, world_size, SHARED_RANK, digest, salt)]
+                keys += [ObjectKey(model, world_size, r, digest, salt) for r in range(world_size)]
+                for key in keys:
+                    obj = self._index.get(key)
+                    if obj is None:
+                        continue
+                    for lease in obj.leases:
+                        if lease.owner == owner:
+                            obj.leases.remove(lease)
+                            dropped += 1
+                            self._park(obj)
+                            break
+        return dropped
+
+    def drop_owner(self, owner: bytes) -> int:
+        """Drop every lease of a client that went away."""
+        dropped = 0
+        with self._lock:
+            for obj in self._index.values():
+                if obj.leases:
+                    keep = [ls for ls in obj.leases if ls.owner != owner]
+                    if len(keep) != len(obj.leases):
+                        dropped += len(obj.leases) - len(keep)
+                        obj.leases = keep
+                        self._park(obj)
+        return dropped
+
+    def expire(self) -> None:
+        with self._lock:
+            self._expire_leases(self._clock())
+
+    def clear(self) -> int:
+        """Drop every lease and free every object nobody is reading or writing."""
+        removed = 0
+        with self._lock:
+            for obj in list(self._index.values()):
+                obj.leases.clear()
+                if obj.committed and obj.readers == 0:
+                    self._free(obj)
+                    removed += 1
+            self._expiry.clear()
+        return removed
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    def contains(self, key: ObjectKey) -> bool:
+        with self._lock:
+            return self._present(key) is not None
+
+    def stats(self) -> dict:
+        with self._lock:
+            committed = sum(1 for o in self._index.values() if o.committed)
+            leased = sum(1 for o in self._index.values() if o.leases)
+            leases = sum(len(o.leases) for o in self._index.values())
+            in_use = sum(o.nbytes for o in self._index.values())
+            return {
+                "objects": committed,
+                "writing": len(self._index) - committed,
+                "leased_objects": leased,
+                "leases": leases,
+                "bytes_used": in_use,
+                "evictable": sum(len(l) for l in self._lru.values()),
+                **self.counters,
+            }
