@@ -148,6 +148,13 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("layout"), py::arg("chunk_size"), py::arg("block_ids"), py::arg("object_ptrs"),
       py::arg("object_capacity"), "Copy host objects back into paged KV blocks (GIL released)");
+  m.def(
+      "parallel_memcpy",
+      [](uintptr_t dst, uintptr_t src, size_t n) {
+        py::gil_scoped_release nogil;
+        parallel_memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("nbytes"), "Contiguous copy on the CPU copy threads (GIL released)");
   m.def("set_cpu_threads", &set_cpu_threads, py::arg("n"), "Threads for CPU copies (<= 0: one per core)");
   m.def("cpu_threads", [] { return cpu_pool()->size(); });
   m.def("pinning_available", &pinning_available);

@@ -1,6 +1,8 @@
 // Copies between a paged KV cache in host memory and host objects, on the CPU thread pool.
 #pragma once
 
+#include <cstddef>
+
 #include "kv_layout.h"
 
 namespace lmc {
@@ -9,5 +11,8 @@ enum class Direction { kGather, kScatter };  // gather: cache -> objects; scatte
 
 // Validates everything first (nothing is written on error), then copies.
 void cpu_transfer(const KVLayout& layout, const ChunkBatch& batch, Direction dir);
+
+// A contiguous copy on the same thread pool: the ceiling the transfers are measured against.
+void parallel_memcpy(void* dst, const void* src, size_t bytes);
 
 }  // namespace lmc

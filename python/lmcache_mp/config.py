@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 ENV_PREFIX = "LMCACHE_MP_"
@@ -42,37 +42,32 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
+def _setting(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ServerConfig:
     """Settings of one cache server. Sizes accept ints (bytes) or strings like '64GiB'."""
 
-    url: str = "tcp://127.0.0.1:5555"
-    """ZeroMQ endpoint to bind: tcp://HOST:PORT (port 0 picks a free one) or ipc:///path."""
-    l1_size: int | str = "4GiB"
-    """Host memory for cached chunks. Pinned (page-locked) on the cuda device."""
-    chunk_size: int = 256
-    """Tokens per chunk: the unit of hashing, lookup and storage."""
-    device: str = "auto"
-    """cpu: KV caches in shared memory; cuda: GPU caches over CUDA IPC; auto: cuda if usable."""
-    transfer_mode: str = "auto"
-    """GPU copy path: direct (zero-copy kernel), staged (device ring + DMA), dma (copy engines)."""
-    staging_size: int | str = "64MiB"
-    """Device staging ring per registration and direction (staged mode)."""
-    direct_ctas: int = 4
-    """CTAs of the zero-copy kernel (direct mode): few, to leave the SMs to the engine."""
-    slab_size: int | str = "256MiB"
-    """Arena slab: the largest object (one chunk of one rank) must fit in one."""
-    lease_ttl: float = 30.0
-    """Seconds a lookup lease lives if no retrieve or release consumes it."""
-    heartbeat_timeout: float = 10.0
-    """Seconds without a heartbeat after which a client's leases and registrations are dropped."""
-    cpu_threads: int = 0
-    """Threads for CPU copies (0: one per core, at most 16)."""
-    numa_node: int = -1
-    """NUMA node for the arena (-1: the first GPU's node where known, else the kernel's choice)."""
-    metrics_port: int = 0
-    """Serve Prometheus metrics on this port (0: off)."""
-    log_level: str = "INFO"
+    url: str = _setting(
+        "tcp://127.0.0.1:5555", "ZeroMQ endpoint to bind: tcp://HOST:PORT (port 0 picks a free one) or ipc:///path")
+    l1_size: int | str = _setting("4GiB", "host memory for cached chunks; page-locked on the cuda device")
+    chunk_size: int = _setting(256, "tokens per chunk: the unit of hashing, lookup and storage")
+    device: str = _setting(
+        "auto", "cpu: KV caches in shared memory; cuda: GPU caches over CUDA IPC; auto: cuda when usable")
+    transfer_mode: str = _setting(
+        "auto", "GPU copy path: direct (zero-copy kernel), staged (device ring + DMA), dma (copy engines only)")
+    staging_size: int | str = _setting("64MiB", "device staging ring per registration and direction (staged)")
+    direct_ctas: int = _setting(4, "CTAs of the zero-copy kernel (direct): few, to leave SMs to the engine")
+    slab_size: int | str = _setting("256MiB", "arena slab; one chunk of one rank must fit in one")
+    lease_ttl: float = _setting(30.0, "seconds a lookup lease lives unless a retrieve or release ends it")
+    heartbeat_timeout: float = _setting(
+        10.0, "seconds of client silence after which its leases and registrations are dropped")
+    cpu_threads: int = _setting(0, "threads for CPU copies (0: one per core, at most 16)")
+    numa_node: int = _setting(-1, "NUMA node of the arena (-1: the first GPU's node where known)")
+    metrics_port: int = _setting(0, "serve Prometheus metrics on this port (0: off)")
+    log_level: str = _setting("INFO", "DEBUG, INFO, WARNING or ERROR")
 
     def __post_init__(self) -> None:
         self.l1_size = parse_size(self.l1_size)

@@ -29,6 +29,8 @@ def gather_reference(layers: list[np.ndarray], spec: LayoutSpec, chunk_size: int
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1, bpc)
     n = ids.shape[0]
     out = np.empty((n, spec.num_segments, spec.num_layers, bpc, spec.block_bytes), dtype=np.uint8)
+    if n == 0:
+        return out.reshape(0, spec.object_bytes(chunk_size))
     for l, buf in enumerate(layers):
         v = _layer_view(buf, spec)[:, ids]  # [S, n, bpc, rows, row_bytes]
         out[:, :, l] = v.transpose(1, 0, 2, 3, 4).reshape(n, spec.num_segments, bpc, spec.block_bytes)
@@ -42,6 +44,8 @@ def scatter_reference(
     bpc = chunk_size // spec.block_size
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1, bpc)
     n = ids.shape[0]
+    if n == 0:
+        return
     need = spec.object_bytes(chunk_size)
     obj = np.asarray(objects, dtype=np.uint8)[:, :need].reshape(
         n, spec.num_segments, spec.num_layers, bpc, spec.rows_per_block, spec.row_bytes

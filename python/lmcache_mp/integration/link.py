@@ -10,18 +10,31 @@ they end. Once made, the client reconnects and re-registers by itself after a se
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
+_live_links: "weakref.WeakSet[ClientLink]" = weakref.WeakSet()
 
-def _default_factory(url: str, timeout: float):
+
+@atexit.register
+def _close_live_links() -> None:
+    # Engines do not always call shutdown() before the interpreter exits; closing the clients
+    # here, while the interpreter is still whole, says goodbye to the server (dropping leases)
+    # and stops the client's threads before their sockets are torn down at random.
+    for link in list(_live_links):
+        link.close()
+
+
+def _default_factory(url: str, timeout: float, connect_timeout: float):
     from lmcache_mp import Client
 
-    return Client(url, timeout=timeout)
+    return Client(url, timeout=timeout, connect_timeout=connect_timeout)
 
 
 class ClientLink:
@@ -38,14 +51,16 @@ class ClientLink:
         *,
         name: str = "lmcache-mp",
         request_timeout: float = 10.0,
+        connect_timeout: float = 5.0,
         retry_interval: float = 5.0,
         on_connect: Callable[[Any], None] | None = None,
-        client_factory: Callable[[str, float], Any] | None = None,
+        client_factory: Callable[[str, float, float], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.url = url
         self.name = name
         self.request_timeout = float(request_timeout)
+        self.connect_timeout = float(connect_timeout)
         self.retry_interval = float(retry_interval)
         self._on_connect = on_connect
         self._factory = client_factory or _default_factory
@@ -58,6 +73,7 @@ class ClientLink:
         self._paused_until = 0.0
         self._down = False  # an outage has been logged and not yet its end
         self._closed = False
+        _live_links.add(self)
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -123,7 +139,7 @@ class ClientLink:
     def _attempt(self) -> None:
         client = None
         try:
-            client = self._factory(self.url, self.request_timeout)
+            client = self._factory(self.url, self.request_timeout, self.connect_timeout)
             if self._on_connect is not None:
                 self._on_connect(client)
         except Exception as exc:  # noqa: BLE001 - any failure means "try again later"

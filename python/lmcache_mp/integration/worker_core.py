@@ -1,0 +1,224 @@
+"""Worker half of the lmcache-mp connector: registers one rank's KV cache and executes plans."""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import logging
+import time
+import weakref
+from typing import Iterable, Sequence
+
+from lmcache_mp.errors import LMCacheMPError, ServerUnavailable
+from lmcache_mp.integration.connector_types import ConnectorConfig, StepPlan, Transfer
+from lmcache_mp.integration.link import ClientLink
+
+logger = logging.getLogger(__name__)
+
+_live_workers: "weakref.WeakSet[WorkerCore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_workers() -> None:
+    # An engine that exits without shutdown() still gets its stores in flight delivered
+    # (bounded by flush_timeout) and its shared-memory files removed.
+    for worker in list(_live_workers):
+        worker.close()
+
+
+class WorkerCore:
+    """Executes plans on one rank's KV cache. Called from the engine's execution thread."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        rank: int = 0,
+        layout: str = "auto",
+        link: ClientLink | None = None,
+    ):
+        self.cfg = config
+        self.rank = rank
+        self.layout = layout
+        self.link = link or ClientLink(
+            config.url,
+            name=f"lmcache-mp worker {rank}",
+            request_timeout=config.request_timeout,
+            connect_timeout=config.connect_timeout,
+            retry_interval=config.retry_interval,
+            on_connect=self._register,
+        )
+        self._tensors: list = []
+        self._shared: list = []
+        self._handle = None
+        self._handle_client = None
+        self._stores: dict[str, list[cf.Future]] = {}  # req -> store futures not yet reported
+        self._with_stores: set[str] = set()  # requests that had a store planned
+        self._finishing: set[str] = set()
+        self._loading: list[tuple[Transfer, cf.Future | None]] = []
+        self._load_errors: set[int] = set()
+        self._store_failures = 0
+        self._store_failure_logged = False
+        self.stats = {"loaded_chunks": 0, "failed_load_chunks": 0, "stored_chunks": 0, "store_errors": 0}
+        self._closed = False
+        _live_workers.add(self)
+
+    # ---- registration ---------------------------------------------------------------------
+
+    def register_kv_caches(self, tensors: Sequence) -> None:
+        """Take the rank's per-layer KV tensors (CPU ones move into shared memory in place)."""
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError("no KV-cache tensors to register")
+        if tensors[0].device.type == "cpu":
+            from lmcache_mp.integration.cpu_shm import move_to_shared_memory
+
+            self._shared = move_to_shared_memory(tensors)
+        self._tensors = tensors
+        self.link.connect(wait=self.cfg.connect_timeout)
+
+    def _register(self, client) -> None:
+        if not self._tensors:
+            raise RuntimeError("KV caches are not known yet")
+        self._handle = client.register_kv_cache(
+            self._tensors,
+            model=self.cfg.model,
+            world_size=self.cfg.world_size,
+            rank=self.rank,
+            layout=self.layout,
+        )
+        self._handle_client = client
+
+    def _client(self):
+        client = self.link.get()
+        if client is None or self._handle is None:
+            return None
+        return client
+
+    # ---- loads ----------------------------------------------------------------------------
+
+    def start_loads(self, plan: StepPlan) -> None:
+        client = self._client() if plan.loads else None
+        for t in plan.loads:
+            fut = None
+            if client is not None and t.hashes:
+                try:
+                    fut = client.retrieve(self._handle, t.hashes, t.block_ids)
+                except LMCacheMPError as exc:
+                    self._note_failure(exc)
+            self._loading.append((t, fut))
+
+    def wait_loads(self) -> None:
+        """Block until this step's loads landed; record the blocks of every chunk not loaded."""
+        if not self._loading:
+            return
+        deadline = time.monotonic() + self.cfg.load_timeout
+        loading, self._loading = self._loading, []
+        for t, fut in loading:
+            loaded = 0
+            if fut is not None:
+                try:
+                    loaded = int(fut.result(timeout=max(0.0, deadline - time.monotonic())).loaded)
+                except cf.TimeoutError:
+                    self.link.report_failure(ServerUnavailable("load timed out"))
+                except LMCacheMPError as exc:
+                    self._note_failure(exc)
+            n = len(t.hashes)
+            loaded = max(0, min(loaded, n))
+            self.stats["loaded_chunks"] += loaded
+            if loaded < n or not n:
+                self.stats["failed_load_chunks"] += n - loaded
+                bpc = len(t.block_ids) // n if n else 0
+                self._load_errors.update(t.block_ids[max(loaded * bpc, t.num_scratch_blocks) :])
+                logger.debug("lmcache-mp: request %s loaded %d of %d chunks", t.req_id, loaded, n)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- stores ---------------------------------------------------------------------------
+
+    def start_stores(self, plan: StepPlan) -> None:
+        client = self._client() if plan.stores else None
+        for t in plan.stores:
+            self._with_stores.add(t.req_id)
+            if client is None:
+                continue
+            try:
+                fut = client.store(self._handle, t.hashes, t.block_ids)
+            except LMCacheMPError as exc:
+                self._store_failed(exc)
+                continue
+            self.stats["stored_chunks"] += len(t.hashes)
+            self._stores.setdefault(t.req_id, []).append(fut)
+
+    def _store_failed(self, exc: BaseException) -> None:
+        self.stats["store_errors"] += 1
+        if isinstance(exc, ServerUnavailable):
+            self.link.report_failure(exc)
+        elif not self._store_failure_logged:
+            logger.warning("lmcache-mp: store failed (%s); further failures are logged at debug level", exc)
+            self._store_failure_logged = True
+        else:
+            logger.debug("lmcache-mp: store failed: %s", exc)
+
+    def _note_failure(self, exc: BaseException) -> None:
+        if isinstance(exc, ServerUnavailable):
+            self.link.report_failure(exc)
+        else:
+            logger.warning("lmcache-mp: transfer rejected: %s", exc)
+
+    def _reap(self, futures: list[cf.Future]) -> None:
+        for fut in futures:
+            exc = fut.exception() if fut.done() and not fut.cancelled() else None
+            if exc is not None:
+                self._store_failed(exc)
+
+    def wait_stores(self, req_ids: Iterable[str], timeout: float | None = None) -> None:
+        """Block until the stores of these requests finished (their blocks may then change)."""
+        deadline = time.monotonic() + (self.cfg.flush_timeout if timeout is None else timeout)
+        for rid in req_ids:
+            futures = self._stores.pop(rid, [])
+            if futures:
+                cf.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+                self._reap(futures)
+
+    def handle_preemptions(self, plan: StepPlan) -> None:
+        if plan.preempted:
+            self.wait_stores(plan.preempted)
+
+    def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """Requests that finished and whose stores are all done (each reported once)."""
+        self._finishing.update(r for r in finished_req_ids if r in self._with_stores)
+        done = set()
+        for rid in self._finishing:
+            futures = self._stores.get(rid, ())
+            if all(f.done() for f in futures):
+                done.add(rid)
+        for rid in done:
+            self._reap(self._stores.pop(rid, []))
+            self._with_stores.discard(rid)
+        self._finishing -= done
+        return done
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        pending = [f for fs in self._stores.values() for f in fs]
+        if pending:
+            cf.wait(pending, timeout=self.cfg.flush_timeout)
+        self._stores.clear()
+        client, handle = self._handle_client, self._handle
+        self._handle = None
+        if client is not None and handle is not None:
+            try:
+                client.unregister_kv_cache(handle)
+            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                logger.debug("lmcache-mp: unregister failed: %s", exc)
+        self.link.close()
+        if self._shared:
+            from lmcache_mp.integration.cpu_shm import release_shared_memory
+
+            release_shared_memory(self._shared)
+            self._shared = []

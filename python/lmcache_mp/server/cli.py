@@ -1,0 +1,67 @@
+"""lmcache-mp-server: run a cache server until SIGINT or SIGTERM.
+
+Settings: command line > LMCACHE_MP_* environment > --config FILE (TOML) > defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from lmcache_mp._version import __version__
+from lmcache_mp.config import ServerConfig, format_size
+
+logger = logging.getLogger("lmcache_mp")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="lmcache-mp-server",
+        description="Standalone multiprocess KV-cache server for LLM inference engines.",
+        epilog="Every setting can also come from the environment (LMCACHE_MP_<NAME>, e.g. "
+        "LMCACHE_MP_L1_SIZE=64GiB) or a TOML file (--config). Sizes accept units: 512MiB, 64GiB.",
+    )
+    ap.add_argument("--config", metavar="FILE", help="TOML file with settings (keys as below, e.g. l1_size)")
+    ap.add_argument("--version", action="version", version=f"lmcache-mp {__version__}")
+    for f in dataclasses.fields(ServerConfig):
+        doc = (f.metadata or {}).get("help", "")
+        kind = type(f.default)
+        ap.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            default=None,
+            type=kind if kind in (int, float) else str,
+            help=f"{doc} (default: {f.default})",
+        )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(_parser().parse_args(argv))
+    config_file = args.pop("config")
+    try:
+        config = ServerConfig.from_sources(cli=args, config_file=config_file)
+    except (ValueError, OSError) as e:
+        print(f"lmcache-mp-server: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from lmcache_mp.native import build_info
+    from lmcache_mp.server.server import run_cache_server
+
+    info = build_info()
+    cuda = f"CUDA {info['cuda_compiler']} sm {info['cuda_architectures']}" if info["cuda"] else "no CUDA"
+    logger.info("lmcache-mp %s (%s, %d GPU(s) visible)", __version__, cuda, info["cuda_devices"])
+    logger.info("endpoint %s, L1 %s, chunk %d tokens, device %s, transfer mode %s", config.url,
+                format_size(config.l1_size), config.chunk_size, config.device, config.transfer_mode)
+    try:
+        run_cache_server(config)
+    except Exception as e:
+        logger.error("cannot start: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+import os
+
+import pytest
+
+
+def _gpu_available() -> tuple[bool, str]:
+    try:
+        from lmcache_mp.native import cuda_built, cuda_device_count
+    except ImportError as e:
+        return False, f"lmcache_mp is not importable: {e}"
+    if not cuda_built():
+        return False, "lmcache-mp was built without CUDA"
+    if cuda_device_count() == 0:
+        return False, "no CUDA device"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False, "torch sees no CUDA device"
+    except ImportError:
+        return False, "torch is not installed"
+    return True, ""
+
+
+def pytest_collection_modifyitems(config, items):
+    ok, why = _gpu_available()
+    if ok:
+        return
+    skip = pytest.mark.skip(reason=f"gpu test: {why}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def shm_files():
+    """Fails a test that leaves lmcache-mp shared-memory files behind."""
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("lmcache_mp_")}
+    yield
+    import gc
+
+    gc.collect()
+    after = {f for f in os.listdir("/dev/shm") if f.startswith("lmcache_mp_") and str(os.getpid()) in f}
+    assert not (after - before), f"leaked shared-memory files: {sorted(after - before)}"

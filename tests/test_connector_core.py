@@ -1,0 +1,493 @@
+"""The engine-agnostic connector core against a real in-process server and shared-memory caches.
+
+A small fake engine stands in for vLLM: it allocates blocks, "computes" KV (deterministic bytes
+derived from the token prefix, so a wrong block shows), and drives the scheduler-side core and
+one worker-side core per rank the way vLLM's connector hooks do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from lmcache_mp import Server, ServerConfig  # noqa: E402
+from lmcache_mp.integration.connector_core import (  # noqa: E402
+    ConnectorConfig,
+    ScheduledRequest,
+    SchedulerCore,
+    StepPlan,
+    Transfer,
+    WorkerCore,
+)
+from lmcache_mp.integration.link import ClientLink  # noqa: E402
+from lmcache_mp.keys import chunk_hashes  # noqa: E402
+
+BS = 32  # engine block size
+CS = 64  # server chunk size
+BPC = CS // BS
+LAYERS, HEADS, HEAD2 = 2, 2, 64  # vLLM CPU layout [NB, H, BS, 2*D]
+NUM_BLOCKS = 96
+SCRATCH = 0  # block 0 is never handed to a request, like vLLM's null block
+
+
+@pytest.fixture
+def server():
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", l1_size="64MiB", device="cpu", chunk_size=CS)).start()
+    yield srv
+    srv.stop()
+
+
+def make_cache() -> list:
+    """Per-layer views into one ordinary (not shared) buffer, as vLLM's CPU worker allocates."""
+    per_layer = NUM_BLOCKS * HEADS * BS * HEAD2
+    buf = torch.zeros(LAYERS * per_layer * 2, dtype=torch.int8)
+    flat = buf.view(torch.bfloat16)
+    return [flat[i * per_layer : (i + 1) * per_layer].view(NUM_BLOCKS, HEADS, BS, HEAD2) for i in range(LAYERS)]
+
+
+def block_bytes(tokens, block_index: int, layer: int, rank: int):
+    """The KV of one full block: a function of every token up to its end (like real KV)."""
+    h = hashlib.blake2b(repr((tokens[: (block_index + 1) * BS], layer, rank)).encode(), digest_size=8)
+    g = torch.Generator().manual_seed(int.from_bytes(h.digest(), "little"))
+    return torch.randn(HEADS, BS, HEAD2, generator=g).to(torch.bfloat16)
+
+
+class Engine:
+    """One engine instance: a scheduler core and one worker core per rank."""
+
+    def __init__(self, url: str, world_size: int = 1, **cfg):
+        cfg.setdefault("lookup_timeout", 2.0)
+        cfg.setdefault("connect_timeout", 5.0)
+        self.cfg = ConnectorConfig(url=url, model="tiny", block_size=BS, world_size=world_size, **cfg)
+        self.sched = SchedulerCore(self.cfg)
+        self.sched.scratch_block_id = SCRATCH
+        self.sched.start()
+        self.caches = [make_cache() for _ in range(world_size)]
+        self.workers = [WorkerCore(self.cfg, rank=r) for r in range(world_size)]
+        for w, c in zip(self.workers, self.caches):
+            w.register_kv_caches(c)
+        self.free = list(range(1, NUM_BLOCKS))
+        self.finished: set[str] = set()
+        self.load_errors: set[int] = set()
+
+    def alloc(self, n: int) -> list[int]:
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    def compute(self, tokens, block_ids, start: int, end: int) -> None:
+        """Write the KV of full blocks covering tokens [start, end) on every rank."""
+        for i in range(start // BS, end // BS):
+            for r, cache in enumerate(self.caches):
+                for layer in range(LAYERS):
+                    cache[layer][block_ids[i]].copy_(block_bytes(tokens, i, layer, r))
+
+    def check(self, tokens, block_ids, upto_tokens: int) -> bool:
+        ok = True
+        for i in range(upto_tokens // BS):
+            for r, cache in enumerate(self.caches):
+                for layer in range(LAYERS):
+                    ok &= torch.equal(cache[layer][block_ids[i]], block_bytes(tokens, i, layer, r))
+        return ok
+
+    def execute(self, plan: StepPlan, compute=()) -> None:
+        """One forward step on every rank: loads, compute, then stores."""
+        for w in self.workers:
+            w.handle_preemptions(plan)
+            w.start_loads(plan)
+            w.wait_loads()
+            self.load_errors |= w.take_load_errors()
+        for args in compute:
+            self.compute(*args)
+        for w in self.workers:
+            w.start_stores(plan)
+
+    def prefill(self, rid: str, tokens, local_hit: int = 0, local_blocks=()):
+        """Admit a request and run its whole prompt in one step; returns (external tokens, blocks)."""
+        ext = self.sched.num_new_matched_tokens(rid, tokens, local_hit)
+        blocks = list(local_blocks) + self.alloc(-(-len(tokens) // BS) - len(local_blocks))
+        self.sched.on_allocated(rid, blocks, ext)
+        computed = local_hit + ext
+        plan = self.sched.build_plan([ScheduledRequest(rid, computed, len(tokens) - computed, blocks)])
+        self.execute(plan, compute=[(tokens, blocks, computed, len(tokens))])
+        return ext, blocks, plan
+
+    def finish(self, rid: str, timeout: float = 10.0) -> bool:
+        """request_finished + poll the workers until they report the request (if delayed)."""
+        delay = self.sched.request_finished(rid)
+        if not delay:
+            return False
+        deadline = time.monotonic() + timeout
+        reported = [set() for _ in self.workers]
+        first = True
+        while time.monotonic() < deadline:
+            for i, w in enumerate(self.workers):
+                reported[i] |= w.finished({rid} if first else set())
+            first = False
+            if all(rid in r for r in reported):
+                return True
+            time.sleep(0.01)
+        raise AssertionError(f"{rid} never reported finished")
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.sched.close()
+
+
+def leases(server) -> int:
+    from lmcache_mp import Client
+
+    with Client(server.url, timeout=5) as c:
+        return c.status()["l1"]["leases"]
+
+
+def prompt(seed: int, n: int, prefix=()):
+    g = torch.Generator().manual_seed(seed)
+    return list(prefix) + torch.randint(3, 500, (n - len(prefix),), generator=g).tolist()
+
+
+# ---- configuration ---------------------------------------------------------------------------
+
+
+def test_config_from_extra_config():
+    cfg = ConnectorConfig.from_extra_config(
+        {
+            "lmcache_mp.url": "tcp://10.0.0.1:6000",
+            "lmcache_mp.lookup_timeout": "0.5",
+            "lmcache_mp.store_decode": "true",
+            "other.key": 1,
+        },
+        model="served",
+        block_size=32,
+        world_size=4,
+    )
+    assert (cfg.url, cfg.model, cfg.block_size, cfg.world_size) == ("tcp://10.0.0.1:6000", "served", 32, 4)
+    assert cfg.lookup_timeout == 0.5 and cfg.store_decode is True
+    assert ConnectorConfig.from_extra_config({"lmcache_mp.model": "m"}, block_size=16).model == "m"
+    with pytest.raises(ValueError, match="unknown"):
+        ConnectorConfig.from_extra_config({"lmcache_mp.nope": 1})
+
+
+# ---- shared memory ---------------------------------------------------------------------------
+
+
+def test_register_moves_cpu_cache_into_shared_memory_in_place(server):
+    from lmcache_mp import shm
+
+    eng = Engine(server.url)
+    try:
+        cache = eng.caches[0]
+        name = shm.find_shared_region(cache[0].data_ptr(), cache[0].numel() * 2).name
+        path = os.path.join(shm.SHM_DIR, name)
+        assert os.path.exists(path)
+        # The same tensor objects now write into the file the server maps.
+        cache[1][5].fill_(1.5)
+        mapped = torch.from_file(path, shared=True, size=os.path.getsize(path) // 2, dtype=torch.bfloat16)
+        offset = (cache[1][5].data_ptr() - cache[0].data_ptr()) // 2
+        assert torch.all(mapped[offset : offset + HEADS * BS * HEAD2] == 1.5)
+    finally:
+        eng.close()
+    assert not os.path.exists(path)
+
+
+# ---- hits, caps and alignment ----------------------------------------------------------------
+
+
+def test_store_then_load_in_another_engine(server):
+    a = Engine(server.url)
+    toks = prompt(1, 300)
+    ext, blocks_a, plan = a.prefill("r1", toks)
+    assert ext == 0 and not plan.loads
+    assert [len(t.hashes) for t in plan.stores] == [300 // CS]
+    assert plan.stores[0].block_ids == blocks_a[: (300 // CS) * BPC]
+    assert a.finish("r1") is True  # stores were in flight: blocks held until reported
+    a.close()
+
+    b = Engine(server.url)
+    try:
+        b.free = b.free[::-1]  # other block ids than engine A's
+        ext, blocks_b, plan = b.prefill("r1", toks)
+        assert ext == 4 * CS  # whole chunks, not the 300-token prompt
+        assert len(plan.loads) == 1 and len(plan.loads[0].hashes) == 4
+        assert not plan.stores  # nothing new to store: chunk 5 is partial
+        assert b.load_errors == set()
+        assert b.check(toks, blocks_b, 300)
+        assert leases(server) == 0  # the retrieve consumed the leases
+        assert b.finish("r1") is False
+    finally:
+        b.close()
+
+
+def test_hit_never_covers_the_whole_prompt(server):
+    a = Engine(server.url)
+    toks = prompt(2, 256)  # exactly 4 chunks
+    a.prefill("r", toks)
+    a.finish("r")
+    ext, _, plan = a.prefill("again", toks)
+    assert ext == 3 * CS  # (256 - 1) // 64 chunks: vLLM must compute at least one token
+    # The last chunk was not looked up, so it is stored again; the server finds it present.
+    assert [t.hashes for t in plan.stores] == [chunk_hashes(toks, CS)[3:4]]
+    a.finish("again")
+    a.close()
+
+
+def test_shared_prefix_and_chunk_alignment(server):
+    a = Engine(server.url)
+    base = prompt(3, 400)
+    a.prefill("base", base)
+    a.finish("base")
+    other = prompt(4, 500, prefix=base[:150])  # shares 2 full chunks and 22 more tokens
+    ext, blocks, plan = a.prefill("other", other)
+    assert ext == 2 * CS
+    assert a.load_errors == set() and a.check(other, blocks, 500)
+    # Chunks 2.. are new: stored, starting after the hit.
+    assert [len(t.hashes) for t in plan.stores] == [500 // CS - 2]
+    assert plan.stores[0].hashes == chunk_hashes(other, CS)[2 : 500 // CS]
+    a.finish("other")
+    a.close()
+
+
+def test_local_prefix_hit_inside_a_chunk_uses_the_scratch_block(server):
+    a = Engine(server.url)
+    toks = prompt(5, 330)
+    a.prefill("r", toks)
+    a.finish("r")
+    # The engine holds 3 blocks (96 tokens) itself; the server has 5 chunks (320 tokens).
+    local = a.alloc(3)
+    a.compute(toks, local, 0, 96)
+    before = [c[layer][local].clone() for c in a.caches for layer in range(LAYERS)]
+    ext, blocks, plan = a.prefill("r2", toks, local_hit=96, local_blocks=local)
+    assert ext == 320 - 96
+    (load,) = plan.loads
+    assert load.hashes == chunk_hashes(toks, CS)[1:5]  # starts at the chunk holding token 96
+    assert load.num_scratch_blocks == 1 and load.block_ids[0] == SCRATCH
+    assert load.block_ids[1:] == blocks[3:10]
+    assert a.load_errors == set() and a.check(toks, blocks, 330)
+    after = [c[layer][local].clone() for c in a.caches for layer in range(LAYERS)]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))  # local blocks untouched
+    a.sched.flush_releases(5)
+    assert leases(server) == 0  # chunk 0 was released, chunks 1-4 consumed by the load
+    a.finish("r2")
+    a.close()
+
+
+def test_local_hit_beyond_the_server_hit_loads_nothing(server):
+    a = Engine(server.url)
+    toks = prompt(6, 300)
+    a.prefill("r", toks)
+    a.finish("r")
+    local = a.alloc(9)
+    a.compute(toks, local, 0, 288)
+    ext, _, plan = a.prefill("r2", toks, local_hit=288, local_blocks=local)
+    assert ext == 0 and not plan.loads
+    a.sched.flush_releases(5)
+    assert leases(server) == 0
+    a.finish("r2")
+    a.close()
+
+
+def test_repeated_query_reuses_the_lookup_and_finish_releases_the_lease(server):
+    a = Engine(server.url)
+    toks = prompt(7, 300)
+    a.prefill("r", toks)
+    a.finish("r")
+    # Allocation "fails": vLLM asks again next step; the first lease is reused, not doubled.
+    assert a.sched.num_new_matched_tokens("w", toks, 0) == 4 * CS
+    assert a.sched.num_new_matched_tokens("w", toks, 0) == 4 * CS
+    assert leases(server) == 4
+    assert a.sched.request_finished("w") is False  # aborted while waiting
+    a.sched.flush_releases(5)
+    assert leases(server) == 0
+    a.close()
+
+
+# ---- decode, chunked prefill, preemption -----------------------------------------------------
+
+
+@pytest.mark.parametrize("store_decode", [False, True])
+def test_decode_chunks_are_stored_only_when_configured(server, store_decode):
+    a = Engine(server.url, store_decode=store_decode)
+    toks = prompt(8, 120)
+    ext, blocks, plan = a.prefill("r", toks)
+    assert [len(t.hashes) for t in plan.stores] == [1]
+    stored = []
+    for step in range(40):  # decode 40 tokens: positions 120..159 (chunk 1 completes at 128)
+        toks.append(7 + step)
+        if len(toks) > len(blocks) * BS:
+            blocks += a.alloc(1)
+        pos = len(toks) - 1
+        plan = a.sched.build_plan([ScheduledRequest("r", pos, 1, blocks)])
+        a.execute(plan, compute=[(toks, blocks, pos, pos + 1)])
+        stored += [h for t in plan.stores for h in t.hashes]
+    expected = chunk_hashes(toks, CS)[1:2] if store_decode else []
+    assert stored == expected
+    a.finish("r")
+    a.close()
+
+
+def test_chunked_prefill_stores_each_chunk_once(server):
+    a = Engine(server.url)
+    toks = prompt(9, 700)
+    assert a.sched.num_new_matched_tokens("r", toks, 0) == 0
+    blocks = a.alloc(-(-700 // BS))
+    a.sched.on_allocated("r", blocks, 0)
+    stored, done = [], 0
+    for n in (100, 100, 300, 200):  # prefill in budget-limited pieces
+        plan = a.sched.build_plan([ScheduledRequest("r", done, n, blocks if done == 0 else None)])
+        a.execute(plan, compute=[(toks, blocks, done, done + n)])
+        stored += [h for t in plan.stores for h in t.hashes]
+        done += n
+    assert stored == chunk_hashes(toks, CS)
+    a.finish("r")
+    a.close()
+
+
+def test_preemption_waits_for_stores_and_readmission_looks_up_again(server):
+    a = Engine(server.url)
+    toks = prompt(10, 400)
+    ext, blocks, plan = a.prefill("r", toks)
+    assert plan.stores
+    # Preempted in the next step: workers must finish reading its blocks first.
+    plan = a.sched.build_plan([], preempted=["r"])
+    assert plan.preempted == ["r"]
+    a.execute(plan)
+    for w in a.workers:
+        assert "r" not in w._stores  # waited for and reaped
+    a.free += blocks
+    # Re-admitted (generation 1): a fresh lookup finds what it stored before.
+    assert a.sched.num_new_matched_tokens("r", toks, 0, generation=1) == 6 * CS
+    new_blocks = a.alloc(len(blocks))
+    a.sched.on_allocated("r", new_blocks, 6 * CS)
+    plan = a.sched.build_plan([ScheduledRequest("r", 6 * CS, 400 - 6 * CS, None, new_block_ids=new_blocks, resumed=True)])
+    a.execute(plan, compute=[(toks, new_blocks, 6 * CS, 400)])
+    assert a.load_errors == set() and a.check(toks, new_blocks, 400)
+    assert a.finish("r") is True  # it had stores: the workers report it
+    a.close()
+
+
+# ---- failures --------------------------------------------------------------------------------
+
+
+def test_short_and_failed_loads_report_their_blocks(server):
+    a = Engine(server.url)
+    toks = prompt(11, 300)
+    a.prefill("r", toks)
+    a.finish("r")
+    hashes = chunk_hashes(toks, CS)
+    missing = chunk_hashes(prompt(12, 300), CS)
+    blocks = a.alloc(8)
+    plan = StepPlan(
+        loads=[
+            Transfer("short", hashes[:2] + missing[2:4], blocks[:8]),
+            Transfer("none", [], [40, 41]),  # a load the scheduler could not plan
+        ]
+    )
+    a.execute(plan)
+    assert a.load_errors == set(blocks[4:8]) | {40, 41}
+    a.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_absent_server_means_no_hits_and_no_stalls(caplog):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    caplog.set_level(logging.WARNING, logger="lmcache_mp")
+    t0 = time.monotonic()
+    a = Engine(url, connect_timeout=0.3, retry_interval=60)
+    assert time.monotonic() - t0 < 3
+    toks = prompt(13, 300)
+    t0 = time.monotonic()
+    for i in range(20):
+        assert a.sched.num_new_matched_tokens(f"r{i}", toks, 0) == 0
+    assert time.monotonic() - t0 < 0.5  # no per-request timeouts
+    ext, blocks, plan = a.prefill("p", toks)
+    assert ext == 0 and not plan.stores
+    assert a.sched.request_finished("p") is False
+    # A load the workers cannot do is reported, so the engine recomputes.
+    a.execute(StepPlan(loads=[Transfer("x", chunk_hashes(toks, CS)[:1], [5, 6])]))
+    assert a.load_errors == {5, 6}
+    a.close()
+    warnings = [r for r in caplog.records if "cannot connect" in r.getMessage()]
+    assert 1 <= len(warnings) <= 2  # once per client (scheduler, worker), not per request
+
+
+class SlowClient:
+    """Answers lookups only after the caller gave up."""
+
+    chunk_size = CS
+
+    def __init__(self):
+        self.lookups = 0
+
+    def lookup(self, hashes, *, model, world_size=1, lock=False, salt=b"", timeout=None):
+        from lmcache_mp import ServerUnavailable
+
+        self.lookups += 1
+        time.sleep(timeout)
+        raise ServerUnavailable("no reply within timeout")
+
+    def release(self, *a, **k):
+        return 0
+
+    def close(self):
+        pass
+
+
+def test_slow_server_costs_one_timeout_per_retry_interval(caplog):
+    slow = SlowClient()
+    cfg = ConnectorConfig(model="tiny", block_size=BS, lookup_timeout=0.05, retry_interval=60)
+    link = ClientLink(cfg.url, retry_interval=60, client_factory=lambda *a: slow)
+    sched = SchedulerCore(cfg, link=link)
+    caplog.set_level(logging.WARNING, logger="lmcache_mp")
+    sched.start()
+    toks = prompt(14, 300)
+    t0 = time.monotonic()
+    for i in range(50):
+        assert sched.num_new_matched_tokens(f"r{i}", toks, 0) == 0
+    assert slow.lookups == 1
+    assert time.monotonic() - t0 < 0.5
+    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+    sched.close()
+
+
+# ---- tensor parallelism ----------------------------------------------------------------------
+
+
+def test_tensor_parallel_two_ranks(server):
+    a = Engine(server.url, world_size=2)
+    toks = prompt(15, 333)
+    # Rank 1 is not connected yet: only rank 0 stores, so nothing is a hit for the pair.
+    link1 = a.workers[1].link
+    a.workers[1]._handle, handle1 = None, a.workers[1]._handle
+    ext, _, plan = a.prefill("r", toks)
+    assert a.finish("r") is True  # both ranks report, even the one that could not store
+    assert a.sched.num_new_matched_tokens("probe", toks, 0) == 0
+    a.sched.request_finished("probe")
+    a.workers[1]._handle = handle1
+    assert link1.get() is not None
+    ext, _, plan = a.prefill("r2", toks)  # now both ranks store the chunks
+    a.finish("r2")
+    a.close()
+
+    b = Engine(server.url, world_size=2)
+    try:
+        b.free = b.free[::-1]
+        ext, blocks, plan = b.prefill("r", toks)
+        assert ext == 5 * CS
+        assert b.load_errors == set()
+        assert b.check(toks, blocks, 333)  # each rank got its own shard back
+        assert leases(server) == 0
+        b.finish("r")
+    finally:
+        b.close()
