@@ -53,7 +53,8 @@ void init_cuda_bindings(py::module_& m) {
         return py::make_tuple(py::bytes(e.handle), e.offset, e.alloc_bytes, e.device);
       },
       py::arg("ptr"), "(handle, offset in allocation, allocation bytes, device) of a device pointer");
-  c.def("address_range", [](uintptr_t p) { return address_range(p); }, py::arg("ptr"),
+  c.def("address_range", [](uintptr_t p, int d) { return address_range(p, d); }, py::arg("ptr"),
+        py::arg("device") = -1,
         "(base, bytes) of the device allocation holding an address");
   c.def("open_memory", [](const py::bytes& h, int d) { return open_memory(h, d); }, py::arg("handle"),
         py::arg("device"), "Map another process's allocation; returns its base address");
@@ -83,7 +84,7 @@ void init_cuda_bindings(py::module_& m) {
              o.blocking_sync = blocking_sync;
              return new TransferEngine(device, layout, chunk_size, o);
            }),
-           py::arg("device"), py::arg("layout"), py::arg("chunk_size"), py::arg("staging_bytes") = 64ll << 20,
+           py::arg("device"), py::arg("layout"), py::arg("chunk_size"), py::arg("staging_bytes") = 256ll << 20,
            py::arg("direct_ctas") = 4, py::arg("pack_ctas") = 0, py::arg("threads") = 1024,
            py::arg("blocking_sync") = false)
       .def(
@@ -100,6 +101,7 @@ void init_cuda_bindings(py::module_& m) {
             b.object_capacity = object_capacity;
             const Direction d = parse_direction(direction);
             const Mode md = parse_mode(mode);
+            e.validate(md, b);  // bad requests fail here, with the GIL held, before anything is queued
             py::gil_scoped_release nogil;
             return e.submit(d, md, b, wait_event);
           },

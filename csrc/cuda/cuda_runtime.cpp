@@ -3,6 +3,7 @@
 #include <cuda.h>
 
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 
 #include "common.h"
@@ -113,7 +114,9 @@ MemoryExport export_memory(uintptr_t ptr) {
   return out;
 }
 
-std::pair<uintptr_t, uint64_t> address_range(uintptr_t ptr) {
+std::pair<uintptr_t, uint64_t> address_range(uintptr_t ptr, int device) {
+  std::optional<DeviceGuard> guard;
+  if (device >= 0) guard.emplace(device);  // the driver call needs a current context
   CUdeviceptr base = 0;
   size_t size = 0;
   CUresult r = address_range_fn()(&base, &size, static_cast<CUdeviceptr>(ptr));

@@ -40,7 +40,7 @@ struct MemoryExport {
 };
 MemoryExport export_memory(uintptr_t ptr);
 // (base, bytes) of the allocation holding a device address (mapped IPC memory included).
-std::pair<uintptr_t, uint64_t> address_range(uintptr_t ptr);
+std::pair<uintptr_t, uint64_t> address_range(uintptr_t ptr, int device = -1);
 uintptr_t open_memory(const std::string& handle, int device);  // base address of the allocation
 void close_memory(uintptr_t base, int device);
 

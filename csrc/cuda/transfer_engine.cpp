@@ -49,14 +49,18 @@ TransferEngine::TransferEngine(int device, const KVLayout& layout, int64_t chunk
     dlay_.span_bytes = layout_.row_bytes;
     dlay_.span_stride = layout_.row_stride;
   }
+  constexpr int64_t kPiece = 8192;  // 16 vectors of 16 bytes per lane: enough loads in flight
+  dlay_.piece_bytes = std::min(kPiece, dlay_.span_bytes);
+  dlay_.pieces_per_span = static_cast<int32_t>((dlay_.span_bytes + dlay_.piece_bytes - 1) / dlay_.piece_bytes);
   dlay_.block_bytes = layout_.block_bytes();
   dlay_.plane_bytes = chunk_size_ * layout_.token_bytes();
   object_bytes_ = layout_.object_bytes(chunk_size_);
 
   for (int d = 0; d < 2; ++d) {
-    const bool high = d == 1;  // retrieves feed a waiting request: first claim on the GPU
-    sides_[d].main = reinterpret_cast<cudaStream_t>(create_stream(device_, high));
-    sides_[d].copy = reinterpret_cast<cudaStream_t>(create_stream(device_, high));
+    // High priority: our short packing kernels get SMs at the next kernel boundary of the
+    // engine's work instead of queueing behind it, so the copy engines never run dry.
+    sides_[d].main = reinterpret_cast<cudaStream_t>(create_stream(device_, true));
+    sides_[d].copy = reinterpret_cast<cudaStream_t>(create_stream(device_, true));
     check(cudaEventCreateWithFlags(&sides_[d].copy_done, cudaEventDisableTiming), "cudaEventCreateWithFlags");
   }
 }
@@ -130,7 +134,8 @@ void TransferEngine::enqueue_direct(Side& side, bool gather, const ChunkBatch& b
 void TransferEngine::enqueue_staged(Side& side, bool gather, const ChunkBatch& b, bool single_buffer) {
   ensure_staging(side);
   const int64_t bpc = b.blocks_per_chunk(layout_);
-  const int64_t spans = layout_.num_segments * layout_.num_layers() * bpc * dlay_.spans_per_block;
+  const int64_t spans = layout_.num_segments * layout_.num_layers() * bpc * dlay_.spans_per_block *
+                        dlay_.pieces_per_span;
   const int warps_per_cta = opt_.threads / 32;
   const int max_ctas = opt_.pack_ctas > 0 ? opt_.pack_ctas : num_sms_;
   const int ctas = static_cast<int>(std::min<int64_t>(max_ctas, (spans + warps_per_cta - 1) / warps_per_cta));
@@ -249,11 +254,15 @@ void TransferEngine::enqueue_dma(Side& side, bool gather, const ChunkBatch& b, b
   stats_.fallback_memcpy_calls += n_fallback;
 }
 
-uint64_t TransferEngine::submit(Direction dir, Mode mode, const ChunkBatch& b, uintptr_t wait_event) {
+void TransferEngine::validate(Mode mode, const ChunkBatch& b) const {
   validate_batch(layout_, b);
   LMC_CHECK_ARG(b.chunk_size == chunk_size_, "chunk_size ", b.chunk_size, " differs from the engine's ", chunk_size_);
   LMC_CHECK_ARG(mode != Mode::kDirect || direct_supported_,
                 "direct mode needs a device that can use registered host pointers");
+}
+
+uint64_t TransferEngine::submit(Direction dir, Mode mode, const ChunkBatch& b, uintptr_t wait_event) {
+  validate(mode, b);
   const bool gather = dir == Direction::kGather;
   Side& side = sides_[gather ? 0 : 1];
   std::lock_guard<std::mutex> lk(side.mu);

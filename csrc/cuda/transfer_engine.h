@@ -3,8 +3,8 @@
 //   staged: a kernel packs each chunk into a device staging ring at device-memory speed and the
 //           copy engine moves the packed chunk with one DMA, pipelined across chunks;
 //   dma:    copy engines only, one batched memcpy call of coalesced segments.
-// Store (gather) and retrieve (scatter) each have their own streams, so both directions run at
-// once; retrieve streams have high priority. Every submission ends with a pooled completion event
+// Store (gather) and retrieve (scatter) each have their own high-priority streams, so both
+// directions run at once. Every submission ends with a pooled completion event
 // on the direction's main stream, so completions of one direction finish in submission order.
 #pragma once
 
@@ -33,7 +33,7 @@ enum class Mode : int {
 };
 
 struct EngineOptions {
-  int64_t staging_bytes = 64ll << 20;  // per direction; at least two chunks are kept
+  int64_t staging_bytes = 256ll << 20;  // per direction; at least two chunks are kept
   int direct_ctas = 4;
   int pack_ctas = 0;  // 0: one per SM
   int threads = 1024;
@@ -55,6 +55,8 @@ class TransferEngine {
   TransferEngine(const TransferEngine&) = delete;
   TransferEngine& operator=(const TransferEngine&) = delete;
 
+  // Throws InvalidArgument unless the batch fits this cache and the mode is usable here.
+  void validate(Mode mode, const ChunkBatch& batch) const;
   // Validates everything (nothing is enqueued on error), makes the work wait for wait_event
   // (0: none; e.g. an event the worker recorded after producing the KV), enqueues the copies and
   // returns a ticket. Thread-safe per direction.

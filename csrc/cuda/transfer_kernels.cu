@@ -27,29 +27,33 @@ __device__ __forceinline__ void copy_span(const char* __restrict__ src, char* __
   for (; i < n; i += 32) d[i] = s[i];
 }
 
-// One warp per span; spans ordered (chunk, segment, layer, block, span) so that consecutive
-// warps touch consecutive object bytes.
+// One warp per piece; pieces ordered (chunk, segment, layer, block, span, piece) so that
+// consecutive warps touch consecutive object bytes.
 template <bool kGather, typename V>
 __global__ void kv_copy_kernel(const DeviceLayout lay, const __grid_constant__ LaunchTable t) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const int64_t spb = lay.spans_per_block, bpc = t.blocks_per_chunk, L = lay.num_layers, S = lay.num_segments;
-  const int64_t total = static_cast<int64_t>(t.num_chunks) * S * L * bpc * spb;
+  const int64_t pps = lay.pieces_per_span;
+  const int64_t total = static_cast<int64_t>(t.num_chunks) * S * L * bpc * spb * pps;
   for (int64_t item = warp; item < total; item += num_warps) {
     int64_t x = item;
+    const int64_t piece = x % pps; x /= pps;
     const int64_t r = x % spb; x /= spb;
     const int64_t j = x % bpc; x /= bpc;
     const int64_t l = x % L; x /= L;
     const int64_t s = x % S;
     const int64_t c = x / S;
     const int64_t block = t.block_ids[c * bpc + j];
+    const int64_t off = piece * lay.piece_bytes;
+    const int64_t bytes = min(lay.piece_bytes, lay.span_bytes - off);
     char* cache = reinterpret_cast<char*>(lay.layer_ptrs[l]) + s * lay.segment_stride + block * lay.block_stride +
-                  r * lay.span_stride;
+                  r * lay.span_stride + off;
     char* obj = reinterpret_cast<char*>(t.objects[c]) + (s * L + l) * lay.plane_bytes + j * lay.block_bytes +
-                r * lay.span_bytes;
-    if (kGather) copy_span<V>(cache, obj, lay.span_bytes, lane);
-    else copy_span<V>(obj, cache, lay.span_bytes, lane);
+                r * lay.span_bytes + off;
+    if (kGather) copy_span<V>(cache, obj, bytes, lane);
+    else copy_span<V>(obj, cache, bytes, lane);
   }
 }
 
@@ -68,7 +72,8 @@ void launch_width(int width, dim3 grid, dim3 block, cudaStream_t stream, const D
 }  // namespace
 
 int access_width(const DeviceLayout& lay, const uint64_t* host_layer_ptrs, const LaunchTable& t) {
-  uint64_t bits = static_cast<uint64_t>(lay.span_bytes) | static_cast<uint64_t>(lay.segment_stride) |
+  uint64_t bits = static_cast<uint64_t>(lay.span_bytes) | static_cast<uint64_t>(lay.piece_bytes) |
+                  static_cast<uint64_t>(lay.segment_stride) |
                   static_cast<uint64_t>(lay.block_stride) | static_cast<uint64_t>(lay.span_stride) |
                   static_cast<uint64_t>(lay.block_bytes) | static_cast<uint64_t>(lay.plane_bytes);
   for (int l = 0; l < lay.num_layers; ++l) bits |= host_layer_ptrs[l];

@@ -20,8 +20,9 @@ struct LaunchTable {
   int32_t block_ids[kMaxLaunchBlockIds];
 };
 
-// Geometry of a registered cache, as the kernels walk it. A "span" is the contiguous unit one
-// warp copies: a whole block segment when its rows are contiguous, otherwise one row.
+// Geometry of a registered cache, as the kernels walk it. A "span" is a contiguous run: a whole
+// block segment when its rows are contiguous, otherwise one row. A warp copies one piece of a span
+// at a time (at most piece_bytes), so that large blocks still spread over every warp.
 struct DeviceLayout {
   const uint64_t* layer_ptrs = nullptr;  // device array, num_layers entries
   int32_t num_layers = 0;
@@ -31,6 +32,8 @@ struct DeviceLayout {
   int64_t block_stride = 0;
   int64_t span_stride = 0;  // bytes between spans of one block in the cache
   int64_t span_bytes = 0;
+  int64_t piece_bytes = 0;  // a multiple of 16; span_bytes when smaller
+  int32_t pieces_per_span = 1;
   int64_t block_bytes = 0;  // of one segment of one layer, in the object
   int64_t plane_bytes = 0;  // chunk_size * W: one (segment, layer) plane of an object
 };

@@ -58,7 +58,8 @@ class ServerConfig:
         "auto", "cpu: KV caches in shared memory; cuda: GPU caches over CUDA IPC; auto: cuda when usable")
     transfer_mode: str = _setting(
         "auto", "GPU copy path: direct (zero-copy kernel), staged (device ring + DMA), dma (copy engines only)")
-    staging_size: int | str = _setting("64MiB", "device staging ring per registration and direction (staged)")
+    staging_size: int | str = _setting(
+        "256MiB", "device staging ring per registration and direction (staged); deep enough to pack ahead")
     direct_ctas: int = _setting(4, "CTAs of the zero-copy kernel (direct): few, to leave SMs to the engine")
     slab_size: int | str = _setting("256MiB", "arena slab; one chunk of one rank must fit in one")
     lease_ttl: float = _setting(30.0, "seconds a lookup lease lives unless a retrieve or release ends it")

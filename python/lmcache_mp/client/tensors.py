@@ -61,7 +61,7 @@ def describe_kv_caches(kv_caches) -> DescribedCache:
     with torch.cuda.device(index):
         for t in tensors:
             ptr = t.data_ptr()
-            base, _ = _C.cuda.address_range(ptr)
+            base, _ = _C.cuda.address_range(ptr, index)
             if base not in exports:
                 handle, _offset, alloc_bytes, _dev = _C.cuda.export_memory(ptr)
                 exports[base] = (handle, alloc_bytes)

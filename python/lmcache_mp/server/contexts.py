@@ -219,7 +219,7 @@ class GPUCacheContext:
                     raise RegistrationError(f"layer {i}: a CUDA cache needs a CUDA IPC handle, got {m.kind!r}")
                 base = ipc.acquire(device_index, m.handle)
                 self._handles.append(m.handle)
-                _, alloc_bytes = _C.cuda.address_range(base)
+                _, alloc_bytes = _C.cuda.address_range(base, device_index)
                 _check_extent(reg.spec, i, m.offset, alloc_bytes)
                 ptrs.append(base + m.offset)
             self.native = reg.spec.native(ptrs)

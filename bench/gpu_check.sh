@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The whole GPU check in one call: build, the gpu-marked tests, the kernel tests under
+# compute-sanitizer, and a short transfer benchmark. Every log lands in one folder.
+#
+#   bash bench/gpu_check.sh [LOG_DIR]        (default: $OUT, else ./gpu-check-logs)
+#
+# Environment: CMAKE_CUDA_ARCHITECTURES (default 90), GPU_CHECK_STEPS (default
+# "build tests sanitizer bench"; add "peer" for LMCache's self-test, "server" for bench_server).
+set -uo pipefail
+LOG=${1:-${OUT:-$PWD/gpu-check-logs}}
+mkdir -p "$LOG"
+export CMAKE_CUDA_ARCHITECTURES=${CMAKE_CUDA_ARCHITECTURES:-90}
+export PYTHONUNBUFFERED=1
+STEPS=${GPU_CHECK_STEPS:-build tests sanitizer bench}
+declare -A STATUS
+run() {  # run NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$LOG/$name.log" 2>&1
+  local rc=$?
+  STATUS[$name]="rc=$rc $((SECONDS - t0))s"
+  echo "== $name: ${STATUS[$name]}"
+  tail -n 4 "$LOG/$name.log"
+  return $rc
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
+  --format=csv >"$LOG/gpu.txt" 2>&1; cat "$LOG/gpu.txt"
+for step in $STEPS; do
+  case $step in
+    build) run build 400 python3 -m pip install -v --no-build-isolation --no-deps . || break ;;
+    probe) run probe 60 python3 bench/probe_binding.py ;;
+    tests) run tests 600 python3 -m pytest -m gpu -q -rfEs --tb=short -p no:cacheprovider tests \
+        --deselect tests/test_gpu_transfer.py::test_bad_block_id_launches_nothing
+           run tests_badids 120 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+        tests/test_gpu_transfer.py::test_bad_block_id_launches_nothing ;;
+    sanitizer) run sanitizer 600 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_transfer.py \
+        -k "(test_gather or test_scatter) and random and (mha- or mla-) or many_launches" ;;
+    bench) run bench 600 python3 bench/bench_transfer.py --quick --gemm \
+        --json "$LOG/bench_transfer.json" --png "$LOG/bench_transfer.png" ;;
+    benchfull) run benchfull 600 python3 bench/bench_transfer.py --gemm \
+        --json "$LOG/bench_transfer.json" --png "$LOG/bench_transfer.png" ;;
+    peer) run peer 300 python3 bench/peers/lmcache_peer.py --json "$LOG/lmcache_peer.json" ;;
+    server) run server 600 python3 bench/bench_server.py --json "$LOG/bench_server.json" ;;
+  esac
+done
+echo "== summary"
+for k in "${!STATUS[@]}"; do echo "$k ${STATUS[$k]}"; done

@@ -1,0 +1,133 @@
+"""The server on a GPU with real worker processes: CUDA IPC registration, event-synchronised
+stores and retrieves, TP ranks, MLA sharing, and devices mapped by UUID."""
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def cuda_server(tmp_path_factory):
+    """A server process whose CUDA_VISIBLE_DEVICES names the GPU by UUID (the workers use the
+    index), so registration must map devices by UUID."""
+    import torch
+
+    from lmcache_mp import Client
+
+    tmp = tmp_path_factory.mktemp("srv")
+    url = f"ipc://{tmp}/server.sock"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=f"GPU-{torch.cuda.get_device_properties(0).uuid}",
+               PYTHONUNBUFFERED="1")
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", url, "--device", "cuda",
+                             "--l1-size", "2GiB", "--chunk-size", str(CHUNK), "--log-level", "DEBUG"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while True:
+        try:
+            Client(url, connect_timeout=1).close()
+            break
+        except Exception:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"server did not start: {(tmp / 'server.log').read_text()}")
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    assert proc.wait(60) == 0
+    log.close()
+    text = (tmp / "server.log").read_text()
+    assert "Traceback" not in text, text
+
+
+def _run(targets):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=fn, args=args + (q,), kwargs=kw) for fn, args, kw in targets]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+    for status, info in results:
+        assert status == "ok", info
+    return [info for _, info in results]
+
+
+def test_two_workers_share_one_server_through_ipc(cuda_server):
+    import gpu_workers
+
+    infos = _run([
+        (gpu_workers.roundtrip, (cuda_server, "model-a", 0, 1, "mha", 11), {}),
+        (gpu_workers.roundtrip, (cuda_server, "model-b", 0, 1, "block_major", 12), {}),
+    ])
+    assert {i["layout"] for i in infos} == {"mha", "block_major"}
+
+
+def test_tensor_parallel_ranks_mha_each_store_their_shard(cuda_server):
+    import gpu_workers
+
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    infos = _run([
+        (gpu_workers.roundtrip, (cuda_server, "tp-mha", r, 2, "mha", 20 + r), {"token_seed": 77, "barrier": barrier})
+        for r in range(2)
+    ])
+    assert all(not i["shared"] for i in infos)
+
+
+def test_mla_is_stored_once_and_read_by_every_rank(cuda_server):
+    import gpu_workers
+
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    infos = _run([
+        (gpu_workers.roundtrip, (cuda_server, "tp-mla", r, 2, "mla", 30 + r),
+         {"token_seed": 99, "data_seed": 99, "barrier": barrier})
+        for r in range(2)
+    ])
+    assert all(i["shared"] for i in infos)
+
+
+def test_lookup_counts_a_chunk_only_when_every_rank_stored_it(cuda_server):
+    import gpu_workers
+
+    from lmcache_mp import Client, chunk_hashes
+
+    tokens = np.random.default_rng(5).integers(0, 50000, 3 * CHUNK)
+    client = Client(cuda_server)
+    hashes = chunk_hashes(tokens, client.chunk_size)
+    _run([(gpu_workers.store_only, (cuda_server, "tp-count", 0, 2, 5), {})])
+    assert client.lookup(hashes, model="tp-count", world_size=2) == 0
+    _run([(gpu_workers.store_only, (cuda_server, "tp-count", 1, 2, 5), {})])
+    assert client.lookup(hashes, model="tp-count", world_size=2) == 3
+    client.close()
+
+
+def test_bad_block_ids_are_rejected_before_any_copy(cuda_server):
+    import torch
+    from gpu_kv import make_cuda_kv
+
+    from lmcache_mp import Client, RequestError, chunk_hashes
+
+    client = Client(cuda_server)
+    kv = make_cuda_kv("mha", torch.bfloat16, layers=2, blocks=32, block_size=16)
+    before = kv.all_bytes()
+    h = client.register_kv_cache(kv.tensors, model="bad", world_size=1, rank=0)
+    hashes = chunk_hashes(np.arange(CHUNK), client.chunk_size)
+    for ids in ([0, 1, 2, 32], [0, 1, 2, -1]):
+        with pytest.raises((RequestError, ValueError)):
+            client.retrieve(h, hashes, ids).result()
+    assert client.store(h, hashes, [0, 1, 2, 3]).result().stored == 1
+    with pytest.raises(RequestError, match="out of range"):
+        client.store(h, chunk_hashes(np.arange(CHUNK) + 1, client.chunk_size), [0, 1, 2, 99]).result()
+    assert all(np.array_equal(a, b) for a, b in zip(before, kv.all_bytes()))
+    client.close()
