@@ -206,7 +206,7 @@ def run_peer(b: Bench, peer, direction: str, n: int, pattern: str, state: dict) 
     return wall(lambda: (peer.retrieve(objs, ids), peer.synchronize()))
 
 
-def gemm_interference(b: Bench, arm_fn, iters: int = 30) -> tuple[float, float]:
+def gemm_interference(b: Bench, arm_fn, iters: int = 30, rounds: int = 3) -> tuple[float, float]:
     """(GEMM time with the arm running / alone, arm GB/s while the GEMMs run)."""
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -223,25 +223,26 @@ def gemm_interference(b: Bench, arm_fn, iters: int = 30) -> tuple[float, float]:
         return statistics.median(evs[i].elapsed_time(evs[i + 1]) for i in range(2, iters))
 
     gemms()
-    before = gemms()
-    stop, moved = threading.Event(), []
+    ratios, moved = [], []
+    for _ in range(rounds):  # alone, loaded, alone: clocks drift, so each loaded run is compared
+        before = gemms()     # with the runs just before and after it
+        stop = threading.Event()
 
-    def loop():
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            nbytes = arm_fn()
-            moved.append((nbytes, time.perf_counter() - t0))
+        def loop():
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                nbytes = arm_fn()
+                moved.append((nbytes, time.perf_counter() - t0))
 
-    th = threading.Thread(target=loop)
-    th.start()
-    time.sleep(0.05)
-    loaded = gemms()
-    stop.set()
-    th.join()
-    alone = min(before, gemms())  # the faster of before and after: clocks drift under load
-    steady = moved[1:-1] or moved
-    gbps = sum(n for n, _ in steady) / sum(t for _, t in steady) / 1e9
-    return loaded / alone, gbps
+        th = threading.Thread(target=loop)
+        th.start()
+        time.sleep(0.05)
+        loaded = gemms()
+        stop.set()
+        th.join()
+        ratios.append(loaded / ((before + gemms()) / 2))
+    gbps = sum(n for n, _ in moved) / sum(t for _, t in moved) / 1e9
+    return statistics.median(ratios), gbps
 
 
 def main() -> int:

@@ -10,7 +10,7 @@ set -uo pipefail
 LOG=${1:-${OUT:-$PWD/gpu-check-logs}}
 mkdir -p "$LOG"
 export CMAKE_CUDA_ARCHITECTURES=${CMAKE_CUDA_ARCHITECTURES:-90}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 STEPS=${GPU_CHECK_STEPS:-build tests sanitizer bench}
 declare -A STATUS
 run() {  # run NAME SECONDS COMMAND...
@@ -41,7 +41,9 @@ for step in $STEPS; do
     benchfull) run benchfull 600 python3 bench/bench_transfer.py --gemm \
         --json "$LOG/bench_transfer.json" --png "$LOG/bench_transfer.png" ;;
     peer) run peer 300 python3 bench/peers/lmcache_peer.py --json "$LOG/lmcache_peer.json" ;;
-    server) run server 600 python3 bench/bench_server.py --json "$LOG/bench_server.json" ;;
+    server) run server 400 python3 bench/bench_server.py --requests 1 --workers 1,2,4 --json "$LOG/bench_server.json" ;;
+    server2) run server2 400 python3 bench/bench_server.py --gpus 2 --requests 1 --workers 2,4 \
+        --json "$LOG/bench_server_2gpu.json" ;;
   esac
 done
 echo "== summary"

@@ -66,6 +66,19 @@ py::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   using namespace lmc;
   m.doc() = "lmcache-mp data plane (torch-free): host arena, KV layouts, CPU and CUDA transfers";
+  // Translate our exceptions here, before any translator another extension (e.g. torch) put in
+  // pybind11's shared registry can see them: ValueError for bad arguments, RuntimeError else.
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const std::bad_alloc& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
   m.def("build_info", &build_info, "How this extension was built");
 
   py::class_<KVLayout>(m, "KVLayout")
