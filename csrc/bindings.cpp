@@ -168,6 +168,15 @@ PYBIND11_MODULE(_C, m) {
         parallel_memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
       },
       py::arg("dst"), py::arg("src"), py::arg("nbytes"), "Contiguous copy on the CPU copy threads (GIL released)");
+  m.def(
+      "_raise_for_test",
+      [](int kind) -> std::string {
+        if (kind == 0) throw std::invalid_argument("plain invalid_argument");
+        if (kind == 1) throw InvalidArgument(concat("formatted ", 42));
+        if (kind == 2) throw std::runtime_error("runtime");
+        return concat("no error ", kind);
+      },
+      py::arg("kind"), "Raises the C++ error `kind` (0-2): checks that errors surface as Python exceptions");
   m.def("set_cpu_threads", &set_cpu_threads, py::arg("n"), "Threads for CPU copies (<= 0: one per core)");
   m.def("cpu_threads", [] { return cpu_pool()->size(); });
   m.def("pinning_available", &pinning_available);

@@ -72,7 +72,8 @@ class L1Store:
         self.arena = arena
         self._clock = clock
         self._lock = threading.Lock()
-        self._index: dict[ObjectKey, L1Object] = {}
+        # (model, world_size, rank, salt) -> digest -> object: a lookup walks one dict per rank
+        self._spaces: dict[tuple, dict[bytes, L1Object]] = {}
         self._lru: dict[int, OrderedDict[ObjectKey, L1Object]] = {}  # size class -> evictable, oldest first
         self._expiry: list[tuple[float, int, L1Object, Lease]] = []  # heap of lease deadlines
         self._serial = itertools.count()
@@ -80,6 +81,21 @@ class L1Store:
         self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "leases_expired": 0}
 
     # ---- helpers (lock held) -------------------------------------------------------------------
+
+    @staticmethod
+    def _space_of(key: ObjectKey) -> tuple:
+        return (key.model, key.world_size, key.rank, key.salt)
+
+    def _get(self, key: ObjectKey) -> L1Object | None:
+        space = self._spaces.get(self._space_of(key))
+        return space.get(key.digest) if space else None
+
+    def _put(self, obj: L1Object) -> None:
+        self._spaces.setdefault(self._space_of(obj.key), {})[obj.key.digest] = obj
+
+    def _objects(self):
+        for space in self._spaces.values():
+            yield from space.values()
 
     def _evictable(self, obj: L1Object) -> bool:
         return obj.committed and obj.readers == 0 and not obj.leases
@@ -98,8 +114,11 @@ class L1Store:
 
     def _free(self, obj: L1Object) -> None:
         self._unpark(obj)
-        if self._index.get(obj.key) is obj:
-            del self._index[obj.key]
+        space = self._spaces.get(self._space_of(obj.key))
+        if space is not None and space.get(obj.key.digest) is obj:
+            del space[obj.key.digest]
+            if not space:
+                del self._spaces[self._space_of(obj.key)]
         self.arena.free(obj.offset)
 
     def _expire_leases(self, now: float) -> None:
@@ -150,7 +169,7 @@ class L1Store:
         with self._lock:
             cls = self._size_class(object_bytes)
             for i, key in enumerate(keys):
-                obj = self._index.get(key)
+                obj = self._get(key)
                 if obj is not None and obj.format_key != format_key:
                     if not self._evictable(obj):
                         plan.skipped = len(keys) - i
@@ -168,7 +187,7 @@ class L1Store:
                     break
                 obj = L1Object(key=key, offset=off, size_class=cls, nbytes=self.arena.slot_bytes(cls),
                                format_key=format_key)
-                self._index[key] = obj
+                self._put(obj)
                 plan.indices.append(i)
                 plan.objects.append(obj)
         return plan
@@ -192,7 +211,7 @@ class L1Store:
         out: list[L1Object] = []
         with self._lock:
             for key in keys:
-                obj = self._index.get(key)
+                obj = self._get(key)
                 if obj is None or not obj.committed or obj.format_key != format_key:
                     break
                 obj.readers += 1
@@ -214,7 +233,7 @@ class L1Store:
     # ---- lookup and leases -------------------------------------------------------------------
 
     def _present(self, key: ObjectKey) -> L1Object | None:
-        obj = self._index.get(key)
+        obj = self._get(key)
         return obj if obj is not None and obj.committed else None
 
     def lookup(
@@ -229,18 +248,21 @@ class L1Store:
     ) -> int:
         """Leading chunks present for every rank (or as one shared object), leased if lock."""
         hits = 0
+        empty: dict = {}
         with self._lock:
             now = self._clock()
             self._expire_leases(now)
+            shared = self._spaces.get((model, world_size, SHARED_RANK, salt), empty)
+            ranks = [self._spaces.get((model, world_size, r, salt), empty) for r in range(world_size)]
             for digest in digests:
-                shared = self._present(ObjectKey(model, world_size, SHARED_RANK, digest, salt))
-                if shared is not None:
-                    found = [(shared, world_size)]
+                obj = shared.get(digest)
+                if obj is not None and obj.committed:
+                    found = [(obj, world_size)]
                 else:
                     found = []
-                    for r in range(world_size):
-                        obj = self._present(ObjectKey(model, world_size, r, digest, salt))
-                        if obj is None:
+                    for space in ranks:
+                        obj = space.get(digest)
+                        if obj is None or not obj.committed:
                             break
                         found.append((obj, 1))
                     if len(found) != world_size:
@@ -267,7 +289,7 @@ class L1Store:
                 keys = [ObjectKey(model, world_size, SHARED_RANK, digest, salt)]
                 keys += [ObjectKey(model, world_size, r, digest, salt) for r in range(world_size)]
                 for key in keys:
-                    obj = self._index.get(key)
+                    obj = self._get(key)
                     if obj is None:
                         continue
                     for lease in obj.leases:
@@ -282,7 +304,7 @@ class L1Store:
         """Drop every lease of a client that went away."""
         dropped = 0
         with self._lock:
-            for obj in self._index.values():
+            for obj in self._objects():
                 if obj.leases:
                     keep = [ls for ls in obj.leases if ls.owner != owner]
                     if len(keep) != len(obj.leases):
@@ -299,7 +321,7 @@ class L1Store:
         """Drop every lease and free every object nobody is reading or writing."""
         removed = 0
         with self._lock:
-            for obj in list(self._index.values()):
+            for obj in list(self._objects()):
                 obj.leases.clear()
                 if obj.committed and obj.readers == 0:
                     self._free(obj)
@@ -315,16 +337,14 @@ class L1Store:
 
     def stats(self) -> dict:
         with self._lock:
-            committed = sum(1 for o in self._index.values() if o.committed)
-            leased = sum(1 for o in self._index.values() if o.leases)
-            leases = sum(len(o.leases) for o in self._index.values())
-            in_use = sum(o.nbytes for o in self._index.values())
+            objs = list(self._objects())
+            committed = sum(1 for o in objs if o.committed)
             return {
                 "objects": committed,
-                "writing": len(self._index) - committed,
-                "leased_objects": leased,
-                "leases": leases,
-                "bytes_used": in_use,
+                "writing": len(objs) - committed,
+                "leased_objects": sum(1 for o in objs if o.leases),
+                "leases": sum(len(o.leases) for o in objs),
+                "bytes_used": sum(o.nbytes for o in objs),
                 "evictable": sum(len(l) for l in self._lru.values()),
                 **self.counters,
             }
