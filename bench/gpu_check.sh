@@ -28,18 +28,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pc
 for step in $STEPS; do
   case $step in
     build) run build 400 python3 -m pip install -v --no-build-isolation --no-deps . || break ;;
-    probe) run probe 60 python3 bench/probe_binding.py ;;
-    toolchain) run toolchain 300 bash bench/probe_toolchain.sh "$LOG" ;;
-    badids) run tests_badids 120 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
-        tests/test_gpu_transfer.py::test_bad_block_id_launches_nothing ;;
     latency) run latency 300 python3 bench/bench_server.py --chunks 1 --requests 50 --workers 1 --lookups 500 \
         --json "$LOG/bench_server_1chunk.json" ;;
     servermla) run servermla 300 python3 bench/bench_server.py --layout mla --requests 1 --workers 1,2 \
         --json "$LOG/bench_server_mla.json" ;;
     tests) run tests 600 python3 -m pytest -m gpu -q -rfEs --tb=short -p no:cacheprovider tests \
-        --deselect tests/test_gpu_transfer.py::test_bad_block_id_launches_nothing
-           run tests_badids 120 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
-        tests/test_gpu_transfer.py::test_bad_block_id_launches_nothing ;;
+        tests/test_native_errors.py ;;
     sanitizer) run sanitizer 600 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_transfer.py \
         -k "(test_gather or test_scatter) and random and (mha- or mla-) or many_launches" ;;

@@ -2,9 +2,9 @@
 #pragma once
 
 #include <cstdint>
-#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace lmc {
 
@@ -13,11 +13,21 @@ struct InvalidArgument : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// Message formatting without iostreams: std::ostringstream crashed in the extension on one
+// GPU machine's toolchain (its locale machinery), and error paths must never crash.
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, const char* v) { s += v ? v : "(null)"; }
+inline void append(std::string& s, char v) { s += v; }
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+
 template <typename... Args>
-std::string concat(Args&&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+std::string concat(const Args&... args) {
+  std::string s;
+  (append(s, args), ...);
+  return s;
 }
 
 }  // namespace lmc
