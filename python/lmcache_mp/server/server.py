@@ -28,6 +28,10 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
         raise
     engine.url = transport.url
     engine.add_close_hook(transport.stop)
+    if config.metrics_port:
+        from lmcache_mp.server.metrics import serve_metrics
+
+        engine.add_close_hook(serve_metrics(engine, config.metrics_port))
     transport.start()
     if return_engine:
         return engine

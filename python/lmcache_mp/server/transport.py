@@ -97,13 +97,13 @@ class Transport:
             if self._sock in ready:
                 for _ in range(256):  # take a batch, then give the outbox its turn
                     try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        self._handle(self._sock.recv_multipart(zmq.NOBLOCK))
                     except zmq.Again:
                         break
-                    try:
-                        self._handle(frames)
                     except Exception:
                         logger.exception("error handling a request")
+                    if not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+                        break  # cheaper than the exception of another non-blocking recv
             if self._wake in ready:
                 try:
                     os.eventfd_read(self._wake)

@@ -1,0 +1,139 @@
+"""Control-plane cost: lookup and store round trips through Client and the server, next to a bare
+pyzmq DEALER/ROUTER round trip of the same message size measured in the same run.
+
+The server (CPU device) and the bare echo peer each run in their own process, like a real
+deployment; the client side runs here, one thread.
+
+    python bench/bench_control_plane.py [--iters 3000] [--chunks 1,32,128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import zmq
+
+ECHO = """
+import sys, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.bind(sys.argv[1])
+while True:
+    s.send_multipart(s.recv_multipart())
+"""
+
+
+def percentiles(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"p50_us": xs[len(xs) // 2] * 1e6, "p99_us": xs[int(len(xs) * 0.99)] * 1e6}
+
+
+def timed(fn, iters: int) -> list[float]:
+    for _ in range(min(200, iters)):
+        fn()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def wait_for(url: str, proc: subprocess.Popen) -> None:
+    from lmcache_mp import Client
+
+    deadline = time.time() + 60
+    while True:
+        try:
+            Client(url, connect_timeout=0.5).close()
+            return
+        except Exception:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("server did not start")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=3000)
+    ap.add_argument("--chunks", default="1,32,128", help="chunk hashes per lookup")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    import torch
+
+    from lmcache_mp import Client, chunk_hashes, protocol as p, shared_cpu_tensor
+
+    tmp = tempfile.mkdtemp(prefix="lmcache-cp-")
+    server_url, echo_url = f"ipc://{tmp}/server", f"ipc://{tmp}/echo"
+    server = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", server_url, "--device", "cpu",
+                               "--l1-size", "256MiB", "--chunk-size", "16", "--log-level", "WARNING"])
+    echo = subprocess.Popen([sys.executable, "-c", ECHO, echo_url])
+    results: dict = {"benchmark": "bench_control_plane", "date": time.strftime("%Y-%m-%d"), "iters": args.iters,
+                     "rows": []}
+    try:
+        wait_for(server_url, server)
+        client = Client(server_url)
+        ctx = zmq.Context()
+        bare = ctx.socket(zmq.DEALER)
+        bare.connect(echo_url)
+        kv = [shared_cpu_tensor((2, 64, 16, 1, 8), torch.float16) for _ in range(2)]
+        handle = client.register_kv_cache(kv, model="m")
+        for n in [int(c) for c in args.chunks.split(",")]:
+            hashes = chunk_hashes(np.arange(n * 16), 16)
+            body = p.encode(p.Lookup(client_id=client.client_id, model="m", world_size=1,
+                                     hashes=b"".join(hashes), lock=False))
+            rid = p.pack_request_id(1)
+
+            def bare_rt():
+                bare.send_multipart((rid, body))
+                bare.recv_multipart()
+
+            t_bare = timed(bare_rt, args.iters)
+            t_lookup = timed(lambda: client.lookup(hashes, model="m"), args.iters)
+            row = {"op": "lookup", "chunks": n, "bytes": len(body), "bare": percentiles(t_bare),
+                   "client": percentiles(t_lookup)}
+            row["ratio_p50"] = row["client"]["p50_us"] / row["bare"]["p50_us"]
+            results["rows"].append(row)
+        # a 1-chunk store of a tiny CPU cache: the whole request path, bytes nearly free
+        hashes = chunk_hashes(np.arange(16), 16)
+        client.store(handle, hashes, [0]).result()
+        t_store = timed(lambda: client.store(handle, hashes, [0]).result(), args.iters // 3)
+        t_retr = timed(lambda: client.retrieve(handle, hashes, [1]).result(), args.iters // 3)
+        body = p.encode(p.Store(kv_id=handle.kv_id, hashes=hashes[0], block_ids=p.pack_block_ids([0])))
+        t_bare = timed(lambda: (bare.send_multipart((rid, body)), bare.recv_multipart()), args.iters // 3)
+        for op, t in (("store (present)", t_store), ("retrieve 1 chunk", t_retr)):
+            row = {"op": op, "chunks": 1, "bytes": len(body), "bare": percentiles(t_bare), "client": percentiles(t)}
+            row["ratio_p50"] = row["client"]["p50_us"] / row["bare"]["p50_us"]
+            results["rows"].append(row)
+        # throughput: lookups from one thread, back to back
+        hashes = chunk_hashes(np.arange(32 * 16), 16)
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            client.lookup(hashes, model="m")
+        results["lookups_per_s"] = args.iters / (time.perf_counter() - t0)
+        client.close()
+        bare.close(linger=0)
+        ctx.term()
+    finally:
+        server.terminate()
+        echo.kill()
+        server.wait(30)
+    print(f"control plane, {os.cpu_count()} cores, {args.iters} iterations, server and echo peer in own processes")
+    print(f"{'op':18s} {'chunks':>6s} {'bytes':>6s} {'bare p50/p99 us':>18s} {'client p50/p99 us':>19s} {'x bare':>7s}")
+    for r in results["rows"]:
+        print(f"{r['op']:18s} {r['chunks']:6d} {r['bytes']:6d} {r['bare']['p50_us']:8.1f}/{r['bare']['p99_us']:8.1f} "
+              f"{r['client']['p50_us']:9.1f}/{r['client']['p99_us']:8.1f} {r['ratio_p50']:7.2f}")
+    print(f"lookups/s (32 chunks, one thread): {results['lookups_per_s']:.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
