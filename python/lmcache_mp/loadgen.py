@@ -1,0 +1,397 @@
+"""lmcache-mp-bench: a load generator for a running lmcache-mp server, in the spirit of
+redis-benchmark.
+
+Starts --workers worker processes, each with a synthetic KV cache (CPU shared memory, or a GPU
+on --device cuda, spread round-robin over --gpus GPUs with each worker seeing only its own),
+which store, look up and retrieve whole requests through `Client`, then verify every byte they
+got back (see lmcache_mp.loadgen_worker for the phases). Prints aggregate GB/s per phase (bytes
+moved by all workers / the slowest worker's phase wall time) and request latency percentiles.
+
+    lmcache-mp-server --device cpu --url tcp://127.0.0.1:5555 --l1-size 8GiB &
+    lmcache-mp-bench --url tcp://127.0.0.1:5555 --workers 2 --chunks 8 --requests 4
+
+Each run uses model names of its own, so runs never see each other's chunks; what they store
+stays in the server's L1 until evicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import queue
+import secrets
+import sys
+import time
+
+import numpy as np
+
+from lmcache_mp.loadgen_worker import DTYPE_BYTES, LAYOUTS, kv_shape, object_bytes, worker_main
+
+DEFAULT_URL = "tcp://127.0.0.1:5555"
+TABLE_NOTE = "GB/s = 1e9 bytes/s, bytes of all workers / slowest worker's phase wall time"
+
+
+# ---- setup ------------------------------------------------------------------------------------
+
+def geometry(name: str, layers: int | None = None, heads: int | None = None, head_size: int | None = None,
+             block_size: int | None = None) -> dict:
+    """A LAYOUTS entry with some sizes overridden (head_size is the latent dim of MLA)."""
+    lay = dict(LAYOUTS[name])
+    if heads is not None and lay["kind"] != "mha":
+        raise ValueError("--heads applies to MHA layouts only")
+    overrides = {"layers": layers, "heads": heads, "block_size": block_size,
+                 ("head_size" if lay["kind"] == "mha" else "dim"): head_size}
+    for key, value in overrides.items():
+        if value is not None:
+            if value < 1:
+                raise ValueError(f"--{key.replace('_', '-')} must be positive")
+            lay[key] = value
+    return lay
+
+
+def worker_env_defaults() -> None:
+    """Environment the spawned workers inherit; call before torch touches CUDA."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NCCL here; keep NVLink multicast off regardless
+    # CUDA IPC needs plain cudaMalloc allocations, not the expandable-segments allocator.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+
+
+def gpu_uuids(gpus: int) -> tuple[list[str], list[str]]:
+    """UUIDs and names of the first `gpus` CUDA devices; RuntimeError if there are fewer."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise RuntimeError(f"--gpus {gpus} but {n} CUDA device(s) visible")
+    return ([f"GPU-{torch.cuda.get_device_properties(g).uuid}" for g in range(gpus)],
+            [torch.cuda.get_device_name(g) for g in range(gpus)])
+
+
+def worker_settings(args, url: str, lay: dict, model: str, run: int) -> dict:
+    """What every worker of a run gets (args: device, chunks, requests, lookups, tp, timeout)."""
+    return dict(url=url, device=args.device, geometry=lay, model=model, chunks=args.chunks,
+                requests=args.requests, lookups=args.lookups, tp=args.tp, run=run, timeout=args.timeout)
+
+
+def banner(args, obj: int, req_bytes: int, gpu_names: list[str]) -> str:
+    from lmcache_mp.config import format_size
+
+    return (f"layout {args.layout}: {format_size(obj)} per chunk, {format_size(req_bytes)} per request of "
+            f"{args.chunks} chunks; {args.requests} requests per worker; workers {args.workers}"
+            f"{' as TP ranks of one model' if args.tp else ''}; device {args.device}"
+            f"{f' ({args.gpus} GPU(s): {gpu_names[0]})' if gpu_names else ''}")
+
+
+# ---- one run ----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def patched_env(values: dict):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def collect(procs, q, timeout: float) -> dict:
+    """Results by worker id; a worker that died without one is reported after a grace period."""
+    results: dict = {}
+    dead_since: dict = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs):
+        try:
+            wid, status, payload = q.get(timeout=0.5)
+            results[wid] = (status, payload)
+            continue
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        for wid, p in enumerate(procs):
+            if wid in results or p.is_alive():
+                continue
+            first = dead_since.setdefault(wid, now)
+            if now - first > 5:
+                results[wid] = ("fail", f"worker {wid} exited with code {p.exitcode} without a result")
+        if now > deadline:
+            for wid in range(len(procs)):
+                results.setdefault(wid, ("fail", f"worker {wid}: no result within {timeout:.0f} s"))
+    return results
+
+
+def percentiles(values: list[float], scale: float) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    p50, p99 = np.percentile(np.asarray(values) * scale, [50, 99])
+    return float(p50), float(p99)
+
+
+def run_workers(settings: dict, workers: int, uuids: list[str]) -> dict:
+    """Spawn `workers` workers (on cuda, worker w sees only GPU uuids[w % len(uuids)]) and wait
+    for them: {"workers", "infos": [per worker]} or {"workers", "error": {wid: traceback}}."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    barrier = ctx.Barrier(workers)
+    cuda = settings["device"] == "cuda"
+    worker_uuids = [uuids[w % len(uuids)] for w in range(workers)] if cuda else []
+    cfg = dict(settings, workers=workers, gpu_uuids=worker_uuids)
+    procs = []
+    for w in range(workers):
+        env = {"CUDA_VISIBLE_DEVICES": worker_uuids[w]} if cuda else {}
+        with patched_env(env):  # a spawned child starts with this process's environment
+            p = ctx.Process(target=worker_main, args=(cfg, w, barrier, q), name=f"bench-worker-{w}")
+            p.start()
+        procs.append(p)
+    try:
+        results = collect(procs, q, settings["timeout"] + 300)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    failures = {w: msg for w, (st, msg) in results.items() if st != "ok"}
+    if failures:
+        return {"workers": workers, "error": failures}
+    infos = [results[w][1] for w in range(workers)]
+    return {"workers": workers, "infos": infos}
+
+
+def summarize(infos: list[dict], workers: int, gpus_used: int, ceilings: dict | None = None) -> dict:
+    """One table row; with ceilings (bench/bench_server.py), also the ratios to them."""
+    store_bytes = sum(i["store_bytes"] for i in infos)
+    retrieve_bytes = sum(i["retrieve_bytes"] for i in infos)
+    store_gbps = store_bytes / max(i["store_wall_s"] for i in infos) / 1e9
+    retrieve_gbps = retrieve_bytes / max(i["retrieve_wall_s"] for i in infos) / 1e9
+    cat = lambda k: [x for i in infos for x in i[k]]  # noqa: E731
+    s50, s99 = percentiles(cat("store_latency_s"), 1e3)
+    r50, r99 = percentiles(cat("retrieve_latency_s"), 1e3)
+    l50, l99 = percentiles(cat("lookup_latency_s"), 1e6)
+    row = {"workers": workers, "gpus": gpus_used, "store_GBps": store_gbps, "retrieve_GBps": retrieve_gbps}
+    if ceilings is not None:
+        ceil = ceilings["concurrent"][max(1, gpus_used)]
+        row.update(store_ratio=store_gbps / ceil["d2h"], retrieve_ratio=retrieve_gbps / ceil["h2d"],
+                   ceiling_d2h_GBps=ceil["d2h"], ceiling_h2d_GBps=ceil["h2d"])
+    return {
+        **row,
+        "store_ms_p50": s50, "store_ms_p99": s99, "retrieve_ms_p50": r50, "retrieve_ms_p99": r99,
+        "lookup_us_p50": l50, "lookup_us_p99": l99,
+        "mismatches": sum(i["mismatches"] for i in infos),
+        "requested_chunks": sum(i["requested_chunks"] for i in infos),
+        "stored_chunks": sum(i["stored_chunks"] for i in infos),
+        "present_chunks": sum(i["present_chunks"] for i in infos),
+        "skipped_chunks": sum(i["skipped_chunks"] for i in infos),
+        "loaded_chunks": sum(i["loaded_chunks"] for i in infos),
+        "lookups_short": sum(i["lookups_short"] for i in infos),
+        "store_bytes": store_bytes, "retrieve_bytes": retrieve_bytes,
+    }
+
+
+def transfer_mode_label(lay: dict, chunk: int, chunks: int, regs: list[dict]) -> str:
+    modes = sorted({str(r.get("transfer_mode")) for r in regs}) or ["?"]
+    label = ",".join(modes)
+    if modes == ["auto"]:
+        from lmcache_mp.layout import infer_layout
+        from lmcache_mp.server.policy import choose_transfer_mode
+
+        shape = kv_shape(lay, 2 * chunks * (chunk // lay["block_size"]))
+        strides = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
+        spec = infer_layout(shape, strides, DTYPE_BYTES, "bfloat16", lay["layers"], lay["kind"])
+        label += (f" (policy: store {choose_transfer_mode(spec, 'gather', chunks)}, "
+                  f"retrieve {choose_transfer_mode(spec, 'scatter', chunks)})")
+    return label
+
+
+def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
+             ceilings: dict | None = None, own_l1: bool = True) -> tuple[dict, dict, bool]:
+    """One run of `workers` workers against the server `client` talks to: (table row, JSON
+    record, whether it was clean). Prints failures and problems to stderr as it goes.
+
+    own_l1: the run had the L1 to itself, so any eviction is a problem. On a shared server older
+    chunks make room (only a note); evicting this run's own chunks shows up as missing chunks."""
+    t_run = time.monotonic()
+    lay, chunks = settings["geometry"], settings["chunks"]
+    gpus_used = min(workers, len(uuids)) if settings["device"] == "cuda" else 0
+    evicted_before = client.status()["l1"].get("evicted", 0)
+    res = run_workers(settings, workers, uuids)
+    after = client.status()["l1"]
+    if "error" in res:
+        for wid, msg in sorted(res["error"].items()):
+            print(f"--- worker {wid} of the {workers}-worker run failed:\n{msg}", file=sys.stderr)
+        failed = {"workers": workers, "error": res["error"]}
+        return failed, dict(failed), False
+    infos = res["infos"]
+    row = summarize(infos, workers, gpus_used, ceilings)
+    row["evicted"] = after.get("evicted", 0) - evicted_before
+    regs = next((i["status_registrations"] for i in infos if "status_registrations" in i), [])
+    row["transfer_mode"] = modes = transfer_mode_label(lay, chunk, chunks, regs)
+    record = {"summary": row, "workers_detail": infos, "l1_after": after, "seconds": time.monotonic() - t_run}
+    problems = []
+    if row["mismatches"]:
+        problems.append(f"{row['mismatches']} mismatching or missing chunks")
+    if row["evicted"]:
+        evicted = f"{row['evicted']} chunks evicted from L1 during the run"
+        if own_l1:
+            problems.append(evicted)
+        else:
+            print(f"note: {evicted}", file=sys.stderr)
+    if row["skipped_chunks"]:
+        problems.append(f"{row['skipped_chunks']} chunks skipped by the store (L1 full)")
+    if row["lookups_short"]:
+        problems.append(f"{row['lookups_short']} lookups found fewer than {chunks} chunks")
+    if not (settings["tp"] and lay["kind"] == "mla") and row["stored_chunks"] != row["requested_chunks"]:
+        problems.append(f"stored {row['stored_chunks']} of {row['requested_chunks']} chunks")
+    if problems:
+        print(f"!! {workers} workers: " + "; ".join(problems), file=sys.stderr)
+    print(f"run with {workers} worker(s): {time.monotonic() - t_run:.1f} s, transfer mode {modes}", flush=True)
+    return row, record, not problems
+
+
+def print_table(rows: list[dict], unit_note: str) -> None:
+    """Ratio columns (x D2H, x H2D) only when the rows have them."""
+    ratios = all("store_ratio" in r for r in rows if "error" not in r)
+    d2h, h2d = (f" {'x D2H':>6}", f" {'x H2D':>6}") if ratios else ("", "")
+    head = (f"{'workers':>7} {'GPUs':>4} | {'store GB/s':>10}{d2h} | {'retr GB/s':>10}{h2d} | "
+            f"{'store ms p50/p99':>17} | {'retr ms p50/p99':>17} | {'lookup us p50/p99':>18} | {'mismatch':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['workers']:>7} FAILED: see above")
+            continue
+        sr, rr = (f" {r['store_ratio']:>6.2f}", f" {r['retrieve_ratio']:>6.2f}") if ratios else ("", "")
+        print(f"{r['workers']:>7} {r['gpus']:>4} | {r['store_GBps']:>10.2f}{sr} | "
+              f"{r['retrieve_GBps']:>10.2f}{rr} | "
+              f"{r['store_ms_p50']:>8.2f}/{r['store_ms_p99']:<8.2f} | "
+              f"{r['retrieve_ms_p50']:>8.2f}/{r['retrieve_ms_p99']:<8.2f} | "
+              f"{r['lookup_us_p50']:>8.1f}/{r['lookup_us_p99']:<9.1f} | {r['mismatches']:>8}")
+    print(unit_note)
+
+
+# ---- lmcache-mp-bench -------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="lmcache-mp-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=DEFAULT_URL, help=f"the server's endpoint (default {DEFAULT_URL})")
+    ap.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                    help="where the workers' KV caches live (default: the server's device)")
+    ap.add_argument("--gpus", type=int, default=1, help="cuda: spread the workers round-robin over this many GPUs")
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="llama3-8b")
+    ap.add_argument("--layers", type=int, help="override the layout's layer count")
+    ap.add_argument("--heads", type=int, help="override the layout's KV heads (MHA)")
+    ap.add_argument("--head-size", type=int, help="override the layout's head size (MLA: latent dim)")
+    ap.add_argument("--block-size", type=int, help="override the layout's tokens per block")
+    ap.add_argument("--chunks", type=int, default=16, help="chunks per request (default 16)")
+    ap.add_argument("--requests", type=int, default=4, help="requests stored and retrieved per worker (default 4)")
+    ap.add_argument("--lookups", type=int, default=200, help="lookups per worker (default 200)")
+    ap.add_argument("--tp", action="store_true",
+                    help="the workers are TP ranks of one model (default: separate models)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds a worker waits on a request or barrier")
+    ap.add_argument("--connect-timeout", type=float, default=5, help="seconds to wait for the server's handshake")
+    ap.add_argument("--json", help="write the results here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if min(args.workers, args.chunks, args.requests, args.gpus) < 1 or args.lookups < 0:
+        ap.error("--workers, --chunks, --requests and --gpus must be positive")
+    try:
+        lay = geometry(args.layout, args.layers, args.heads, args.head_size, args.block_size)
+    except ValueError as e:
+        ap.error(str(e))
+
+    from lmcache_mp import Client, ProtocolMismatch, ServerUnavailable
+
+    try:
+        client = Client(args.url, connect_timeout=args.connect_timeout, timeout=60, name="lmcache-mp-bench")
+    except ServerUnavailable:
+        print(f"lmcache-mp-bench: no lmcache-mp server answers at {args.url} within {args.connect_timeout:g} s "
+              f"(start one with: lmcache-mp-server --url {args.url})", file=sys.stderr)
+        return 1
+    except ProtocolMismatch as e:
+        print(f"lmcache-mp-bench: {e}", file=sys.stderr)
+        return 1
+    try:
+        return _bench(args, lay, client)
+    finally:
+        client.close()
+
+
+def _bench(args, lay: dict, client) -> int:
+    from lmcache_mp.config import format_size
+
+    status = client.status()
+    server_device = status["device"]
+    args.device = args.device or server_device
+    if args.device != server_device:
+        print(f"lmcache-mp-bench: the server at {args.url} runs on device {server_device}; --device {args.device} "
+              f"needs a server started with --device {args.device}", file=sys.stderr)
+        return 2
+    chunk = client.chunk_size
+    if chunk % lay["block_size"]:
+        print(f"lmcache-mp-bench: the server's chunk of {chunk} tokens is not a whole number of blocks of "
+              f"{lay['block_size']} tokens (--block-size)", file=sys.stderr)
+        return 2
+    obj = object_bytes(lay, chunk)
+    req_bytes = args.chunks * obj
+    need = args.workers * (args.requests * args.chunks + 1) * obj  # + one warm-up chunk each
+    capacity = status["l1"].get("capacity", 0)
+    if need > capacity:
+        print(f"warning: this run stores {format_size(need)}, more than the server's L1 of {format_size(capacity)}: "
+              "evictions will show up as missing chunks", file=sys.stderr)
+    uuids: list[str] = []
+    gpu_names: list[str] = []
+    if args.device == "cuda":
+        worker_env_defaults()
+        try:
+            uuids, gpu_names = gpu_uuids(args.gpus)
+        except RuntimeError as e:
+            print(f"lmcache-mp-bench: {e}", file=sys.stderr)
+            return 2
+    else:
+        args.gpus = 1
+
+    print(banner(args, obj, req_bytes, gpu_names), flush=True)
+    print(f"server {args.url}: device {server_device}, chunk {chunk} tokens, L1 {format_size(capacity)} "
+          f"({format_size(status['l1'].get('bytes_used', 0))} in use)", flush=True)
+    model = f"bench-{args.layout}-{secrets.token_hex(4)}"  # chunks of this run only
+    settings = worker_settings(args, args.url, lay, model, run=0)
+    row, record, clean = run_once(client, settings, args.workers, uuids, chunk, own_l1=False)
+    print()
+    print_table([row], TABLE_NOTE)
+    if "error" not in row:
+        print(f"transfer mode (server status): {row['transfer_mode']}")
+    if args.json:
+        result = {
+            "bench": "lmcache-mp-bench",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "config": {**vars(args), "chunk_size": chunk, "geometry": lay, "model": model, "object_bytes": obj,
+                       "request_bytes": req_bytes},
+            "host": {"platform": platform.platform(), "python": platform.python_version(),
+                     "cpus": os.cpu_count(), "gpus": gpu_names, "gpu_uuids": uuids},
+            "server": {k: status.get(k) for k in ("version", "pid", "device", "chunk_size")}
+                      | {"l1_before": status["l1"]},
+            "rows": [row],
+            "runs": [record],
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        print(f"wrote {args.json}")
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""One load-generator worker process: a synthetic KV cache, timed store / lookup / retrieve
+phases against a running server, and a bit-for-bit check of everything retrieved.
+
+Spawned by `lmcache_mp.loadgen.run_workers` (so torch is imported here only inside functions:
+the package must stay importable without it). Each worker fills its KV cache with random bits
+and then, phases separated by barriers:
+
+  store     `requests` requests of `chunks` chunks each (distinct tokens -> distinct chunk
+            hashes), one at a time, each from a different permutation of the first half of
+            the blocks
+  lookup    `lookups` lookups of `chunks` hashes each
+  retrieve  every stored request into the second half of the blocks (wait="host")
+
+then checks every retrieved request against its source blocks (the last timed retrieve in
+place, the others retrieved again untimed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import traceback
+
+import numpy as np
+
+DTYPE_BYTES = 2  # bfloat16
+LAYOUTS = {
+    "llama3-8b": dict(kind="mha", layers=32, heads=8, head_size=128, block_size=16),
+    "mla": dict(kind="mla", layers=61, dim=576, block_size=16),
+}
+
+
+# ---- geometry -------------------------------------------------------------------------------
+
+def kv_shape(lay: dict, num_blocks: int) -> tuple:
+    if lay["kind"] == "mha":
+        return (2, num_blocks, lay["block_size"], lay["heads"], lay["head_size"])
+    return (num_blocks, lay["block_size"], lay["dim"])
+
+
+def object_bytes(lay: dict, chunk: int) -> int:
+    if lay["kind"] == "mha":
+        return 2 * lay["layers"] * chunk * lay["heads"] * lay["head_size"] * DTYPE_BYTES
+    return lay["layers"] * chunk * lay["dim"] * DTYPE_BYTES
+
+
+def request_ids(seed: tuple, half: int, offset: int) -> np.ndarray:
+    """A permutation of the `half` blocks starting at `offset` (a request's block table)."""
+    return (offset + np.random.default_rng(list(seed)).permutation(half)).astype(np.int64)
+
+
+def request_tokens(seed: tuple, n_tokens: int) -> np.ndarray:
+    return np.random.default_rng(list(seed)).integers(0, 1 << 31, n_tokens, dtype=np.int64)
+
+
+# ---- the worker process -----------------------------------------------------------------------
+
+def count_mismatches(kv: list, kind: str, src: np.ndarray, dst: np.ndarray, n: int, loaded: int) -> int:
+    """Chunks whose destination blocks differ from their source blocks in any bit (random bits
+    include NaNs, which never equal themselves: compare bit patterns), plus chunks not loaded."""
+    import torch
+
+    dev = kv[0].device
+    s = torch.as_tensor(src, device=dev)
+    d = torch.as_tensor(dst, device=dev)
+    bad = torch.zeros(n, dtype=torch.bool, device=dev)
+    for t in kv:
+        b = t.view(torch.int16)
+        if kind == "mha":
+            bad |= (b[:, s] != b[:, d]).reshape(2, n, -1).any(dim=2).any(dim=0)
+        else:
+            bad |= (b[s] != b[d]).reshape(n, -1).any(dim=1)
+    bad[loaded:] = True
+    return int(bad.sum().item())
+
+
+def _worker(cfg: dict, wid: int, barrier) -> dict:
+    """cfg: url, device, geometry (a LAYOUTS entry), model (name prefix), chunks, requests,
+    lookups, tp, workers, run, timeout, gpu_uuids (one per worker on cuda)."""
+    import torch
+
+    from lmcache_mp import Client, chunk_hashes, shared_cpu_tensor
+
+    lay = cfg["geometry"]
+    cuda = cfg["device"] == "cuda"
+    info: dict = {"wid": wid, "pid": os.getpid()}
+    if cuda:
+        if torch.cuda.device_count() != 1:
+            raise RuntimeError(f"worker {wid} sees {torch.cuda.device_count()} GPUs, expected exactly 1 "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
+        torch.cuda.set_device(0)
+        uuid = f"GPU-{torch.cuda.get_device_properties(0).uuid}"
+        if uuid != cfg["gpu_uuids"][wid]:
+            raise RuntimeError(f"worker {wid} is on {uuid}, expected {cfg['gpu_uuids'][wid]}")
+        info["gpu_uuid"] = uuid
+    timeout = cfg["timeout"]
+    client = Client(cfg["url"], timeout=timeout, name=f"bench-w{wid}")
+    chunk = client.chunk_size
+    bpc = chunk // lay["block_size"]
+    n = cfg["chunks"]
+    R = cfg["requests"]
+    half = n * bpc
+    nb = 2 * half + bpc  # the first half is the source, the second the destination, + warm-up
+    tp = cfg["tp"]
+    world, rank = (cfg["workers"], wid) if tp else (1, 0)
+    model = cfg["model"] + ("" if tp else f"-w{wid}")
+    # MLA under TP: every rank holds the same bytes (as in a real engine), stored once, read by all.
+    shared = tp and lay["kind"] == "mla"
+    data_seed = 1000 * cfg["run"] + (0 if shared else wid + 1)
+
+    shape = kv_shape(lay, nb)
+    if cuda:
+        kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(lay["layers"])]
+        gen = torch.Generator(device="cuda").manual_seed(data_seed)
+    else:
+        kv = [shared_cpu_tensor(shape, torch.bfloat16, fill=None) for _ in range(lay["layers"])]
+        gen = torch.Generator().manual_seed(data_seed)
+    for t in kv:
+        t.view(torch.uint8).random_(0, 256, generator=gen)
+    if cuda:
+        torch.cuda.synchronize()
+    handle = client.register_kv_cache(kv, model=model, world_size=world, rank=rank, layout=lay["kind"])
+    info.update(model=model, rank=rank, world_size=world, layout=handle.layout, shared=handle.shared,
+                object_bytes=handle.object_bytes, transfer_mode=handle.transfer_mode)
+    obj = handle.object_bytes
+
+    # Token ids: per request, and per worker unless the workers are ranks of one model.
+    tok_seed = (cfg["run"],) if tp else (cfg["run"], wid + 1)
+    hashes = [chunk_hashes(request_tokens(tok_seed + (r,), n * chunk), chunk) for r in range(R)]
+    src = [request_ids((r, 0), half, 0) for r in range(R)]
+    dst = [request_ids((r, 1), half, half) for r in range(R)]
+
+    # Warm-up (untimed): one chunk each way, on blocks of their own.
+    warm_ids = np.arange(2 * half, nb, dtype=np.int64)
+    warm_hash = chunk_hashes(request_tokens(tok_seed + (R, 9), chunk), chunk)
+    if client.store(handle, warm_hash, warm_ids).result().chunks != 1:
+        raise RuntimeError("warm-up store failed")
+    barrier.wait(timeout)  # a shared (MLA) chunk may be another rank's, still being written until then
+    if client.retrieve(handle, warm_hash, warm_ids).result().loaded != 1:
+        raise RuntimeError("warm-up retrieve failed")
+
+    # (a) store
+    barrier.wait(timeout)
+    lat_store, stored, present, skipped = [], 0, 0, 0
+    t_phase = time.perf_counter()
+    for r in range(R):
+        t0 = time.perf_counter()
+        res = client.store(handle, hashes[r], src[r]).result()
+        lat_store.append(time.perf_counter() - t0)
+        stored, present, skipped = stored + res.stored, present + res.present, skipped + res.skipped
+    store_wall = time.perf_counter() - t_phase
+    barrier.wait(timeout)
+    if wid == 0:  # every worker is registered now: the server says which transfer mode each uses
+        info["status_registrations"] = [
+            {k: reg.get(k) for k in ("model", "rank", "world_size", "layout", "device", "transfer_mode",
+                                     "object_bytes")}
+            for reg in client.status()["registrations"] if str(reg.get("model", "")).startswith(cfg["model"])
+        ]
+
+    # (b) lookup
+    barrier.wait(timeout)
+    lat_lookup, lookup_short = [], 0
+    for i in range(cfg["lookups"]):
+        t0 = time.perf_counter()
+        hits = client.lookup(hashes[i % R], model=model, world_size=world)
+        lat_lookup.append(time.perf_counter() - t0)
+        lookup_short += hits != n
+
+    # (c) retrieve
+    barrier.wait(timeout)
+    lat_retrieve, loaded_per_request = [], []
+    t_phase = time.perf_counter()
+    for r in range(R):
+        t0 = time.perf_counter()
+        res = client.retrieve(handle, hashes[r], dst[r], wait="host").result()
+        lat_retrieve.append(time.perf_counter() - t0)
+        loaded_per_request.append(res.loaded)
+    retrieve_wall = time.perf_counter() - t_phase
+    barrier.wait(timeout)  # nobody verifies while another worker is still timing
+
+    # verification: the last timed retrieve in place, every other request retrieved again
+    mismatches = count_mismatches(kv, lay["kind"], src[R - 1], dst[R - 1], n, loaded_per_request[R - 1])
+    reloaded_short = 0
+    for r in range(R - 1):
+        res = client.retrieve(handle, hashes[r], dst[r]).result()
+        reloaded_short += n - res.loaded
+        mismatches += count_mismatches(kv, lay["kind"], src[r], dst[r], n, res.loaded)
+    barrier.wait(timeout)
+    client.unregister_kv_cache(handle)
+    client.close()
+    info.update(
+        store_latency_s=lat_store, retrieve_latency_s=lat_retrieve, lookup_latency_s=lat_lookup,
+        store_wall_s=store_wall, retrieve_wall_s=retrieve_wall,
+        stored_chunks=stored, present_chunks=present, skipped_chunks=skipped,
+        loaded_chunks=int(sum(loaded_per_request)), requested_chunks=R * n,
+        store_bytes=stored * obj, retrieve_bytes=int(sum(loaded_per_request)) * obj,
+        lookups_short=int(lookup_short), reloaded_short=reloaded_short, mismatches=mismatches,
+    )
+    return info
+
+
+def worker_main(cfg: dict, wid: int, barrier, q) -> None:
+    try:
+        q.put((wid, "ok", _worker(cfg, wid, barrier)))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            barrier.abort()  # the others stop waiting at the next barrier
+        q.put((wid, "fail", traceback.format_exc()))
