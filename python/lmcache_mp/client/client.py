@@ -175,15 +175,15 @@ class Client:
         self.chunk_size: int = hello.chunk_size
         self.session_id: bytes = hello.session_id
         self._io = IOThread(self._ctx, url, self._heartbeat_msg, heartbeat_interval)
-        weakref.finalize(self, Client._finalize, self._io, self._ctx)
+        weakref.finalize(self, Client._finalize, self._io, self._ctx, self._sync_sockets)
 
     # ---- synchronous calls on the caller's socket ----------------------------------------------
 
     def _socket(self) -> zmq.Socket:
+        if self._closed:  # before the cached socket: close() has closed it
+            raise ServerUnavailable("the client is closed")
         sock = getattr(self._local, "sock", None)
         if sock is None:
-            if self._closed:
-                raise ServerUnavailable("the client is closed")
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -426,14 +426,20 @@ class Client:
 
     def _close_sockets(self) -> None:
         with self._lock:
-            socks, self._sync_sockets = self._sync_sockets, []
+            socks = list(self._sync_sockets)
+            self._sync_sockets.clear()
         for s in socks:
             s.close(linger=0)
         self._ctx.destroy(linger=0)
 
     @staticmethod
-    def _finalize(io: IOThread, ctx: zmq.Context) -> None:
+    def _finalize(io: IOThread, ctx: zmq.Context, sockets: list) -> None:
+        """A client dropped (or alive at exit) without close(): stop its thread first, then its
+        sockets and context, in that order, so that no thread still polls a closed socket."""
         io.stop()
+        for s in sockets:
+            s.close(linger=0)
+        ctx.destroy(linger=0)
 
     def __enter__(self) -> "Client":
         return self

@@ -48,6 +48,7 @@ class IOThread:
         self._sock.connect(url)
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._inbox: collections.deque = collections.deque()
+        self._unsent: collections.deque = collections.deque()  # queued until the socket connects
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._ids = itertools.count(1 << 62)  # apart from the sync sockets' ids
@@ -99,17 +100,27 @@ class IOThread:
 
     def _send_queued(self) -> None:
         while self._inbox:
-            rid, body, pend = self._inbox.popleft()
-            if rid is None:  # fail_all marker
+            item = self._inbox.popleft()
+            if item[0] is None:  # fail_all marker
+                error = item[2]
                 for r, pd in list(self._pending.items()):
                     del self._pending[r]
-                    self._settle(pd, error=pend)
+                    self._settle(pd, error=error)
+                while self._unsent:
+                    self._settle(self._unsent.popleft()[2], error=error)
                 continue
+            self._unsent.append(item)
+        while self._unsent:
+            rid, body, pend = self._unsent[0]
             try:
                 self._sock.send_multipart((p.pack_request_id(rid), body), flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return  # not connected (yet): wait for the socket to become writable, or the deadline
             except zmq.ZMQError as e:
-                self._settle(pend, error=ServerUnavailable(f"cannot send {pend.what}: server not connected ({e})"))
+                self._unsent.popleft()
+                self._settle(pend, error=ServerUnavailable(f"cannot send {pend.what}: {e}"))
                 continue
+            self._unsent.popleft()
             self._pending[rid] = pend
             heapq.heappush(self._deadlines, (pend.deadline, rid))
 
@@ -138,15 +149,31 @@ class IOThread:
             pend = self._pending.pop(rid, None)
             if pend is not None:
                 self._settle(pend, error=ServerUnavailable(f"no reply to {pend.what} within its timeout"))
+        if self._unsent and any(item[2].deadline <= now for item in self._unsent):
+            keep = collections.deque()
+            for item in self._unsent:
+                if item[2].deadline <= now:
+                    self._settle(item[2], error=ServerUnavailable(f"no server reachable to send {item[2].what}"))
+                else:
+                    keep.append(item)
+            self._unsent = keep
+
+    def _next_deadline(self, default: float) -> float:
+        t = min(default, self._deadlines[0][0]) if self._deadlines else default
+        return min([t] + [item[2].deadline for item in self._unsent])
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake, zmq.POLLIN)
         next_beat = time.monotonic() + self._interval
+        writable_wanted = False
         while not self._stop:
+            if bool(self._unsent) != writable_wanted:  # wait for a connection only while needed
+                writable_wanted = bool(self._unsent)
+                poller.modify(self._sock, zmq.POLLIN | (zmq.POLLOUT if writable_wanted else 0))
             now = time.monotonic()
-            wake_at = min(next_beat, self._deadlines[0][0] if self._deadlines else next_beat)
+            wake_at = self._next_deadline(next_beat)
             ready = dict(poller.poll(max(0.0, wake_at - now) * 1000))
             if self._wake in ready:
                 try:
@@ -154,7 +181,7 @@ class IOThread:
                 except BlockingIOError:
                     pass
             self._send_queued()
-            if self._sock in ready:
+            if ready.get(self._sock, 0) & zmq.POLLIN:
                 self._receive()
             now = time.monotonic()
             self._expire(now)
@@ -165,8 +192,7 @@ class IOThread:
         err = ServerUnavailable("the client is closed")
         for pend in list(self._pending.values()):
             self._settle(pend, error=err)
-        while self._inbox:
-            _rid, _body, pend = self._inbox.popleft()
+        for _rid, _body, pend in list(self._unsent) + list(self._inbox):
             if isinstance(pend, _Pending):
                 self._settle(pend, error=err)
         self._sock.close(linger=0)
