@@ -44,6 +44,20 @@ def server():
     srv.stop()
 
 
+@pytest.fixture
+def engines():
+    """Factory of engines; whatever a test leaves open is closed before the server stops."""
+    made = []
+
+    def make(url: str, **kw) -> "Engine":
+        made.append(Engine(url, **kw))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+
+
 def make_cache() -> list:
     """Per-layer views into one ordinary (not shared) buffer, as vLLM's CPU worker allocates."""
     per_layer = NUM_BLOCKS * HEADS * BS * HEAD2
@@ -73,11 +87,17 @@ class Engine:
         self.workers = [WorkerCore(self.cfg, rank=r) for r in range(world_size)]
         for w, c in zip(self.workers, self.caches):
             w.register_kv_caches(c)
+        if any(w.link.client is not None for w in self.workers):
+            # The client's I/O socket connects in the background after Client() returns, and a
+            # store sent before that fails at once ("server not connected"); give it a moment.
+            time.sleep(0.2)
         self.free = list(range(1, NUM_BLOCKS))
         self.finished: set[str] = set()
         self.load_errors: set[int] = set()
+        self.closed = False
 
     def alloc(self, n: int) -> list[int]:
+        assert n <= len(self.free), "fake engine out of blocks"
         out, self.free = self.free[:n], self.free[n:]
         return out
 
@@ -136,6 +156,9 @@ class Engine:
         raise AssertionError(f"{rid} never reported finished")
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         for w in self.workers:
             w.close()
         self.sched.close()
@@ -178,10 +201,10 @@ def test_config_from_extra_config():
 # ---- shared memory ---------------------------------------------------------------------------
 
 
-def test_register_moves_cpu_cache_into_shared_memory_in_place(server):
+def test_register_moves_cpu_cache_into_shared_memory_in_place(server, engines):
     from lmcache_mp import shm
 
-    eng = Engine(server.url)
+    eng = engines(server.url)
     try:
         cache = eng.caches[0]
         name = shm.find_shared_region(cache[0].data_ptr(), cache[0].numel() * 2).name
@@ -200,8 +223,8 @@ def test_register_moves_cpu_cache_into_shared_memory_in_place(server):
 # ---- hits, caps and alignment ----------------------------------------------------------------
 
 
-def test_store_then_load_in_another_engine(server):
-    a = Engine(server.url)
+def test_store_then_load_in_another_engine(server, engines):
+    a = engines(server.url)
     toks = prompt(1, 300)
     ext, blocks_a, plan = a.prefill("r1", toks)
     assert ext == 0 and not plan.loads
@@ -210,7 +233,7 @@ def test_store_then_load_in_another_engine(server):
     assert a.finish("r1") is True  # stores were in flight: blocks held until reported
     a.close()
 
-    b = Engine(server.url)
+    b = engines(server.url)
     try:
         b.free = b.free[::-1]  # other block ids than engine A's
         ext, blocks_b, plan = b.prefill("r1", toks)
@@ -225,8 +248,8 @@ def test_store_then_load_in_another_engine(server):
         b.close()
 
 
-def test_hit_never_covers_the_whole_prompt(server):
-    a = Engine(server.url)
+def test_hit_never_covers_the_whole_prompt(server, engines):
+    a = engines(server.url)
     toks = prompt(2, 256)  # exactly 4 chunks
     a.prefill("r", toks)
     a.finish("r")
@@ -238,8 +261,8 @@ def test_hit_never_covers_the_whole_prompt(server):
     a.close()
 
 
-def test_shared_prefix_and_chunk_alignment(server):
-    a = Engine(server.url)
+def test_shared_prefix_and_chunk_alignment(server, engines):
+    a = engines(server.url)
     base = prompt(3, 400)
     a.prefill("base", base)
     a.finish("base")
@@ -254,8 +277,8 @@ def test_shared_prefix_and_chunk_alignment(server):
     a.close()
 
 
-def test_local_prefix_hit_inside_a_chunk_uses_the_scratch_block(server):
-    a = Engine(server.url)
+def test_local_prefix_hit_inside_a_chunk_uses_the_scratch_block(server, engines):
+    a = engines(server.url)
     toks = prompt(5, 330)
     a.prefill("r", toks)
     a.finish("r")
@@ -278,8 +301,8 @@ def test_local_prefix_hit_inside_a_chunk_uses_the_scratch_block(server):
     a.close()
 
 
-def test_local_hit_beyond_the_server_hit_loads_nothing(server):
-    a = Engine(server.url)
+def test_local_hit_beyond_the_server_hit_loads_nothing(server, engines):
+    a = engines(server.url)
     toks = prompt(6, 300)
     a.prefill("r", toks)
     a.finish("r")
@@ -293,8 +316,8 @@ def test_local_hit_beyond_the_server_hit_loads_nothing(server):
     a.close()
 
 
-def test_repeated_query_reuses_the_lookup_and_finish_releases_the_lease(server):
-    a = Engine(server.url)
+def test_repeated_query_reuses_the_lookup_and_finish_releases_the_lease(server, engines):
+    a = engines(server.url)
     toks = prompt(7, 300)
     a.prefill("r", toks)
     a.finish("r")
@@ -312,8 +335,8 @@ def test_repeated_query_reuses_the_lookup_and_finish_releases_the_lease(server):
 
 
 @pytest.mark.parametrize("store_decode", [False, True])
-def test_decode_chunks_are_stored_only_when_configured(server, store_decode):
-    a = Engine(server.url, store_decode=store_decode)
+def test_decode_chunks_are_stored_only_when_configured(server, store_decode, engines):
+    a = engines(server.url, store_decode=store_decode)
     toks = prompt(8, 120)
     ext, blocks, plan = a.prefill("r", toks)
     assert [len(t.hashes) for t in plan.stores] == [1]
@@ -332,8 +355,8 @@ def test_decode_chunks_are_stored_only_when_configured(server, store_decode):
     a.close()
 
 
-def test_chunked_prefill_stores_each_chunk_once(server):
-    a = Engine(server.url)
+def test_chunked_prefill_stores_each_chunk_once(server, engines):
+    a = engines(server.url)
     toks = prompt(9, 700)
     assert a.sched.num_new_matched_tokens("r", toks, 0) == 0
     blocks = a.alloc(-(-700 // BS))
@@ -349,8 +372,8 @@ def test_chunked_prefill_stores_each_chunk_once(server):
     a.close()
 
 
-def test_preemption_waits_for_stores_and_readmission_looks_up_again(server):
-    a = Engine(server.url)
+def test_preemption_waits_for_stores_and_readmission_looks_up_again(server, engines):
+    a = engines(server.url)
     toks = prompt(10, 400)
     ext, blocks, plan = a.prefill("r", toks)
     assert plan.stores
@@ -375,8 +398,8 @@ def test_preemption_waits_for_stores_and_readmission_looks_up_again(server):
 # ---- failures --------------------------------------------------------------------------------
 
 
-def test_short_and_failed_loads_report_their_blocks(server):
-    a = Engine(server.url)
+def test_short_and_failed_loads_report_their_blocks(server, engines):
+    a = engines(server.url)
     toks = prompt(11, 300)
     a.prefill("r", toks)
     a.finish("r")
@@ -400,11 +423,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_absent_server_means_no_hits_and_no_stalls(caplog):
+def test_absent_server_means_no_hits_and_no_stalls(caplog, engines):
     url = f"tcp://127.0.0.1:{free_port()}"
     caplog.set_level(logging.WARNING, logger="lmcache_mp")
     t0 = time.monotonic()
-    a = Engine(url, connect_timeout=0.3, retry_interval=60)
+    a = engines(url, connect_timeout=0.3, retry_interval=60)
     assert time.monotonic() - t0 < 3
     toks = prompt(13, 300)
     t0 = time.monotonic()
@@ -464,8 +487,8 @@ def test_slow_server_costs_one_timeout_per_retry_interval(caplog):
 # ---- tensor parallelism ----------------------------------------------------------------------
 
 
-def test_tensor_parallel_two_ranks(server):
-    a = Engine(server.url, world_size=2)
+def test_tensor_parallel_two_ranks(server, engines):
+    a = engines(server.url, world_size=2)
     toks = prompt(15, 333)
     # Rank 1 is not connected yet: only rank 0 stores, so nothing is a hit for the pair.
     link1 = a.workers[1].link
@@ -480,7 +503,7 @@ def test_tensor_parallel_two_ranks(server):
     a.finish("r2")
     a.close()
 
-    b = Engine(server.url, world_size=2)
+    b = engines(server.url, world_size=2)
     try:
         b.free = b.free[::-1]
         ext, blocks, plan = b.prefill("r", toks)
@@ -491,3 +514,41 @@ def test_tensor_parallel_two_ranks(server):
         b.finish("r")
     finally:
         b.close()
+
+
+def test_server_restart_is_survived(engines):
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+
+    def start():
+        return Server(ServerConfig(url=url, l1_size="64MiB", device="cpu", chunk_size=CS)).start()
+
+    srv = start()
+    a = engines(url, retry_interval=0.5, lookup_timeout=0.5)
+    try:
+        toks = prompt(16, 300)
+        a.prefill("r1", toks)
+        a.finish("r1")
+        assert a.sched.num_new_matched_tokens("probe1", toks, 0) == 4 * CS
+        a.sched.request_finished("probe1")
+        srv.stop()
+        assert a.sched.num_new_matched_tokens("down", toks, 0) == 0  # one lookup timeout
+        t0 = time.monotonic()
+        assert a.sched.num_new_matched_tokens("down2", toks, 0) == 0
+        assert time.monotonic() - t0 < 0.1  # paused: no second timeout
+        srv = start()  # empty, same address
+        # The clients notice the new server by themselves and register the caches again;
+        # within a few retry intervals, new stores land and are found.
+        deadline, i, hit = time.monotonic() + 20, 0, 0
+        while time.monotonic() < deadline and not hit:
+            time.sleep(0.6)
+            i += 1
+            a.free = list(range(1, NUM_BLOCKS))  # every earlier request has finished
+            a.prefill(f"again{i}", toks)
+            a.finish(f"again{i}")
+            hit = a.sched.num_new_matched_tokens(f"probe{i}", toks, 0)
+            a.sched.request_finished(f"probe{i}")
+        assert hit == 4 * CS
+    finally:
+        a.close()
+        srv.stop()

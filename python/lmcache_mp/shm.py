@@ -89,6 +89,14 @@ def register_shared_region(base: int, nbytes: int, name: str) -> None:
         _regions[int(base)] = (int(nbytes), _validate_name(name))
 
 
+def unregister_shared_region(base: int, name: str) -> None:
+    """Forget a region declared by register_shared_region (its file is gone or reused)."""
+    with _lock:
+        entry = _regions.get(int(base))
+        if entry is not None and entry[1] == name:
+            del _regions[int(base)]
+
+
 def find_shared_region(ptr: int, nbytes: int) -> SharedRegion:
     """The shared-memory file holding [ptr, ptr+nbytes), or ValueError if it is ordinary memory."""
     with _lock:

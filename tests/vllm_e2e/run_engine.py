@@ -26,10 +26,48 @@ ENV = {
 }
 
 
+def inject_load_failures() -> None:
+    """Test hook: every load asks for its second half of chunks under unknown keys, so the
+    server loads only the leading half and the connector must report the rest as failed."""
+    from lmcache_mp.integration import worker_core
+
+    original = worker_core.WorkerCore.start_loads
+
+    def start_loads(self, plan):
+        for t in plan.loads:
+            keep = len(t.hashes) // 2
+            t.hashes = t.hashes[:keep] + [bytes(16)] * (len(t.hashes) - keep)
+        return original(self, plan)
+
+    worker_core.WorkerCore.start_loads = start_loads
+
+
+def connector_stats() -> dict:
+    """Sum of the counters of the connector cores in this process (workers of other processes,
+    as with tensor parallelism, are not seen)."""
+    import gc
+
+    try:
+        from lmcache_mp.integration.connector_core import SchedulerCore, WorkerCore
+    except ImportError:
+        return {}
+    total: dict = {}
+    gc.unfreeze()  # vLLM freezes its start-up objects, which hides them from get_objects()
+    cores = [obj for obj in gc.get_objects() if isinstance(obj, (SchedulerCore, WorkerCore))]
+    gc.freeze()  # as vLLM left it (else its shutdown spends a second collecting them)
+    for core in cores:
+        for k, v in core.stats.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
 def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tokens: int,
-        extra_config: dict | None = None) -> dict:
+        extra_config: dict | None = None, fail_loads: bool = False, tensor_parallel: int = 1,
+        prefix_caching: bool = False, sequential: bool = False, kv_cache_bytes: int = 256 << 20) -> dict:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
+    if fail_loads:
+        inject_load_failures()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -50,20 +88,25 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         enforce_eager=True,
         block_size=32,
         max_model_len=1024,
-        kv_cache_memory_bytes=256 << 20,
-        enable_prefix_caching=False,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        enable_prefix_caching=prefix_caching,
         seed=0,
+        tensor_parallel_size=tensor_parallel,
         **kwargs,
     )
     t1 = time.perf_counter()
     params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    batches = [[p] for p in prompts] if sequential else [prompts]
+    outs = []
+    for batch in batches:
+        outs += llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
     t2 = time.perf_counter()
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
         "engine_start_s": t1 - t0,
         "generate_s": t2 - t1,
+        "connector": connector_stats() if connector_url else {},
     }
     # Shut the engine down here (not at interpreter exit): the connector then delivers the
     # stores still in flight before this process ends.
@@ -83,10 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connector-url", default=None)
     ap.add_argument("--extra-config", default="{}", help="JSON of more kv_connector_extra_config keys")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--inject-load-failures", action="store_true", help="test hook: see inject_load_failures")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="ranks (worker processes) of the engine")
+    ap.add_argument("--prefix-caching", action="store_true", help="enable vLLM's own prefix cache")
+    ap.add_argument("--sequential", action="store_true", help="one prompt per generate() call, in order")
+    ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="vLLM's KV cache size (small: preemptions)")
     args = ap.parse_args(argv)
     with open(args.prompts) as f:
         prompts = json.load(f)
-    result = run(args.model, prompts, args.connector_url, args.max_tokens, json.loads(args.extra_config))
+    result = run(args.model, prompts, args.connector_url, args.max_tokens, json.loads(args.extra_config),
+                 fail_loads=args.inject_load_failures, tensor_parallel=args.tensor_parallel,
+                 prefix_caching=args.prefix_caching, sequential=args.sequential,
+                 kv_cache_bytes=args.kv_cache_bytes)
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

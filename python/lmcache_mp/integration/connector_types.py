@@ -30,6 +30,7 @@ class ConnectorConfig:
     load_timeout: float = 30.0  # longest a forward pass waits for its loads
     flush_timeout: float = 30.0  # longest shutdown (or a preemption) waits for stores in flight
     store_decode: bool = False  # also store chunks completed by generated tokens
+    recompute_on_load_error: bool = True  # engine recomputes what a load missed (else fails it)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, **base: Any) -> "ConnectorConfig":
@@ -64,7 +65,8 @@ class Transfer:
     `block_ids` has `len(hashes) * blocks_per_chunk` entries. For a load, the first
     `num_scratch_blocks` of them are a scratch block: the engine already holds those tokens
     (a local prefix hit ending inside the first chunk), so their bytes are written where
-    nothing reads them."""
+    nothing reads them. A load without hashes is one the scheduler could not plan: the worker
+    reports all its blocks as failed."""
 
     req_id: str
     hashes: list[bytes]

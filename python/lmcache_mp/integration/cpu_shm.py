@@ -61,16 +61,8 @@ def _is_shared(storage) -> bool:
 
 
 def _forget_region(buf: SharedBuffer) -> None:
-    # shm keeps a registry of address ranges; drop ours so a later allocation at the same
-    # address is not mistaken for this (removed) file.
-    regions = getattr(shm, "_regions", None)
-    lock = getattr(shm, "_lock", None)
-    if regions is None or lock is None:
-        return
-    with lock:
-        entry = regions.get(buf.base)
-        if entry is not None and entry[1] == buf.name:
-            del regions[buf.base]
+    # so that a later allocation at the same address is not mistaken for this (removed) file
+    shm.unregister_shared_region(buf.base, buf.name)
 
 
 def move_to_shared_memory(tensors: Sequence) -> list[SharedBuffer]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -56,7 +57,8 @@ class SchedulerCore:
         self._error_logged = False
         # Releases must not block the scheduler; one thread keeps them in order.
         self._releaser = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-mp-release")
-        self.stats = {"lookups": 0, "hit_tokens": 0, "load_tokens": 0, "store_chunks": 0}
+        self.stats = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0, "load_tokens": 0, "store_chunks": 0}
+        self._hits_logged: tuple[float, int, int] | None = None
 
     def start(self) -> None:
         self.link.connect(wait=self.cfg.connect_timeout)
@@ -92,16 +94,18 @@ class SchedulerCore:
             tr.hashes = chunk_hashes(tokens, chunk_size, salt=tr.salt)
         return tr.hashes[:num_chunks]
 
-    def _release(self, hashes: list[bytes]) -> None:
+    def _release(self, hashes: list[bytes], client=None) -> None:
         if not hashes:
             return
-        client = self.link.get()
+        client = client or self.link.get()
         if client is None:
             return  # the server drops leases of a client that goes away, or at their TTL
 
         def run():
             try:
-                client.release(hashes, model=self.cfg.model, world_size=self.cfg.world_size)
+                # Short timeout: a lease we fail to drop only lives until its TTL or our goodbye.
+                client.release(hashes, model=self.cfg.model, world_size=self.cfg.world_size,
+                               timeout=max(1.0, self.cfg.lookup_timeout))
             except LMCacheMPError as exc:
                 logger.debug("lmcache-mp: release failed: %s", exc)
 
@@ -175,7 +179,7 @@ class SchedulerCore:
             )
         except ServerUnavailable as exc:
             self.link.report_failure(exc)
-            self._release(hashes)  # in case the lookup lands late and leases them
+            self._release(hashes, client)  # in case the lookup still lands and leases them
             return
         except LMCacheMPError as exc:
             if not self._error_logged:
@@ -184,9 +188,28 @@ class SchedulerCore:
             return
         self.link.report_success()
         n = max(0, min(n, max_chunks))
+        self.stats["hit_tokens"] += n * cs
+        self.stats["lookup_tokens"] += max_chunks * cs
+        self._log_hits()
         tr.hit_chunks = n
         tr.leased_chunks = n
         tr.stored_chunks = n
+
+    def _log_hits(self, every: float = 30.0) -> None:
+        """One INFO line at most every `every` seconds: how much of the looked-up prompts hit."""
+        now = time.monotonic()
+        last = self._hits_logged
+        if last is None:
+            self._hits_logged = (now, 0, 0)
+            return
+        t0, hit0, seen0 = last
+        if now - t0 < every:
+            return
+        hit, seen = self.stats["hit_tokens"] - hit0, self.stats["lookup_tokens"] - seen0
+        if seen:
+            logger.info("lmcache-mp: %d of %d looked-up prompt tokens were cached (%.1f%%) in the last %.0f s",
+                        hit, seen, 100.0 * hit / seen, now - t0)
+        self._hits_logged = (now, self.stats["hit_tokens"], self.stats["lookup_tokens"])
 
     def _external_tokens(self, tr: _Tracked, num_computed_tokens: int) -> int:
         if not tr.hit_chunks or not self._chunk_size:
@@ -288,7 +311,8 @@ class SchedulerCore:
         self._releaser.submit(lambda: None).result(timeout)
 
     def close(self) -> None:
-        # Closing the client says goodbye to the server, which drops every lease we still hold.
+        # Closing the client says goodbye to the server, which drops every lease we still hold,
+        # so queued releases are moot; a running one must end before its socket is closed.
         self._requests.clear()
-        self._releaser.shutdown(wait=True)
+        self._releaser.shutdown(wait=True, cancel_futures=True)
         self.link.close()

@@ -11,7 +11,9 @@
 Extra-config keys (all optional): `lmcache_mp.url` (default tcp://127.0.0.1:5555),
 `lmcache_mp.model` (default: the served model name; engines sharing a cache must agree),
 `lmcache_mp.lookup_timeout` (seconds, default 0.2), `lmcache_mp.store_decode` (default false),
-and the other `ConnectorConfig` fields. The scheduler never waits on an absent or slow server
+and the other `ConnectorConfig` fields. Unless `lmcache_mp.recompute_on_load_error` is false, the
+connector sets vLLM's `kv_load_failure_policy` to "recompute": a chunk that cannot be loaded
+is computed again instead of failing the request. The scheduler never waits on an absent or slow server
 for longer than one lookup timeout per retry interval; it then serves without the cache.
 
 This module is a thin adapter: all logic is in `connector_core` (see
@@ -116,11 +118,25 @@ class LMCacheMPConnector(KVConnectorBase_V1):
         self._use_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         self._scheduler: SchedulerCore | None = None
         self._worker: WorkerCore | None = None
+        # The server shares an MLA object among all ranks of a (model, world size); pipeline
+        # stages hold different layers, so they must not share.
+        self._disabled = self._use_mla and self._pp > 1
+        if self._disabled:
+            logger.error("lmcache-mp: MLA models with pipeline parallelism are not supported; the cache stays unused")
         if role == KVConnectorRole.SCHEDULER:
+            self._prefer_recompute()
             self._scheduler = SchedulerCore(self._cfg)
-            self._scheduler.start()
+            if not self._disabled:
+                self._scheduler.start()
         else:
-            self._worker = WorkerCore(self._cfg, rank=self._rank(), layout="mla" if self._use_mla else "auto")
+            rank = self._rank()
+            self._worker = WorkerCore(
+                self._cfg,
+                rank=rank,
+                layout="mla" if self._use_mla else "auto",
+                # MLA: every TP rank holds the same bytes; the first rank of the stage stores them.
+                stores=not self._use_mla or rank % self._tp == 0,
+            )
         logger.info(
             "lmcache-mp connector (%s): server %s, model %r, world size %d",
             role.name.lower(),
@@ -128,6 +144,18 @@ class LMCacheMPConnector(KVConnectorBase_V1):
             self._cfg.model,
             self._cfg.world_size,
         )
+
+    def _prefer_recompute(self) -> None:
+        """A cache that lost a chunk must not fail the request: vLLM's default policy for load
+        errors is "fail"; switch it to "recompute" unless configured otherwise. The scheduler
+        reads the policy right after creating its connector."""
+        ktc = self._kv_transfer_config
+        if self._cfg.recompute_on_load_error and getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+            try:
+                ktc.kv_load_failure_policy = "recompute"
+                logger.info("lmcache-mp: kv_load_failure_policy set to 'recompute'")
+            except Exception as exc:  # noqa: BLE001 - frozen config: keep vLLM's policy
+                logger.warning("lmcache-mp: cannot set kv_load_failure_policy=recompute (%s)", exc)
 
     def _rank(self) -> int:
         """This worker's rank among the engine's tp * pp ranks."""
@@ -145,8 +173,16 @@ class LMCacheMPConnector(KVConnectorBase_V1):
     # ==== worker side ==========================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        # vLLM 0.32 hands every backend's cache over as one [blocks, heads, tokens, K+V] view per
+        # layer; blocks are copied whole ("opaque", what "auto" picks for 4-D). MLA caches have
+        # one head: drop that dim to get the token layout [blocks, tokens, dim].
         assert self._worker is not None
-        self._worker.register_kv_caches(list(kv_caches.values()))
+        if self._disabled:
+            return
+        tensors = list(kv_caches.values())
+        if self._use_mla:
+            tensors = [t.squeeze(1) if t.dim() == 4 and t.shape[1] == 1 else t for t in tensors]
+        self._worker.register_kv_caches(tensors)
 
     def _plan(self) -> StepPlan | None:
         meta = self._connector_metadata
@@ -200,6 +236,8 @@ class LMCacheMPConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
+        if self._disabled:
+            return 0, False
         n = self._scheduler.num_new_matched_tokens(
             request.request_id,
             request.all_token_ids,

@@ -35,11 +35,15 @@ class WorkerCore:
         *,
         rank: int = 0,
         layout: str = "auto",
+        stores: bool = True,
         link: ClientLink | None = None,
     ):
+        """`stores=False`: this rank issues no stores (another rank stores the same bytes, as
+        with MLA under tensor parallelism) but still reports requests finished."""
         self.cfg = config
         self.rank = rank
         self.layout = layout
+        self.issues_stores = stores
         self.link = link or ClientLink(
             config.url,
             name=f"lmcache-mp worker {rank}",
@@ -57,8 +61,9 @@ class WorkerCore:
         self._finishing: set[str] = set()
         self._loading: list[tuple[Transfer, cf.Future | None]] = []
         self._load_errors: set[int] = set()
-        self._store_failures = 0
         self._store_failure_logged = False
+        self._load_failure_logged = False
+        self._register_failure_logged = False
         self.stats = {"loaded_chunks": 0, "failed_load_chunks": 0, "stored_chunks": 0, "store_errors": 0}
         self._closed = False
         _live_workers.add(self)
@@ -80,13 +85,19 @@ class WorkerCore:
     def _register(self, client) -> None:
         if not self._tensors:
             raise RuntimeError("KV caches are not known yet")
-        self._handle = client.register_kv_cache(
-            self._tensors,
-            model=self.cfg.model,
-            world_size=self.cfg.world_size,
-            rank=self.rank,
-            layout=self.layout,
-        )
+        try:
+            self._handle = client.register_kv_cache(
+                self._tensors,
+                model=self.cfg.model,
+                world_size=self.cfg.world_size,
+                rank=self.rank,
+                layout=self.layout,
+            )
+        except (LMCacheMPError, ValueError) as exc:
+            if not isinstance(exc, ServerUnavailable) and not self._register_failure_logged:
+                logger.error("lmcache-mp: registering the KV cache of rank %d failed: %s", self.rank, exc)
+                self._register_failure_logged = True
+            raise
         self._handle_client = client
 
     def _client(self):
@@ -104,8 +115,8 @@ class WorkerCore:
             if client is not None and t.hashes:
                 try:
                     fut = client.retrieve(self._handle, t.hashes, t.block_ids)
-                except LMCacheMPError as exc:
-                    self._note_failure(exc)
+                except (LMCacheMPError, ValueError) as exc:
+                    self._note_failure(exc, slow=False)
             self._loading.append((t, fut))
 
     def wait_loads(self) -> None:
@@ -117,12 +128,15 @@ class WorkerCore:
         for t, fut in loading:
             loaded = 0
             if fut is not None:
+                t0 = time.monotonic()
                 try:
-                    loaded = int(fut.result(timeout=max(0.0, deadline - time.monotonic())).loaded)
+                    loaded = int(fut.result(timeout=max(0.0, deadline - t0)).loaded)
                 except cf.TimeoutError:
+                    # The engine recomputes these blocks; should the copy still land, it
+                    # writes the same KV the recomputation does.
                     self.link.report_failure(ServerUnavailable("load timed out"))
-                except LMCacheMPError as exc:
-                    self._note_failure(exc)
+                except Exception as exc:  # noqa: BLE001 - any failure is a miss, never a crash
+                    self._note_failure(exc, slow=time.monotonic() - t0 > 1.0)
             n = len(t.hashes)
             loaded = max(0, min(loaded, n))
             self.stats["loaded_chunks"] += loaded
@@ -139,34 +153,38 @@ class WorkerCore:
     # ---- stores ---------------------------------------------------------------------------
 
     def start_stores(self, plan: StepPlan) -> None:
-        client = self._client() if plan.stores else None
+        client = self._client() if plan.stores and self.issues_stores else None
         for t in plan.stores:
             self._with_stores.add(t.req_id)
             if client is None:
                 continue
             try:
                 fut = client.store(self._handle, t.hashes, t.block_ids)
-            except LMCacheMPError as exc:
+            except (LMCacheMPError, ValueError) as exc:
                 self._store_failed(exc)
                 continue
             self.stats["stored_chunks"] += len(t.hashes)
             self._stores.setdefault(t.req_id, []).append(fut)
 
     def _store_failed(self, exc: BaseException) -> None:
+        # Stores fail fast when the server is away and cost the engine nothing, so they never
+        # pause the link; the scheduler's lookups notice outages.
         self.stats["store_errors"] += 1
-        if isinstance(exc, ServerUnavailable):
-            self.link.report_failure(exc)
-        elif not self._store_failure_logged:
+        if not self._store_failure_logged:
             logger.warning("lmcache-mp: store failed (%s); further failures are logged at debug level", exc)
             self._store_failure_logged = True
         else:
             logger.debug("lmcache-mp: store failed: %s", exc)
 
-    def _note_failure(self, exc: BaseException) -> None:
-        if isinstance(exc, ServerUnavailable):
+    def _note_failure(self, exc: BaseException, slow: bool) -> None:
+        """A load failed. Only a slow failure (the forward pass waited for it) pauses the link."""
+        if slow and isinstance(exc, ServerUnavailable):
             self.link.report_failure(exc)
+        elif not self._load_failure_logged:
+            logger.warning("lmcache-mp: load failed (%s); further failures are logged at debug level", exc)
+            self._load_failure_logged = True
         else:
-            logger.warning("lmcache-mp: transfer rejected: %s", exc)
+            logger.debug("lmcache-mp: load failed: %s", exc)
 
     def _reap(self, futures: list[cf.Future]) -> None:
         for fut in futures:

@@ -1,0 +1,258 @@
+"""End to end with a real vLLM (CPU build): engines share KV through an lmcache-mp server.
+
+Runs only where vLLM is importable (e.g. `.ci/run` inside the vLLM virtualenv). Every engine is
+a fresh process (run_engine.py) on a tiny random Llama made locally; the server is a separate
+process too. The oracle is the same batch run by an engine without any connector: greedy
+outputs must be token-identical, and `num_cached_tokens` must show exactly the chunk-aligned
+hits the server can supply.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+]
+
+HERE = Path(__file__).resolve().parent
+CHUNK = 64  # server chunk size: a multiple of vLLM's block size 32
+MAX_TOKENS = 16
+ENGINE_TIMEOUT = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def expected_hit(prompt_len: int, stored_tokens: int) -> int:
+    """Whole chunks present on the server, never the prompt's last token."""
+    return min(stored_tokens // CHUNK, (prompt_len - 1) // CHUNK) * CHUNK
+
+
+class ServerProcess:
+    """lmcache-mp-server in its own process."""
+
+    def __init__(self, port: int, log: Path):
+        self.url = f"tcp://127.0.0.1:{port}"
+        exe = Path(sys.executable).with_name("lmcache-mp-server")
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "lmcache_mp.server.cli"]
+        cmd += ["--url", self.url, "--device", "cpu", "--chunk-size", str(CHUNK), "--l1-size", "1GiB"]
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait_ready(log)
+
+    def _wait_ready(self, log: Path, timeout: float = 60.0) -> None:
+        from lmcache_mp import Client, ServerUnavailable
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lmcache-mp-server exited with {self.proc.returncode}:\n{log.read_text()}")
+            try:
+                Client(self.url, connect_timeout=0.5).close()
+                return
+            except ServerUnavailable:
+                time.sleep(0.2)
+        raise RuntimeError(f"lmcache-mp-server did not answer within {timeout} s:\n{log.read_text()}")
+
+    def present_chunks(self, prompts, model: str) -> list[int]:
+        from lmcache_mp import Client, chunk_hashes
+
+        with Client(self.url, timeout=10) as c:
+            return [c.lookup(chunk_hashes(p, c.chunk_size), model=model) for p in prompts]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm_e2e")
+
+
+@pytest.fixture(scope="module")
+def model_dir(workdir) -> str:
+    out = workdir / "tiny-llama"
+    subprocess.run([sys.executable, str(HERE / "make_tiny_llama.py"), str(out)], check=True, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """P: six prompts of 300-700 tokens. Q: prompts sharing only a prefix with one of P."""
+    rng = random.Random(20261129)
+    P = [[rng.randrange(3, 512) for _ in range(rng.randrange(300, 701))] for _ in range(6)]
+    shared = [100, 200, 333, 64, 31]
+    Q = [P[i][:n] + [rng.randrange(3, 512) for _ in range(rng.randrange(150, 300))] for i, n in enumerate(shared)]
+    return P, Q, shared
+
+
+class Runner:
+    def __init__(self, workdir: Path, model: str):
+        self.workdir, self.model = workdir, model
+        self.times: dict[str, dict] = {}
+
+    def __call__(self, name: str, prompts, url: str | None = None, *extra: str, env: dict | None = None) -> dict:
+        pfile, out, log = (self.workdir / f"{name}.{ext}" for ext in ("prompts.json", "out.json", "log"))
+        pfile.write_text(json.dumps(prompts))
+        cmd = [sys.executable, str(HERE / "run_engine.py"), "--model", self.model, "--prompts", str(pfile),
+               "--out", str(out), "--max-tokens", str(MAX_TOKENS), *extra]
+        if url:
+            cmd += ["--connector-url", url]
+        t0 = time.perf_counter()
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT,
+                                  env={**os.environ, **(env or {})})
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            raise AssertionError(f"engine {name} failed ({proc.returncode}):\n{log.read_text()[-6000:]}")
+        result = json.loads(out.read_text())
+        result["wall_s"] = wall
+        self.times[name] = {k: round(result[k], 2) for k in ("wall_s", "engine_start_s", "generate_s", "shutdown_s")}
+        return result
+
+
+@pytest.fixture(scope="module")
+def run(workdir, model_dir):
+    runner = Runner(workdir, model_dir)
+    yield runner
+    print("\nengine wall times (s):")
+    for name, t in runner.times.items():
+        print(f"  {name:<12} " + "  ".join(f"{k}={v}" for k, v in t.items()))
+
+
+@pytest.fixture(scope="module")
+def baseline(run, prompts):
+    P, Q, _ = prompts
+    base = run("baseline", P + Q)
+    assert base["num_cached_tokens"] == [0] * len(P + Q)
+    return base
+
+
+def test_engines_share_prefixes_through_the_server(run, prompts, baseline, model_dir, workdir):
+    P, Q, shared = prompts
+    server = ServerProcess(free_port(), workdir / "server.log")
+    try:
+        # Engine A stores the full chunks of its prompts and is unaffected by the connector.
+        a = run("engine_A", P, server.url)
+        assert a["outputs"] == baseline["outputs"][: len(P)]
+        assert a["num_cached_tokens"] == [0] * len(P)
+        assert server.present_chunks(P, model_dir) == [len(p) // CHUNK for p in P]
+
+        # Engine B (fresh process, prefix caching off): P hits all but the last partial chunk,
+        # Q hits the whole chunks of its shared prefix; outputs are those of a plain engine.
+        b = run("engine_B", P + Q, server.url)
+        want = [expected_hit(len(p), len(p)) for p in P] + [expected_hit(len(q), n) for q, n in zip(Q, shared)]
+        assert b["num_cached_tokens"] == want
+        assert any(want) and b["connector"]["loaded_chunks"] == sum(want) // CHUNK
+        assert b["connector"]["lookups"] == len(P + Q)
+        assert b["connector"]["failed_load_chunks"] == 0
+        assert b["outputs"] == baseline["outputs"]
+        # B stored what was new: the rest of each Q prompt.
+        assert server.present_chunks(Q, model_dir) == [len(q) // CHUNK for q in Q]
+
+        # Loads that come back short are reported and recomputed by vLLM: same outputs.
+        c = run("short_loads", P + Q, server.url, "--inject-load-failures")
+        assert c["connector"]["failed_load_chunks"] > 0
+        assert c["outputs"] == baseline["outputs"]
+    finally:
+        server.stop()
+
+
+def test_server_absent_changes_nothing(run, prompts, baseline):
+    P, Q, _ = prompts
+    url = f"tcp://127.0.0.1:{free_port()}"  # nobody listens here
+    r = run("no_server", P + Q, url)
+    assert r["outputs"] == baseline["outputs"]
+    assert r["num_cached_tokens"] == [0] * len(P + Q)
+    # Start-up waits for the server at most once per side (connect_timeout 2 s); serving sends
+    # no lookups to an absent server, so no request waits for a lookup timeout.
+    assert r["engine_start_s"] < baseline["engine_start_s"] + 8
+    assert r["connector"]["lookups"] == 0
+
+
+def two_cpus() -> list[int] | None:
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return cpus[:2] if len(cpus) >= 2 else None
+
+
+@pytest.mark.skipif(two_cpus() is None, reason="needs two CPUs for two worker processes")
+def test_tensor_parallel_two_ranks(run, prompts, model_dir, workdir):
+    """TP=2: two worker processes register their own shard; plans travel to both; both report."""
+    P, Q, shared = prompts
+    batch, shared = P[:3] + Q[:2], shared[:2]
+    cpus = two_cpus()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}  # one NUMA node here: bind by hand
+    tp = ("--tensor-parallel", "2")
+    base = run("tp2_baseline", batch, None, *tp, env=env)  # TP=2 numerics differ from TP=1
+    server = ServerProcess(free_port(), workdir / "server_tp2.log")
+    try:
+        a = run("tp2_engine_A", batch[:3], server.url, *tp, env=env)
+        assert a["outputs"] == base["outputs"][:3]
+        b = run("tp2_engine_B", batch, server.url, *tp, env=env)
+        want = [expected_hit(len(p), len(p)) for p in P[:3]] + [expected_hit(len(q), n) for q, n in zip(Q, shared)]
+        assert b["num_cached_tokens"] == want
+        assert b["outputs"] == base["outputs"]
+    finally:
+        server.stop()
+
+
+def test_local_prefix_hit_inside_a_chunk(run, model_dir, workdir):
+    """vLLM's own prefix cache holds 3 blocks (96 tokens) of X, the server 7 chunks: the load
+    starts inside chunk 1, whose first block vLLM already holds (written to a scratch block)."""
+    rng = random.Random(5)
+    X = [rng.randrange(3, 512) for _ in range(450)]
+    Z = X[:100] + [rng.randrange(3, 512) for _ in range(60)]
+    base = run("pc_baseline", [Z, X], None, "--sequential")
+    server = ServerProcess(free_port(), workdir / "server_pc.log")
+    try:
+        run("pc_engine_A", [X], server.url)
+        b = run("pc_engine_B", [Z, X], server.url, "--prefix-caching", "--sequential")
+        # Z: one chunk from the server. X: 96 tokens local (Z's blocks) + 352 loaded = 7 chunks.
+        assert b["num_cached_tokens"] == [64, 448]
+        assert b["connector"]["loaded_chunks"] == 1 + 6
+        assert b["connector"]["failed_load_chunks"] == 0
+        assert b["outputs"] == base["outputs"]
+    finally:
+        server.stop()
+
+
+def test_preemption_with_a_small_kv_cache(run, prompts, workdir):
+    """A KV cache of 40 blocks cannot hold the batch: vLLM preempts requests (freeing their
+    blocks while stores may be in flight) and re-admits them, which looks them up again and
+    loads what they stored before. Outputs match an engine without the connector."""
+    P, Q, _ = prompts
+    batch = P[:4] + Q[:2]
+    small = ("--kv-cache-bytes", str(40 * 16384), "--max-tokens", "48")
+    base = run("small_baseline", batch, None, *small)
+    server = ServerProcess(free_port(), workdir / "server_small.log")
+    try:
+        r = run("small_kv", batch, server.url, *small)
+        assert r["connector"]["lookups"] > len(batch)  # re-admissions after preemption
+        assert r["connector"]["failed_load_chunks"] == 0
+        assert r["outputs"] == base["outputs"]
+    finally:
+        server.stop()
