@@ -11,6 +11,8 @@ from typing import Any, Mapping
 ENV_PREFIX = "LMCACHE_MP_"
 DEVICES = ("auto", "cpu", "cuda")
 TRANSFER_MODES = ("auto", "direct", "staged", "dma")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_SIZE_FIELDS = ("l1_size", "staging_size", "slab_size")  # int or a string with units
 
 _UNITS = {
     "": 1, "b": 1,
@@ -71,6 +73,10 @@ class ServerConfig:
     log_level: str = _setting("INFO", "DEBUG, INFO, WARNING or ERROR")
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name))
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         self.l1_size = parse_size(self.l1_size)
         self.staging_size = parse_size(self.staging_size)
         self.slab_size = parse_size(self.slab_size)
@@ -114,29 +120,62 @@ class ServerConfig:
             unknown = set(data) - names
             if unknown:
                 raise ValueError(f"unknown settings in {config_file}: {sorted(unknown)}")
-            values.update({k: _coerce(k, v) for k, v in data.items()})
+            values.update({k: _coerce(k, v, config_file) for k, v in data.items()})
         for name in names:
             raw = (env if env is not None else os.environ).get(ENV_PREFIX + name.upper())
             if raw is not None:
-                values[name] = _coerce(name, raw)
+                values[name] = _coerce(name, raw, ENV_PREFIX + name.upper())
         for name, v in (cli or {}).items():
             if v is not None and name in names:
-                values[name] = _coerce(name, v)
+                values[name] = _coerce(name, v, "--" + name.replace("_", "-"))
         return cls(**values)
 
 
 _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
 
 
-def _coerce(name: str, value: Any) -> Any:
-    """Values from env and files arrive as strings or TOML types: give them the field's type."""
+def _kind(name: str) -> str:
     default = _DEFAULTS[name]
-    if not isinstance(value, str):
-        return value
     if isinstance(default, bool):
-        return value.lower() in ("1", "true", "yes", "on")
-    if isinstance(default, int):
-        return int(value)
+        return "a boolean"
     if isinstance(default, float):
-        return float(value)
-    return value  # str and size fields (parse_size takes the string)
+        return "a number"
+    if isinstance(default, int):
+        return "an integer"
+    return "a string"
+
+
+def _check_type(name: str, value: Any) -> None:
+    if name in _SIZE_FIELDS:
+        return  # parse_size says what is wrong with a size
+    kind = _kind(name)
+    if kind == "a boolean":
+        ok = isinstance(value, bool)
+    elif kind == "a number":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind == "an integer":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Values from env and files arrive as strings or TOML types: give them the field's type.
+    Errors name the source (the file or the environment variable) and the setting."""
+    try:
+        if isinstance(value, str) and name not in _SIZE_FIELDS:  # parse_size takes size strings
+            try:
+                if _kind(name) == "a boolean":
+                    return value.lower() in ("1", "true", "yes", "on")
+                if _kind(name) == "an integer":
+                    return int(value)
+                if _kind(name) == "a number":
+                    return float(value)
+            except ValueError:
+                raise ValueError(f"{name} must be {_kind(name)}, got {value!r}") from None
+        _check_type(name, value)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    return value

@@ -288,6 +288,8 @@ def decode_reply(body: bytes) -> Reply:
 
 def pack_block_ids(block_ids) -> bytes:
     ids = np.asarray(block_ids)
+    if ids.size == 0 and ids.dtype.kind == "f":  # np.asarray([]) is float64: no chunks, no ids
+        return b""
     if ids.dtype.kind not in "iu":
         raise ValueError(f"block ids must be integers, got dtype {ids.dtype}")
     if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(BLOCK_ID_DTYPE).max):

@@ -47,6 +47,10 @@ class IOThread:
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a server that is not there
         self._sock.connect(url)
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # Writes after the fd is closed would land in whatever reuses its number (e.g. a ZMQ
+        # mailbox eventfd, which then aborts the process): close and write under one lock.
+        self._wake_lock = threading.Lock()
+        self._wake_open = True
         self._inbox: collections.deque = collections.deque()
         self._unsent: collections.deque = collections.deque()  # queued until the socket connects
         self._pending: dict[int, _Pending] = {}
@@ -69,19 +73,18 @@ class IOThread:
         rid = next(self._ids)
         self._inbox.append((rid, p.encode(msg), _Pending(fut, convert, time.monotonic() + timeout,
                                                          type(msg).__name__, on_settled)))
-        try:
-            os.eventfd_write(self._wake, 1)
-        except OSError:
-            pass
+        self._wakeup()
         return fut
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every request in flight (e.g. the server restarted and will never answer)."""
         self._inbox.append((None, None, error))
-        try:
-            os.eventfd_write(self._wake, 1)
-        except OSError:
-            pass
+        self._wakeup()
+
+    def _wakeup(self) -> None:
+        with self._wake_lock:
+            if self._wake_open:
+                os.eventfd_write(self._wake, 1)
 
     # ---- on the I/O thread --------------------------------------------------------------------
 
@@ -196,13 +199,12 @@ class IOThread:
             if isinstance(pend, _Pending):
                 self._settle(pend, error=err)
         self._sock.close(linger=0)
-        os.close(self._wake)
+        with self._wake_lock:
+            self._wake_open = False
+            os.close(self._wake)
 
     def stop(self) -> None:
         self._stop = True
-        try:
-            os.eventfd_write(self._wake, 1)
-        except OSError:
-            pass
+        self._wakeup()
         if threading.current_thread() is not self._thread:
             self._thread.join(5)

@@ -105,7 +105,7 @@ class CPUCacheContext:
                 _check_extent(reg.spec, i, m.offset, mapping.size)
                 ptrs.append(mapping.address + m.offset)
             self.native = reg.spec.native(ptrs)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError, OverflowError) as e:  # TypeError: a value too big for C++
             self.close()
             raise RegistrationError(str(e)) from None
 
@@ -226,7 +226,7 @@ class GPUCacheContext:
             self.engine = _C.cuda.TransferEngine(
                 device_index, self.native, reg.chunk_size, staging_bytes=staging_bytes, direct_ctas=direct_ctas
             )
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, TypeError, OverflowError) as e:  # TypeError: a value too big for C++
             self.close()
             raise RegistrationError(str(e)) from None
 

@@ -199,6 +199,11 @@ class MPCacheEngine:
                 worker.stop()
                 reply(p.Error(code=int(p.ErrorCode.INVALID_ARGUMENT), message=str(e)))
                 return
+            except Exception as e:  # every request gets a reply, even on a bug here
+                worker.stop()
+                logger.exception("internal error registering a KV cache")
+                reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
+                return
             entry = _Entry(ctx, worker)
             if self.device == "cuda":
                 entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", ctx.engine.wait)

@@ -39,6 +39,10 @@ class Transport:
         self._ipc_path = self.url[len("ipc://"):] if self.url.startswith("ipc://") else None
         self._outbox: collections.deque = collections.deque()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # Writes after the fd is closed would land in whatever reuses its number (e.g. a ZMQ
+        # mailbox eventfd, which then aborts the process): close and write under one lock.
+        self._wake_lock = threading.Lock()
+        self._wake_open = True
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="lmcache-socket", daemon=True)
         self._ident: int | None = None
@@ -55,10 +59,7 @@ class Transport:
                 self._send(identity, req_id, body)
             else:
                 self._outbox.append((identity, req_id, body))
-                try:
-                    os.eventfd_write(self._wake, 1)
-                except OSError:  # stopped: the reply has nowhere to go
-                    pass
+                self._wakeup()  # after stop the reply has nowhere to go
 
         return reply
 
@@ -120,7 +121,9 @@ class Transport:
         while self._outbox:  # last replies of the drain
             self._send(*self._outbox.popleft())
         self._sock.close(linger=0)
-        os.close(self._wake)
+        with self._wake_lock:
+            self._wake_open = False
+            os.close(self._wake)
         if self._ipc_path:
             try:
                 os.unlink(self._ipc_path)
@@ -132,5 +135,10 @@ class Transport:
         if not self._thread.is_alive():
             return
         self._stop = True
-        os.eventfd_write(self._wake, 1)
+        self._wakeup()
         self._thread.join(drain)
+
+    def _wakeup(self) -> None:
+        with self._wake_lock:
+            if self._wake_open:
+                os.eventfd_write(self._wake, 1)

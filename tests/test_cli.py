@@ -1,0 +1,184 @@
+"""`lmcache-mp-server` as a real subprocess: start-up banner, serving a client, clean shutdown on
+SIGTERM, and clear failures on bad settings."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lmcache_mp import Client, __version__, chunk_hashes
+
+START_TIMEOUT = 30
+
+
+def server_command() -> list[str]:
+    """The installed console script (next to this interpreter, as in a venv), else the module."""
+    script = Path(sys.executable).parent / "lmcache-mp-server"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("lmcache-mp-server")
+    return [found] if found else [sys.executable, "-m", "lmcache_mp.server.cli"]
+
+
+class ServerProcess:
+    """A server subprocess whose log (stderr) is collected line by line."""
+
+    def __init__(self, args, env=None):
+        self.proc = subprocess.Popen(server_command() + list(args), env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for(self, text: str, timeout: float = START_TIMEOUT) -> str:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.lines:
+                    if text in line:
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"no {text!r} in the server log:\n" + "\n".join(self.lines))
+                self._cond.wait(min(left, 0.2))
+
+    def log(self) -> str:
+        self._reader.join(10)
+        return "\n".join(self.lines)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def sock_path(tmp_path):
+    # ipc paths are limited to ~107 bytes; pytest's tmp_path can be long
+    path = Path(f"/tmp/lmcache-mp-cli-{os.getpid()}-{time.monotonic_ns()}.sock")
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def test_serves_a_client_and_exits_cleanly_on_sigterm(sock_path, shm_files):
+    import numpy as np
+    import torch
+
+    from lmcache_mp import shared_cpu_tensor
+
+    url = f"ipc://{sock_path}"
+    env = dict(os.environ, LMCACHE_MP_CHUNK_SIZE="64", LMCACHE_MP_L1_SIZE="32MiB", PYTHONUNBUFFERED="1")
+    srv = ServerProcess(["--url", url, "--device", "cpu", "--chunk-size", "32", "--lease-ttl", "12"], env=env)
+    try:
+        ready = srv.wait_for("ready")
+        assert url in ready
+        banner = "\n".join(srv.lines)
+        assert f"lmcache-mp {__version__}" in banner
+        assert f"endpoint {url}, L1 32.0 MiB, chunk 32 tokens, device cpu" in banner  # CLI over env
+        assert sock_path.exists()
+
+        with Client(url, connect_timeout=5) as client:
+            assert client.chunk_size == 32
+            assert client.server_info["device"] == "cpu"
+            status = client.status()
+            assert status["pid"] == srv.proc.pid
+            assert status["l1"]["capacity"] == 32 << 20  # from the environment
+            kv = [shared_cpu_tensor((2, 16, 8, 2, 4), torch.float16)]
+            kv[0].copy_(torch.arange(kv[0].numel(), dtype=torch.float32).reshape(kv[0].shape).half())
+            handle = client.register_kv_cache(kv, model="cli")
+            hashes = chunk_hashes(np.arange(64), client.chunk_size)
+            assert client.store(handle, hashes, [0, 1, 2, 3, 4, 5, 6, 7]).result(10).stored == 2
+            assert client.lookup(hashes, model="cli") == 2
+            assert client.retrieve(handle, hashes, [8, 9, 10, 11, 12, 13, 14, 15]).result(10).loaded == 2
+            assert torch.equal(kv[0][:, 8:16], kv[0][:, 0:8])
+            del kv
+
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(20) == 0
+        log = srv.log()
+        assert "received SIGTERM" in log and "stopped" in log
+        assert "Traceback" not in log, log
+        assert not sock_path.exists(), "the ipc socket file was left behind"
+    finally:
+        srv.kill()
+
+
+def test_sigint_also_stops_it(sock_path):
+    srv = ServerProcess(["--url", f"ipc://{sock_path}", "--device", "cpu", "--l1-size", "16MiB"])
+    try:
+        srv.wait_for("ready")
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(20) == 0
+        assert not sock_path.exists()
+    finally:
+        srv.kill()
+
+
+def test_config_file(sock_path, tmp_path):
+    conf = tmp_path / "server.toml"
+    conf.write_text(f'[server]\nurl = "ipc://{sock_path}"\ndevice = "cpu"\nl1_size = "16MiB"\nchunk_size = 48\n')
+    srv = ServerProcess(["--config", str(conf)])
+    try:
+        srv.wait_for("ready")
+        with Client(f"ipc://{sock_path}") as client:
+            assert client.chunk_size == 48
+        srv.proc.terminate()
+        assert srv.proc.wait(20) == 0
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--bogus"], {}, "unrecognized arguments: --bogus"),
+    (["--chunk-size", "many"], {}, "argument --chunk-size: invalid int value"),
+    (["--l1-size", "lots"], {}, "not a size"),
+    (["--device", "tpu"], {}, "device must be one of"),
+    (["--log-level", "verbose"], {}, "log_level must be one of"),
+    (["--config", "/nonexistent/lmcache.toml"], {}, "No such file"),
+    ([], {"LMCACHE_MP_CHUNK_SIZE": "abc"}, "LMCACHE_MP_CHUNK_SIZE: chunk_size must be an integer"),
+], ids=["unknown-flag", "bad-int", "bad-size", "bad-device", "bad-log-level", "missing-config", "bad-env"])
+def test_bad_settings_exit_2_with_a_message(args, env, message):
+    out = subprocess.run(server_command() + args, env=dict(os.environ, **env), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+    assert "lmcache-mp-server" in out.stderr  # says who is complaining
+
+
+def test_an_endpoint_in_use_fails_with_a_clear_message(sock_path):
+    first = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB"])
+    try:
+        url = first.wait_for("ready").split("serving on ")[1].strip()
+        out = subprocess.run(server_command() + ["--url", url, "--device", "cpu", "--l1-size", "16MiB"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1
+        assert "cannot start" in out.stderr and "Traceback" not in out.stderr
+    finally:
+        first.proc.terminate()
+        first.proc.wait(20)
+        first.kill()
+
+
+def test_version_and_help():
+    out = subprocess.run(server_command() + ["--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and __version__ in out.stdout
+    out = subprocess.run(server_command() + ["--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in ("--l1-size", "--chunk-size", "--heartbeat-timeout", "--config", "LMCACHE_MP_"):
+        assert flag in out.stdout

@@ -1,0 +1,503 @@
+"""L1Store over a real (small) HostArena: a hypothesis state machine against a plain dict model,
+plus unit tests of multi-rank lookups, MLA sharing and layout (format key) checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition,
+                                 rule)
+
+from lmcache_mp.native import HostArena
+from lmcache_mp.storage.l1 import SHARED_RANK, L1Store, ObjectKey
+
+SLAB = 4096
+OBJECT_BYTES = 2048  # two objects per slab
+SLABS = 3
+CAPACITY = SLABS * (SLAB // OBJECT_BYTES)  # objects the arena holds
+POOL = 10  # distinct chunk digests: more than fit, so stores evict
+TTL = 5.0
+FMT = ("tokens", 2, 1, 16, "uint8")
+OWNERS = (b"owner-a", b"owner-b")
+DIGESTS = [bytes([i + 1]) * 16 for i in range(POOL)]
+
+
+# Requests name runs of consecutive chunks (prompts share prefixes), sometimes arbitrary lists.
+chunk_lists = st.one_of(
+    st.builds(lambda start, n: list(range(start, min(POOL, start + n))), st.integers(0, POOL - 1), st.integers(1, 4)),
+    st.lists(st.integers(0, POOL - 1), min_size=1, max_size=4),
+)
+
+
+def key(i: int, model: str = "m", world_size: int = 1, rank: int = 0, salt: bytes = b"") -> ObjectKey:
+    return ObjectKey(model, world_size, rank, DIGESTS[i], salt)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- the model ----------------------------------------------------------------------------------
+
+
+@dataclass
+class MLease:
+    owner: bytes
+    uses: int
+    expires: float
+    serial: int
+
+
+@dataclass(eq=False)
+class MObject:
+    offset: int
+    fill: int  # the byte written into the slot when the store began
+    committed: bool = False
+    readers: int = 0
+    leases: list[MLease] = field(default_factory=list)
+    stamp: int = 0  # last use; the evictable object with the smallest stamp goes first
+
+
+class Model:
+    """What L1Store should do, written as plainly as possible: a dict from digest index to object,
+    least-recently-used by a use stamp."""
+
+    def __init__(self):
+        self.objs: dict[int, MObject] = {}  # insertion order = creation order, as in the store
+        self.stamps = 0
+        self.serials = 0
+        self.evicted = 0
+        self.expired = 0
+
+    @staticmethod
+    def evictable(o: MObject) -> bool:
+        return o.committed and o.readers == 0 and not o.leases
+
+    def use(self, o: MObject) -> None:
+        self.stamps += 1
+        o.stamp = self.stamps
+
+    def expire(self, now: float) -> None:
+        due = sorted(((ls.expires, ls.serial, o, ls) for o in self.objs.values() for ls in o.leases
+                      if ls.expires <= now), key=lambda t: t[:2])
+        for _, _, o, ls in due:
+            o.leases.remove(ls)
+            self.expired += 1
+            event("lease expired")
+            self.use(o)
+
+    def make_room(self, now: float) -> bool:
+        if len(self.objs) < CAPACITY:
+            return True
+        self.expire(now)
+        victims = [(o.stamp, i) for i, o in self.objs.items() if self.evictable(o)]
+        if not victims:
+            return False
+        del self.objs[min(victims)[1]]
+        self.evicted += 1
+        event("evicted")
+        return True
+
+
+class L1Machine(RuleBasedStateMachine):
+    stores = Bundle("stores")
+    reads = Bundle("reads")
+
+    def __init__(self):
+        super().__init__()
+        self.arena = HostArena(SLABS * SLAB, SLAB)
+        self.clock = Clock()
+        self.l1 = L1Store(self.arena, clock=self.clock)
+        self.model = Model()
+        self.fills = 0
+
+    def _view(self, offset: int) -> np.ndarray:
+        return np.frombuffer(self.arena.view(offset, OBJECT_BYTES), dtype=np.uint8)
+
+    # ---- store -----------------------------------------------------------------------------
+
+    @initialize(n=st.integers(0, CAPACITY))
+    def some_chunks_stored(self, n):
+        if n:
+            self.commit(self.begin_store(list(range(n))))
+
+    @rule(chunks=chunk_lists)
+    def store(self, chunks):
+        """A store whose bytes land at once."""
+        self.commit(self.begin_store(chunks))
+
+    @rule(target=stores, chunks=chunk_lists)
+    def begin_store(self, chunks):
+        """A store still in flight until commit or abort."""
+        plan = self.l1.begin_store([key(i) for i in chunks], OBJECT_BYTES, FMT)
+        m = self.model
+        indices, present, skipped, created = [], 0, 0, []
+        for pos, i in enumerate(chunks):
+            o = m.objs.get(i)
+            if o is not None:
+                present += 1
+                if o.committed:
+                    m.use(o)  # storing what is already there counts as a use
+                continue
+            if not m.make_room(self.clock.now):
+                event("store skipped: nothing evictable")
+                skipped = len(chunks) - pos
+                break
+            indices.append(pos)
+            created.append(m.objs.setdefault(i, MObject(offset=-1, fill=0)))
+        assert plan.indices == indices
+        assert (plan.present, plan.skipped) == (present, skipped)
+        for pos, obj, o in zip(indices, plan.objects, created, strict=True):
+            assert obj.key == key(chunks[pos]) and obj.nbytes >= OBJECT_BYTES
+            self.fills += 1
+            o.offset, o.fill = obj.offset, self.fills % 251 + 1
+            self._view(obj.offset)[:] = o.fill  # the "copy" into host memory
+        return (plan, created)
+
+    @rule(store=consumes(stores))
+    def commit(self, store):
+        plan, objs = store
+        self.l1.commit(plan)
+        for o in objs:
+            o.committed = True
+            self.model.use(o)
+
+    @rule(store=consumes(stores))
+    def abort(self, store):
+        plan, objs = store
+        self.l1.abort(plan)
+        for i, o in list(self.model.objs.items()):
+            if o in objs:
+                del self.model.objs[i]
+
+    # ---- read ------------------------------------------------------------------------------
+
+    @rule(chunks=chunk_lists)
+    def retrieve(self, chunks):
+        self.end_read(self.begin_read(chunks))
+
+    @rule(target=reads, chunks=chunk_lists)
+    def begin_read(self, chunks):
+        got = self.l1.begin_read([key(i) for i in chunks], FMT)
+        want = []
+        for i in chunks:
+            o = self.model.objs.get(i)
+            if o is None or not o.committed:
+                break
+            o.readers += 1
+            if o.leases:  # a read consumes one use of the oldest lease
+                event("read consumed a lease")
+                o.leases[0].uses -= 1
+                if o.leases[0].uses <= 0:
+                    o.leases.pop(0)
+            want.append(o)
+        assert [obj.key for obj in got] == [key(i) for i in chunks[: len(want)]]
+        for obj, o in zip(got, want, strict=True):
+            assert obj.offset == o.offset
+            assert (self._view(obj.offset) == o.fill).all(), "read the bytes of another object"
+        return (got, want)
+
+    @rule(read=consumes(reads))
+    def end_read(self, read):
+        got, want = read
+        self.l1.end_read(got)
+        for o in want:
+            o.readers -= 1
+            self.model.use(o)
+
+    # ---- lookup and leases -----------------------------------------------------------------
+
+    @rule(chunks=chunk_lists, lock=st.booleans(),
+          owner=st.sampled_from(OWNERS))
+    def lookup(self, chunks, lock, owner):
+        hits = self.l1.lookup("m", 1, [DIGESTS[i] for i in chunks], lock=lock, owner=owner, ttl=TTL)
+        m = self.model
+        m.expire(self.clock.now)
+        want = 0
+        for i in chunks:
+            o = m.objs.get(i)
+            if o is None or not o.committed:
+                break
+            want += 1
+            if lock:
+                m.serials += 1
+                o.leases.append(MLease(owner, 1, self.clock.now + TTL, m.serials))
+            else:
+                m.use(o)  # a lookup hit is a use
+        assert hits == want
+        if hits:
+            event("locked hit" if lock else "hit")
+
+    @rule(chunks=chunk_lists, owner=st.sampled_from(OWNERS), read=st.booleans())
+    def lookup_then_retrieve(self, chunks, owner, read):
+        """The engine's flow: the scheduler leases what it found, a worker reads it (or not)."""
+        self.lookup(chunks, True, owner)
+        if read:
+            self.retrieve(chunks)
+
+    @rule(chunks=chunk_lists, owner=st.sampled_from(OWNERS), wait=st.sampled_from([TTL - 0.1, TTL, TTL + 1]))
+    def lookup_then_abandon(self, chunks, owner, wait):
+        """A lease nobody consumes ends with its TTL (the server's tick calls expire)."""
+        self.lookup(chunks, True, owner)
+        self.advance_clock(wait)
+        self.expire()
+
+    @rule(chunks=chunk_lists, owner=st.sampled_from(OWNERS))
+    def release(self, chunks, owner):
+        dropped = self.l1.release(owner, "m", 1, [DIGESTS[i] for i in chunks])
+        want = 0
+        for i in chunks:
+            o = self.model.objs.get(i)
+            if o is None:
+                continue
+            mine = [ls for ls in o.leases if ls.owner == owner]
+            if mine:
+                o.leases.remove(mine[0])
+                want += 1
+                self.model.use(o)
+        assert dropped == want
+
+    @rule(owner=st.sampled_from(OWNERS))
+    def drop_owner(self, owner):
+        dropped = self.l1.drop_owner(owner)
+        want = 0
+        for o in self.model.objs.values():
+            keep = [ls for ls in o.leases if ls.owner != owner]
+            if len(keep) != len(o.leases):
+                want += len(o.leases) - len(keep)
+                o.leases = keep
+                self.model.use(o)
+        assert dropped == want
+
+    @rule(dt=st.sampled_from([0.0, 1.0, TTL - 0.1, TTL, TTL + 3.0]))
+    def advance_clock(self, dt):
+        self.clock.now += dt
+
+    @rule()
+    def expire(self):
+        self.l1.expire()
+        self.model.expire(self.clock.now)
+
+    @precondition(lambda self: self.model.objs)
+    @rule()
+    def clear(self):
+        removed = self.l1.clear()
+        want = 0
+        for i, o in list(self.model.objs.items()):
+            o.leases.clear()
+            if o.committed and o.readers == 0:
+                del self.model.objs[i]
+                want += 1
+        assert removed == want
+
+    # ---- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def index_matches_the_model(self):
+        m = self.model
+        for i in range(POOL):
+            o = m.objs.get(i)
+            assert self.l1.contains(key(i)) == (o is not None and o.committed), f"chunk {i}"
+        objs = list(m.objs.values())
+        s = self.l1.stats()
+        assert s["objects"] == sum(o.committed for o in objs)
+        assert s["writing"] == sum(not o.committed for o in objs)
+        assert s["leases"] == sum(len(o.leases) for o in objs)
+        assert s["leased_objects"] == sum(bool(o.leases) for o in objs)
+        assert s["evictable"] == sum(m.evictable(o) for o in objs)
+        assert s["evicted"] == m.evicted
+        assert s["leases_expired"] == m.expired
+        assert self.arena.stats()["objects"] == len(objs)
+
+    @invariant()
+    def every_live_object_keeps_its_own_bytes(self):
+        offsets = [o.offset for o in self.model.objs.values()]
+        assert len(set(offsets)) == len(offsets)
+        for o in self.model.objs.values():
+            assert (self._view(o.offset) == o.fill).all()
+
+    def teardown(self):
+        self.l1.clear()
+
+
+L1Machine.TestCase.settings = settings(max_examples=250, stateful_step_count=50, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow])
+TestL1Store = L1Machine.TestCase
+
+
+# ---- unit tests ---------------------------------------------------------------------------------
+
+
+def _store(l1, keys, fmt=FMT, nbytes=OBJECT_BYTES):
+    plan = l1.begin_store(keys, nbytes, fmt)
+    l1.commit(plan)
+    return plan
+
+
+@pytest.fixture
+def store():
+    clock = Clock()
+    l1 = L1Store(HostArena(SLABS * SLAB, SLAB), clock=clock)
+    l1.clock = clock
+    return l1
+
+
+def test_lru_order_follows_use(store):
+    _store(store, [key(i) for i in range(CAPACITY)])
+    assert store.lookup("m", 1, [DIGESTS[0]]) == 1  # chunk 0 is used again: now the newest
+    plan = _store(store, [key(CAPACITY)])
+    assert plan.indices == [0]
+    assert not store.contains(key(1)), "chunk 1 was the least recently used"
+    assert all(store.contains(key(i)) for i in [0] + list(range(2, CAPACITY + 1)))
+
+
+def test_aborted_store_leaves_nothing(store):
+    plan = store.begin_store([key(0), key(1)], OBJECT_BYTES, FMT)
+    assert store.lookup("m", 1, DIGESTS[:2]) == 0  # not visible while being written
+    assert store.begin_read([key(0)], FMT) == []
+    store.abort(plan)
+    assert not store.contains(key(0)) and store.stats()["writing"] == 0
+    assert store.arena.stats()["objects"] == 0
+    assert _store(store, [key(0)]).indices == [0]  # stored afresh
+
+
+def test_leased_prefix_survives_pressure_and_unleased_chunks_go(store):
+    _store(store, [key(i) for i in range(CAPACITY)])
+    assert store.lookup("m", 1, DIGESTS[:2], lock=True, owner=b"a") == 2
+    plan = _store(store, [key(i) for i in range(CAPACITY, POOL)])
+    assert plan.indices == list(range(CAPACITY - 2)) and plan.skipped == POOL - CAPACITY - (CAPACITY - 2)
+    assert store.contains(key(0)) and store.contains(key(1))
+    assert not any(store.contains(key(i)) for i in range(2, CAPACITY))
+
+
+def test_being_read_and_being_written_objects_are_never_evicted(store):
+    _store(store, [key(i) for i in range(CAPACITY - 1)])
+    reading = store.begin_read([key(0)], FMT)
+    writing = store.begin_store([key(CAPACITY - 1)], OBJECT_BYTES, FMT)
+    plan = store.begin_store([key(i) for i in range(CAPACITY, POOL)], OBJECT_BYTES, FMT)
+    assert len(plan.objects) == CAPACITY - 2  # every slot except the two in use
+    assert store.contains(key(0))
+    store.commit(writing)
+    assert store.contains(key(CAPACITY - 1))
+    store.end_read(reading)
+    store.abort(plan)
+
+
+def test_lease_ttl_with_an_injected_clock(store):
+    _store(store, [key(0)])
+    assert store.lookup("m", 1, [DIGESTS[0]], lock=True, owner=b"a", ttl=5.0) == 1
+    store.clock.now += 4.9
+    store.expire()
+    assert store.stats()["leases"] == 1 and store.stats()["evictable"] == 0
+    store.clock.now += 0.2
+    store.expire()
+    assert store.stats()["leases"] == 0 and store.stats()["evictable"] == 1
+    assert store.counters["leases_expired"] == 1
+
+
+def test_release_drops_only_the_owners_lease(store):
+    _store(store, [key(0)])
+    store.lookup("m", 1, [DIGESTS[0]], lock=True, owner=b"a")
+    store.lookup("m", 1, [DIGESTS[0]], lock=True, owner=b"b")
+    assert store.release(b"c", "m", 1, [DIGESTS[0]]) == 0
+    assert store.release(b"a", "m", 1, [DIGESTS[0]]) == 1
+    assert store.stats()["leases"] == 1 and store.stats()["evictable"] == 0
+    assert store.drop_owner(b"b") == 1
+    assert store.stats()["evictable"] == 1
+
+
+def test_mla_shared_object_is_leased_once_per_rank(store):
+    """An MLA chunk is one object for every rank: a lease on it has world_size uses, and it stays
+    protected until every rank has read it."""
+    shared = ObjectKey("mla", 2, SHARED_RANK, DIGESTS[0], b"")
+    _store(store, [shared])
+    assert store.lookup("mla", 2, [DIGESTS[0]]) == 1  # present for both ranks at once
+    assert store.lookup("mla", 1, [DIGESTS[0]]) == 0  # another world size is another namespace
+    assert store.lookup("mla", 2, [DIGESTS[0]], lock=True, owner=b"sched") == 1
+    assert store.stats()["leases"] == 1
+    for rank in range(2):
+        objs = store.begin_read([shared], FMT)  # rank 0, then rank 1
+        assert len(objs) == 1
+        store.end_read(objs)
+        assert store.stats()["leases"] == (1 if rank == 0 else 0)
+        assert store.stats()["evictable"] == (0 if rank == 0 else 1)
+
+
+def test_lookup_counts_a_chunk_only_when_every_rank_has_it(store):
+    _store(store, [key(i, world_size=2, rank=0) for i in range(3)])
+    assert store.lookup("m", 2, DIGESTS[:3]) == 0  # rank 1 has nothing yet
+    _store(store, [key(i, world_size=2, rank=1) for i in (0, 1)])
+    assert store.lookup("m", 2, DIGESTS[:3]) == 2  # chunk 2 is on rank 0 only
+    assert store.lookup("m", 2, DIGESTS[:3], lock=True, owner=b"a") == 2
+    assert store.stats()["leases"] == 4  # chunks 0 and 1 on both ranks, one use each
+    assert store.stats()["evictable"] == 1  # rank 0's chunk 2 is not leased
+    writing = store.begin_store([key(2, world_size=2, rank=1)], OBJECT_BYTES, FMT)
+    assert store.lookup("m", 2, DIGESTS[:3]) == 2  # still being written: not a hit
+    store.commit(writing)
+    assert store.lookup("m", 2, DIGESTS[:3]) == 3
+    assert store.lookup("m", 2, [DIGESTS[5]] + DIGESTS[:3]) == 0  # hits are a prefix of the request
+
+
+def test_salt_is_a_separate_namespace(store):
+    _store(store, [key(0, salt=b"tenant")])
+    assert store.lookup("m", 1, [DIGESTS[0]]) == 0
+    assert store.lookup("m", 1, [DIGESTS[0]], salt=b"tenant") == 1
+
+
+def test_format_key_mismatch_is_a_miss_on_read(store):
+    other = ("tokens", 1, 1, 32, "uint8")
+    _store(store, [key(0), key(1)])
+    _store(store, [key(2)], fmt=other)
+    assert store.begin_read([key(0)], other) == []
+    objs = store.begin_read([key(0), key(1), key(2)], FMT)  # stops at the chunk of another layout
+    assert [o.key for o in objs] == [key(0), key(1)]
+    store.end_read(objs)
+
+
+def test_store_replaces_stale_bytes_of_another_layout_unless_in_use(store):
+    other = ("opaque", 16, 1, 32, "uint8")
+    _store(store, [key(0), key(1)])
+    assert store.lookup("m", 1, DIGESTS[:2], lock=True, owner=b"a") == 2
+    store.release(b"a", "m", 1, [DIGESTS[0]])
+    plan = store.begin_store([key(0), key(1)], OBJECT_BYTES, other)
+    assert plan.indices == [0]  # chunk 0 replaced; chunk 1 is leased in the old layout
+    assert plan.skipped == 1
+    store.commit(plan)
+    assert [o.key for o in store.begin_read([key(0)], other)] == [key(0)]
+
+
+def test_mixed_sizes_never_evict_protected_objects():
+    """A big object needs a whole slab: eviction frees small objects, never protected ones."""
+    arena = HostArena(2 * SLAB, SLAB)
+    l1 = L1Store(arena, clock=Clock())
+    small = [key(i, model="small") for i in range(8)]  # 1 KiB slots: 4 per slab, both slabs full
+    _store(l1, small[:7], nbytes=1024)
+    writing = l1.begin_store([small[7]], 1024, FMT)
+    assert len(writing.objects) == 1
+    offsets = {small[7]: writing.objects[0].offset}
+    for k in (small[0], small[1]):
+        (obj,) = l1.begin_read([k], FMT)
+        offsets[k] = obj.offset
+        l1.end_read([obj])
+    assert l1.lookup("small", 1, [small[0].digest], lock=True, owner=b"a") == 1
+    reading = l1.begin_read([small[1]], FMT)
+    big = l1.begin_store([ObjectKey("big", 1, 0, DIGESTS[9], b"")], SLAB, FMT)
+    assert l1.contains(small[0]) and l1.contains(small[1])
+    if big.objects:  # possible only if the three protected objects share one slab
+        lo = big.objects[0].offset
+        assert not any(lo <= off < lo + SLAB for off in offsets.values()), "overlaps a protected object"
+        l1.abort(big)
+    else:
+        assert big.skipped == 1
+    l1.commit(writing)
+    assert l1.contains(small[7])
+    l1.end_read(reading)
+    assert l1.stats()["leases"] == 1
