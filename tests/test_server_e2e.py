@@ -675,3 +675,54 @@ def _try_connect(url):
         return Client(url, connect_timeout=0.5, timeout=5)
     except ServerUnavailable:
         return None
+
+
+def test_a_client_dropped_without_close_is_collected_and_forgotten():
+    """The I/O thread holds no strong reference to its client: dropping the last reference
+    stops the heartbeats, so the server forgets the client's leases."""
+    import gc
+    import weakref
+
+    from lmcache_mp import Client, Server, ServerConfig
+
+    server = Server(ServerConfig(url="tcp://127.0.0.1:0", l1_size="64MiB", device="cpu",
+                                 heartbeat_timeout=1.0)).start()
+    try:
+        client = Client(server.url)
+        ref = weakref.ref(client)
+        del client
+        gc.collect()
+        assert ref() is None
+    finally:
+        server.stop()
+
+
+def test_a_forgotten_client_registers_its_caches_again(shm_files):
+    """When the server dropped a silent client's registrations (same session, no restart), the
+    next store finds UNKNOWN_REGISTRATION and the client registers again by itself."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from lmcache_mp import Client, RequestError, Server, ServerConfig, chunk_hashes, shared_cpu_tensor
+
+    server = Server(ServerConfig(url="tcp://127.0.0.1:0", l1_size="64MiB", device="cpu", chunk_size=16)).start()
+    try:
+        client = Client(server.url)
+        kv = [shared_cpu_tensor((2, 8, 16, 1, 8), torch.float16)]
+        handle = client.register_kv_cache(kv, model="m")
+        old = handle.kv_id
+        server.engine._forget_client(client.client_id)  # what a heartbeat timeout does
+        hashes = chunk_hashes(np.arange(16), 16)
+        with pytest.raises(RequestError):
+            client.store(handle, hashes, [0]).result()
+        deadline = time.time() + 10
+        while handle.kv_id == old and time.time() < deadline:
+            time.sleep(0.05)
+        assert handle.kv_id != old
+        assert client.store(handle, hashes, [0]).result().stored == 1
+        client.close()
+        del kv
+    finally:
+        server.stop()

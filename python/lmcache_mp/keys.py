@@ -27,12 +27,14 @@ def chunk_hashes(token_ids: Sequence[int] | np.ndarray, chunk_size: int, salt: b
     tokens = np.asarray(token_ids)
     if tokens.ndim != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
+    if tokens.dtype.kind not in "iu" and tokens.size:
+        raise ValueError(f"token ids must be integers, got dtype {tokens.dtype}")
     n = tokens.shape[0] // chunk_size
     if n == 0:
+        if tokens.size and tokens.min() < 0:
+            raise ValueError("token ids must be in [0, 2**32)")
         return []
     tokens = tokens[: n * chunk_size]
-    if tokens.dtype.kind not in "iu":
-        raise ValueError(f"token ids must be integers, got dtype {tokens.dtype}")
     if tokens.dtype != np.dtype("<u4"):
         if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
             raise ValueError("token ids must be in [0, 2**32)")

@@ -174,7 +174,13 @@ class Client:
         self.server_info = {f: getattr(hello, f) for f in hello.__struct_fields__}
         self.chunk_size: int = hello.chunk_size
         self.session_id: bytes = hello.session_id
-        self._io = IOThread(self._ctx, url, self._heartbeat_msg, heartbeat_interval)
+        ref = weakref.ref(self)  # the I/O thread must not keep a dropped client alive
+
+        def heartbeat():
+            client = ref()
+            return client._heartbeat_msg() if client is not None else None
+
+        self._io = IOThread(self._ctx, url, heartbeat, heartbeat_interval)
         weakref.finalize(self, Client._finalize, self._io, self._ctx, self._sync_sockets)
 
     # ---- synchronous calls on the caller's socket ----------------------------------------------
@@ -380,20 +386,22 @@ class Client:
         threading.Thread(target=self._recover, name="lmcache-client-recover", daemon=True).start()
 
     def _recover(self) -> None:
-        """Runs off the I/O thread: handshake again and re-register every KV cache."""
+        """Runs off the I/O thread: handshake again and register every KV cache the server no
+        longer knows: all of them after a restart, or those it dropped when it stopped hearing
+        from this client."""
         try:
             hello = self._hello(self.timeout)
-            if hello.session_id == self.session_id:
-                return
-            logger.warning("lmcache-mp server at %s restarted: registering %d KV caches again",
-                           self.url, len(self._handles))
-            if self._io is not None:
-                self._io.fail_all(ServerUnavailable("the server restarted; the request was lost"))
-            self.session_id = hello.session_id
-            self.chunk_size = hello.chunk_size
+            if hello.session_id != self.session_id:
+                logger.warning("lmcache-mp server at %s restarted: registering %d KV caches again",
+                               self.url, len(self._handles))
+                if self._io is not None:
+                    self._io.fail_all(ServerUnavailable("the server restarted; the request was lost"))
+                self.session_id = hello.session_id
+                self.chunk_size = hello.chunk_size
+            known = {r["kv_id"] for r in self.status()["registrations"]}
             with self._lock:
-                handles = list(self._handles)
-            for h in handles:
+                lost = [h for h in self._handles if h.kv_id not in known]
+            for h in lost:
                 try:
                     self._register(h)
                 except Exception as e:
@@ -403,7 +411,17 @@ class Client:
         except Exception:
             logger.exception("recovering from a server restart failed")
         finally:
+            self._drop_thread_socket()
             self._restarting.release()
+
+    def _drop_thread_socket(self) -> None:
+        sock = getattr(self._local, "sock", None)
+        if sock is not None:
+            with self._lock:
+                if sock in self._sync_sockets:
+                    self._sync_sockets.remove(sock)
+            sock.close(linger=0)
+            self._local.sock = None
 
     # ---- closing -----------------------------------------------------------------------------
 
@@ -412,7 +430,7 @@ class Client:
         if self._closed:
             return
         try:
-            self._call(p.Bye(client_id=self.client_id), p.ByeReply, min(self.timeout, 2.0))
+            self._call(p.Bye(client_id=self.client_id), p.ByeReply, min(self.timeout, 0.5))
         except Exception as e:  # the server may be gone; its heartbeat timeout cleans up
             logger.debug("goodbye to %s failed: %s", self.url, e)
         with self._lock:

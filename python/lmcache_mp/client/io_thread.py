@@ -190,8 +190,9 @@ class IOThread:
             self._expire(now)
             if now >= next_beat and self._heartbeat is not None:
                 next_beat = now + self._interval
-                msg, convert = self._heartbeat()
-                self.request(msg, self._interval * 2, convert)
+                beat = self._heartbeat()
+                if beat is not None:
+                    self.request(beat[0], self._interval * 2, beat[1])
         err = ServerUnavailable("the client is closed")
         for pend in list(self._pending.values()):
             self._settle(pend, error=err)
