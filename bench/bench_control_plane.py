@@ -34,15 +34,22 @@ def percentiles(xs: list[float]) -> dict:
     return {"p50_us": xs[len(xs) // 2] * 1e6, "p99_us": xs[int(len(xs) * 0.99)] * 1e6}
 
 
-def timed(fn, iters: int) -> list[float]:
+def timed_pair(a, b, iters: int) -> tuple[list[float], list[float]]:
+    """Round trips of a and b, alternating, so that both see the same machine state (CPU
+    frequency and idle states change ping-pong latency a lot)."""
     for _ in range(min(200, iters)):
-        fn()
-    out = []
+        a()
+        b()
+    ta, tb = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+        a()
+        t1 = time.perf_counter()
+        b()
+        t2 = time.perf_counter()
+        ta.append(t1 - t0)
+        tb.append(t2 - t1)
+    return ta, tb
 
 
 def wait_for(url: str, proc: subprocess.Popen) -> None:
@@ -93,8 +100,7 @@ def main() -> int:
                 bare.send_multipart((rid, body))
                 bare.recv_multipart()
 
-            t_bare = timed(bare_rt, args.iters)
-            t_lookup = timed(lambda: client.lookup(hashes, model="m"), args.iters)
+            t_bare, t_lookup = timed_pair(bare_rt, lambda h=hashes: client.lookup(h, model="m"), args.iters)
             row = {"op": "lookup", "chunks": n, "bytes": len(body), "bare": percentiles(t_bare),
                    "client": percentiles(t_lookup)}
             row["ratio_p50"] = row["client"]["p50_us"] / row["bare"]["p50_us"]
@@ -102,12 +108,17 @@ def main() -> int:
         # a 1-chunk store of a tiny CPU cache: the whole request path, bytes nearly free
         hashes = chunk_hashes(np.arange(16), 16)
         client.store(handle, hashes, [0]).result()
-        t_store = timed(lambda: client.store(handle, hashes, [0]).result(), args.iters // 3)
-        t_retr = timed(lambda: client.retrieve(handle, hashes, [1]).result(), args.iters // 3)
         body = p.encode(p.Store(kv_id=handle.kv_id, hashes=hashes[0], block_ids=p.pack_block_ids([0])))
-        t_bare = timed(lambda: (bare.send_multipart((rid, body)), bare.recv_multipart()), args.iters // 3)
-        for op, t in (("store (present)", t_store), ("retrieve 1 chunk", t_retr)):
-            row = {"op": op, "chunks": 1, "bytes": len(body), "bare": percentiles(t_bare), "client": percentiles(t)}
+
+        def bare_store():
+            bare.send_multipart((rid, body))
+            bare.recv_multipart()
+
+        t_bare, t_store = timed_pair(bare_store, lambda: client.store(handle, hashes, [0]).result(), args.iters // 3)
+        t_bare2, t_retr = timed_pair(bare_store, lambda: client.retrieve(handle, hashes, [1]).result(),
+                                     args.iters // 3)
+        for op, t, tb in (("store (present)", t_store, t_bare), ("retrieve 1 chunk", t_retr, t_bare2)):
+            row = {"op": op, "chunks": 1, "bytes": len(body), "bare": percentiles(tb), "client": percentiles(t)}
             row["ratio_p50"] = row["client"]["p50_us"] / row["bare"]["p50_us"]
             results["rows"].append(row)
         # throughput: lookups from one thread, back to back

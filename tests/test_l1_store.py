@@ -139,13 +139,15 @@ class L1Machine(RuleBasedStateMachine):
         """A store still in flight until commit or abort."""
         plan = self.l1.begin_store([key(i) for i in chunks], OBJECT_BYTES, FMT)
         m = self.model
-        indices, present, skipped, created = [], 0, 0, []
+        indices, present, pending, skipped, created = [], 0, 0, 0, []
         for pos, i in enumerate(chunks):
             o = m.objs.get(i)
             if o is not None:
-                present += 1
                 if o.committed:
+                    present += 1
                     m.use(o)  # storing what is already there counts as a use
+                else:
+                    pending += 1  # another store is writing it: answered once it is written
                 continue
             if not m.make_room(self.clock.now):
                 event("store skipped: nothing evictable")
@@ -154,7 +156,7 @@ class L1Machine(RuleBasedStateMachine):
             indices.append(pos)
             created.append(m.objs.setdefault(i, MObject(offset=-1, fill=0)))
         assert plan.indices == indices
-        assert (plan.present, plan.skipped) == (present, skipped)
+        assert (plan.present, len(plan.pending), plan.skipped) == (present, pending, skipped)
         for pos, obj, o in zip(indices, plan.objects, created, strict=True):
             assert obj.key == key(chunks[pos]) and obj.nbytes >= OBJECT_BYTES
             self.fills += 1
@@ -501,3 +503,25 @@ def test_mixed_sizes_never_evict_protected_objects():
     assert l1.contains(small[7])
     l1.end_read(reading)
     assert l1.stats()["leases"] == 1
+
+
+def test_a_store_of_chunks_being_written_answers_once_they_land():
+    """Two requests store the same chunk at once (e.g. MLA ranks): the second one's reply must
+    wait for the first one's bytes, and says "skipped" if the first store is abandoned."""
+    arena = HostArena(4 << 20, 1 << 20)
+    store = L1Store(arena)
+    first = store.begin_store([key(0), key(1)], OBJECT_BYTES, FMT)
+    second = store.begin_store([key(0), key(1)], OBJECT_BYTES, FMT)
+    assert second.objects == [] and len(second.pending) == 2
+    results = []
+    store.when_written(second.pending, results.append)
+    assert results == []  # still being written
+    store.commit(first)
+    assert results == [0]
+    third = store.begin_store([key(2)], OBJECT_BYTES, FMT)
+    fourth = store.begin_store([key(2)], OBJECT_BYTES, FMT)
+    store.when_written(fourth.pending, results.append)
+    store.abort(third)
+    assert results == [0, 1]  # one chunk was abandoned
+    store.when_written([], results.append)
+    assert results == [0, 1, 0]

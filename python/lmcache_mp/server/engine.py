@@ -285,15 +285,28 @@ class MPCacheEngine:
 
     def _run_store(self, entry: _Entry, msg: p.Store, reg: Registration, keys, ids, reply: Reply) -> None:
         plan = self.l1.begin_store(keys, reg.object_bytes, reg.spec.format_key())
-        if not plan.objects:
-            reply(p.StoreReply(stored=0, present=plan.present, skipped=plan.skipped))
-            return
         if plan.skipped:
             logger.debug("store skipped %d chunks: no evictable memory", plan.skipped)
+
+        def answer() -> None:  # once our bytes and those of the chunks others were writing landed
+            def send(failed: int) -> None:
+                reply(p.StoreReply(stored=len(plan.objects), present=plan.present + len(plan.pending) - failed,
+                                   skipped=plan.skipped + failed))
+
+            self.l1.when_written(plan.pending, send)
+
+        def fail(err: BaseException, code: p.ErrorCode) -> None:
+            self.l1.abort(plan)
+            if code == p.ErrorCode.DEVICE_ERROR:
+                logger.error("store on model %s rank %d failed: %s", reg.model, reg.rank, err)
+            reply(p.Error(code=int(code), message=str(err)))
+
+        if not plan.objects:
+            answer()
+            return
         block_ids = ids[plan.indices].reshape(-1)
         ptrs = self._object_ptrs(plan.objects)
         capacity = plan.objects[0].nbytes
-        ok = p.StoreReply(stored=len(plan.objects), present=plan.present, skipped=plan.skipped)
         try:
             if entry.store_done is None:
                 entry.ctx.copy("gather", block_ids, ptrs, capacity)
@@ -301,27 +314,22 @@ class MPCacheEngine:
                 ticket = entry.ctx.submit("gather", block_ids, ptrs, capacity, msg.event)
 
                 def done(err: BaseException | None) -> None:
-                    if err is None:
-                        self.l1.commit(plan)
-                        reply(ok)
-                    else:
-                        self.l1.abort(plan)
-                        logger.error("store on model %s rank %d failed: %s", reg.model, reg.rank, err)
-                        reply(p.Error(code=int(p.ErrorCode.DEVICE_ERROR), message=str(err)))
+                    if err is not None:
+                        fail(err, p.ErrorCode.DEVICE_ERROR)
+                        return
+                    self.l1.commit(plan)
+                    answer()
 
                 entry.store_done.add(ticket, done)
                 return
         except ValueError as e:
-            self.l1.abort(plan)
-            reply(p.Error(code=int(p.ErrorCode.INVALID_ARGUMENT), message=str(e)))
+            fail(e, p.ErrorCode.INVALID_ARGUMENT)
             return
         except Exception as e:
-            self.l1.abort(plan)
-            logger.error("store on model %s rank %d failed: %s", reg.model, reg.rank, e)
-            reply(p.Error(code=int(p.ErrorCode.DEVICE_ERROR), message=str(e)))
+            fail(e, p.ErrorCode.DEVICE_ERROR)
             return
         self.l1.commit(plan)
-        reply(ok)
+        answer()
 
     def retrieve(self, msg: p.Retrieve, reply: Reply) -> None:
         entry = self._entry(msg.kv_id)

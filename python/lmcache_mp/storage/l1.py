@@ -53,8 +53,10 @@ class L1Object:
     nbytes: int  # slot bytes taken from the arena
     format_key: tuple
     committed: bool = False
+    aborted: bool = False
     readers: int = 0
     leases: list[Lease] = field(default_factory=list)
+    waiters: list = field(default_factory=list)  # called with True/False once written/abandoned
 
 
 @dataclass
@@ -63,8 +65,9 @@ class StorePlan:
 
     indices: list[int]
     objects: list[L1Object]
-    present: int  # chunks already stored (or being stored by another request)
+    present: int  # chunks already stored
     skipped: int  # chunks not stored: no memory
+    pending: list[L1Object] = field(default_factory=list)  # being written by another request
 
 
 class L1Store:
@@ -177,9 +180,11 @@ class L1Store:
                     self._free(obj)  # stale bytes of another layout: replace them
                     obj = None
                 if obj is not None:
-                    plan.present += 1
                     if obj.committed:
+                        plan.present += 1
                         self._park(obj)  # a store of existing data counts as a use
+                    else:
+                        plan.pending.append(obj)
                     continue
                 off = self._allocate(cls)
                 if off < 0:
@@ -193,16 +198,53 @@ class L1Store:
         return plan
 
     def commit(self, plan: StorePlan) -> None:
+        waiters = []
         with self._lock:
             for obj in plan.objects:
                 obj.committed = True
                 self._park(obj)
+                waiters += obj.waiters
+                obj.waiters = []
             self.counters["stored"] += len(plan.objects)
+        for fn in waiters:
+            fn(True)
 
     def abort(self, plan: StorePlan) -> None:
+        waiters = []
         with self._lock:
             for obj in plan.objects:
+                obj.aborted = True
                 self._free(obj)
+                waiters += obj.waiters
+                obj.waiters = []
+        for fn in waiters:
+            fn(False)
+
+    def when_written(self, objs: Sequence[L1Object], fn: Callable[[int], None]) -> None:
+        """Call fn(number abandoned) once every object has been committed or abandoned by the
+        store writing it (at once if they all are). A store that finds its chunks being written
+        by another request answers only then, so its reply still means "the bytes are there"."""
+        state = {"left": 0, "failed": 0}
+        done_now = False
+        with self._lock:
+            for obj in objs:
+                if obj.aborted:
+                    state["failed"] += 1
+                elif not obj.committed:
+                    state["left"] += 1
+
+                    def settled(ok: bool) -> None:
+                        with self._lock:
+                            state["left"] -= 1
+                            state["failed"] += 0 if ok else 1
+                            last = state["left"] == 0
+                        if last:
+                            fn(state["failed"])
+
+                    obj.waiters.append(settled)
+            done_now = state["left"] == 0
+        if done_now:
+            fn(state["failed"])
 
     # ---- read --------------------------------------------------------------------------------
 
