@@ -8,6 +8,7 @@
 #include "host_arena.h"
 #include "kv_layout.h"
 #include "pinned_memory.h"
+#include "py_batch.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -18,21 +19,6 @@ void init_cuda_bindings(py::module_& m);
 
 namespace lmc {
 namespace {
-
-using IdArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
-using PtrArray = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
-
-ChunkBatch make_batch(const IdArray& ids, const PtrArray& ptrs, int64_t chunk_size, int64_t object_capacity) {
-  LMC_CHECK_ARG(ids.ndim() == 1 && ptrs.ndim() == 1, "block_ids and object_ptrs must be 1-D");
-  ChunkBatch b;
-  b.block_ids = ids.data();
-  b.num_block_ids = ids.shape(0);
-  b.object_ptrs = ptrs.data();
-  b.num_chunks = ptrs.shape(0);
-  b.chunk_size = chunk_size;
-  b.object_capacity = object_capacity;
-  return b;
-}
 
 void cpu_copy(const KVLayout& layout, int64_t chunk_size, const IdArray& ids, const PtrArray& ptrs,
               int64_t object_capacity, Direction dir) {

@@ -6,14 +6,12 @@
 #include "common.h"
 #include "cuda/cuda_runtime.h"
 #include "cuda/transfer_engine.h"
+#include "py_batch.h"
 
 namespace py = pybind11;
 
 namespace lmc::cuda {
 namespace {
-
-using IdArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
-using PtrArray = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 
 Direction parse_direction(const std::string& d) {
   if (d == "gather" || d == "store") return Direction::kGather;
@@ -91,14 +89,7 @@ void init_cuda_bindings(py::module_& m) {
           "submit",
           [](TransferEngine& e, const std::string& direction, const std::string& mode, const IdArray& ids,
              const PtrArray& ptrs, int64_t chunk_size, int64_t object_capacity, uintptr_t wait_event) {
-            LMC_CHECK_ARG(ids.ndim() == 1 && ptrs.ndim() == 1, "block_ids and object_ptrs must be 1-D");
-            ChunkBatch b;
-            b.block_ids = ids.data();
-            b.num_block_ids = ids.shape(0);
-            b.object_ptrs = ptrs.data();
-            b.num_chunks = ptrs.shape(0);
-            b.chunk_size = chunk_size;
-            b.object_capacity = object_capacity;
+            const ChunkBatch b = make_batch(ids, ptrs, chunk_size, object_capacity);
             const Direction d = parse_direction(direction);
             const Mode md = parse_mode(mode);
             e.validate(md, b);  // bad requests fail here, with the GIL held, before anything is queued

@@ -286,19 +286,21 @@ uint64_t TransferEngine::submit(Direction dir, Mode mode, const ChunkBatch& b, u
   return id;
 }
 
+bool TransferEngine::find_ticket(uint64_t ticket, int* dir, int* event) const {
+  std::lock_guard<std::mutex> lk(ticket_mu_);
+  for (const auto& t : tickets_)
+    if (t.id == ticket) {
+      *dir = t.dir;
+      *event = t.event;
+      return true;
+    }
+  return false;
+}
+
 void TransferEngine::wait(uint64_t ticket) {
   // Lock order everywhere: a side's mutex before ticket_mu_; never the reverse.
   int dir = 0, idx = -1;
-  {
-    std::lock_guard<std::mutex> lk(ticket_mu_);
-    for (const auto& t : tickets_)
-      if (t.id == ticket) {
-        dir = t.dir;
-        idx = t.event;
-        break;
-      }
-  }
-  LMC_CHECK_ARG(idx >= 0, "unknown or already completed transfer ticket ", ticket);
+  LMC_CHECK_ARG(find_ticket(ticket, &dir, &idx), "unknown or already completed transfer ticket ", ticket);
   cudaEvent_t ev;
   {
     std::lock_guard<std::mutex> sl(sides_[dir].mu);
@@ -321,30 +323,14 @@ void TransferEngine::wait(uint64_t ticket) {
 
 bool TransferEngine::query(uint64_t ticket) {
   int dir = 0, idx = -1;
-  {
-    std::lock_guard<std::mutex> lk(ticket_mu_);
-    for (const auto& t : tickets_)
-      if (t.id == ticket) {
-        dir = t.dir;
-        idx = t.event;
-      }
-  }
-  if (idx < 0) return true;  // completed and collected
+  if (!find_ticket(ticket, &dir, &idx)) return true;  // completed and collected
   std::lock_guard<std::mutex> sl(sides_[dir].mu);
   return event_query(reinterpret_cast<uintptr_t>(sides_[dir].pool[idx]));
 }
 
 std::string TransferEngine::completion_handle(uint64_t ticket) {
   int dir = 0, idx = -1;
-  {
-    std::lock_guard<std::mutex> lk(ticket_mu_);
-    for (const auto& t : tickets_)
-      if (t.id == ticket) {
-        dir = t.dir;
-        idx = t.event;
-      }
-  }
-  LMC_CHECK_ARG(idx >= 0, "unknown or already completed transfer ticket ", ticket);
+  LMC_CHECK_ARG(find_ticket(ticket, &dir, &idx), "unknown or already completed transfer ticket ", ticket);
   std::lock_guard<std::mutex> sl(sides_[dir].mu);
   return sides_[dir].pool_handles[idx];
 }

@@ -94,6 +94,8 @@ class TransferEngine {
   };
 
   int take_event(Side& side);
+  // (direction, pool index) of a ticket in flight; false when unknown or already collected.
+  bool find_ticket(uint64_t ticket, int* dir, int* event) const;
   void ensure_staging(Side& side);
   void enqueue_direct(Side& side, bool gather, const ChunkBatch& b, int ctas);
   void enqueue_staged(Side& side, bool gather, const ChunkBatch& b, bool single_buffer);
