@@ -58,10 +58,10 @@ def engines():
         e.close()
 
 
-def make_cache() -> list:
-    """Per-layer views into one ordinary (not shared) buffer, as vLLM's CPU worker allocates."""
+def make_cache(device: str = "cpu") -> list:
+    """Per-layer views into one ordinary (not shared) buffer, as vLLM's workers allocate."""
     per_layer = NUM_BLOCKS * HEADS * BS * HEAD2
-    buf = torch.zeros(LAYERS * per_layer * 2, dtype=torch.int8)
+    buf = torch.zeros(LAYERS * per_layer * 2, dtype=torch.int8, device=device)
     flat = buf.view(torch.bfloat16)
     return [flat[i * per_layer : (i + 1) * per_layer].view(NUM_BLOCKS, HEADS, BS, HEAD2) for i in range(LAYERS)]
 
@@ -76,14 +76,14 @@ def block_bytes(tokens, block_index: int, layer: int, rank: int):
 class Engine:
     """One engine instance: a scheduler core and one worker core per rank."""
 
-    def __init__(self, url: str, world_size: int = 1, **cfg):
+    def __init__(self, url: str, world_size: int = 1, device: str = "cpu", **cfg):
         cfg.setdefault("lookup_timeout", 2.0)
         cfg.setdefault("connect_timeout", 5.0)
         self.cfg = ConnectorConfig(url=url, model="tiny", block_size=BS, world_size=world_size, **cfg)
         self.sched = SchedulerCore(self.cfg)
         self.sched.scratch_block_id = SCRATCH
         self.sched.start()
-        self.caches = [make_cache() for _ in range(world_size)]
+        self.caches = [make_cache(device) for _ in range(world_size)]
         self.workers = [WorkerCore(self.cfg, rank=r) for r in range(world_size)]
         for w, c in zip(self.workers, self.caches):
             w.register_kv_caches(c)
@@ -113,7 +113,7 @@ class Engine:
         for i in range(upto_tokens // BS):
             for r, cache in enumerate(self.caches):
                 for layer in range(LAYERS):
-                    ok &= torch.equal(cache[layer][block_ids[i]], block_bytes(tokens, i, layer, r))
+                    ok &= torch.equal(cache[layer][block_ids[i]].cpu(), block_bytes(tokens, i, layer, r))
         return ok
 
     def execute(self, plan: StepPlan, compute=()) -> None:
