@@ -160,9 +160,11 @@ PYBIND11_MODULE(_C, m) {
         if (kind == 0) throw std::invalid_argument("plain invalid_argument");
         if (kind == 1) throw InvalidArgument(concat("formatted ", 42));
         if (kind == 2) throw std::runtime_error("runtime");
+        enum ProbeCode { kProbeCode = 201 };  // like a CUresult: must print as a number
+        if (kind == 3) throw InvalidArgument(concat("code ", kProbeCode));
         return concat("no error ", kind);
       },
-      py::arg("kind"), "Raises the C++ error `kind` (0-2): checks that errors surface as Python exceptions");
+      py::arg("kind"), "Raises the C++ error `kind` (0-3): checks that errors surface as Python exceptions");
   m.def("set_cpu_threads", &set_cpu_threads, py::arg("n"), "Threads for CPU copies (<= 0: one per core)");
   m.def("cpu_threads", [] { return cpu_pool()->size(); });
   m.def("pinning_available", &pinning_available);

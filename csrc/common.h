@@ -15,12 +15,17 @@ struct InvalidArgument : std::invalid_argument {
 
 // Message formatting without iostreams: std::ostringstream crashed in the extension on one
 // GPU machine's toolchain (its locale machinery), and error paths must never crash.
+// Numbers and enums (e.g. CUresult codes) are written as decimal numbers, never as raw chars:
+// a message must stay valid UTF-8 to become a Python exception.
 inline void append(std::string& s, const std::string& v) { s += v; }
 inline void append(std::string& s, const char* v) { s += v ? v : "(null)"; }
-inline void append(std::string& s, char v) { s += v; }
-template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
 void append(std::string& s, T v) {
   s += std::to_string(v);
+}
+template <typename T, std::enable_if_t<std::is_enum_v<T>, int> = 0>
+void append(std::string& s, T v) {
+  s += std::to_string(static_cast<long long>(v));
 }
 
 template <typename... Args>

@@ -10,6 +10,7 @@ CASES = {
     "invalid_argument": ("from lmcache_mp import _C; _C._raise_for_test(0)", "ValueError: plain invalid_argument"),
     "formatted": ("from lmcache_mp import _C; _C._raise_for_test(1)", "ValueError: formatted 42"),
     "runtime_error": ("from lmcache_mp import _C; _C._raise_for_test(2)", "RuntimeError: runtime"),
+    "enum in message": ("from lmcache_mp import _C; _C._raise_for_test(3)", "ValueError: code 201"),
     "arena bad free": ("from lmcache_mp import _C; _C.HostArena(1 << 22, 1 << 20).free(12345)",
                        "ValueError: offset 12345 is not an allocated object"),
 }
@@ -30,4 +31,4 @@ def test_cpp_errors_become_python_exceptions(case, torch_first):
 def test_formatting_without_error():
     from lmcache_mp import _C
 
-    assert _C._raise_for_test(3) == "no error 3"
+    assert _C._raise_for_test(4) == "no error 4"

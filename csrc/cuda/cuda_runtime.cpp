@@ -19,7 +19,10 @@ void check(cudaError_t err, const char* what) {
 
 DeviceGuard::DeviceGuard(int device) {
   check(cudaGetDevice(&previous_), "cudaGetDevice");
-  if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  // Always set it, even when it already is "current": on a thread that has made no CUDA call,
+  // that only makes the device's context current, and driver calls (cuMemGetAddressRange)
+  // need a current context.
+  check(cudaSetDevice(device), "cudaSetDevice");
 }
 
 DeviceGuard::~DeviceGuard() {
