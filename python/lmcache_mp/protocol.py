@@ -24,6 +24,13 @@ MAX_MESSAGE_BYTES = 16 << 20
 # CPU KV caches live in files SHM_DIR/SHM_PREFIX* that the server maps by name.
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "lmcache_mp_"
+
+
+def shm_path(name: str) -> str:
+    """The file of a CPU cache's shared-memory name; ValueError unless it is one of ours."""
+    if not name.startswith(SHM_PREFIX) or "/" in name or name in (".", ".."):
+        raise ValueError(f"not an lmcache-mp shared-memory name: {name!r}")
+    return f"{SHM_DIR}/{name}"
 BLOCK_ID_DTYPE = np.dtype("<i4")
 
 _REQ_ID = struct.Struct("<Q")

@@ -16,7 +16,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 
-from lmcache_mp.protocol import SHM_DIR, SHM_PREFIX
+from lmcache_mp.protocol import SHM_DIR, SHM_PREFIX, shm_path  # noqa: F401  (SHM_DIR: public)
 
 
 _lock = threading.Lock()
@@ -36,7 +36,7 @@ def _unlink(name: str, base: int) -> None:
     with _lock:
         _regions.pop(base, None)
     try:
-        os.unlink(os.path.join(SHM_DIR, name))
+        os.unlink(shm_path(name))
     except FileNotFoundError:
         pass
 
@@ -44,11 +44,6 @@ def _unlink(name: str, base: int) -> None:
 def new_shared_name() -> str:
     return f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:16]}"
 
-
-def _validate_name(name: str) -> str:
-    if not name.startswith(SHM_PREFIX) or "/" in name or name in (".", ".."):
-        raise ValueError(f"not an lmcache-mp shared-memory name: {name!r}")
-    return name
 
 
 def shared_cpu_tensor(shape, dtype, *, fill: float | None = 0):
@@ -65,7 +60,7 @@ def shared_cpu_tensor(shape, dtype, *, fill: float | None = 0):
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = max(numel * itemsize, 1)
     name = new_shared_name()
-    path = os.path.join(SHM_DIR, name)
+    path = shm_path(name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, nbytes)
@@ -85,8 +80,9 @@ def shared_cpu_tensor(shape, dtype, *, fill: float | None = 0):
 
 def register_shared_region(base: int, nbytes: int, name: str) -> None:
     """Declare that [base, base+nbytes) is the mapping of the shared-memory file `name`."""
+    shm_path(name)  # reject names the server would refuse
     with _lock:
-        _regions[int(base)] = (int(nbytes), _validate_name(name))
+        _regions[int(base)] = (int(nbytes), name)
 
 
 def unregister_shared_region(base: int, name: str) -> None:

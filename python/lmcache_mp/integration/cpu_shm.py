@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from lmcache_mp import shm
+from lmcache_mp.protocol import shm_path
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class SharedBuffer:
 
     @property
     def path(self) -> str:
-        return os.path.join(shm.SHM_DIR, self.name)
+        return shm_path(self.name)
 
 
 _lock = threading.Lock()
@@ -86,7 +87,7 @@ def move_to_shared_memory(tensors: Sequence) -> list[SharedBuffer]:
         seen.add(key)
         nbytes = storage.nbytes()
         name = shm.new_shared_name()
-        path = os.path.join(shm.SHM_DIR, name)
+        path = shm_path(name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)

@@ -6,21 +6,15 @@ import ctypes
 import mmap
 import os
 
-from lmcache_mp.protocol import SHM_DIR, SHM_PREFIX
+from lmcache_mp.protocol import shm_path
 
-
-
-def _validate_name(name: str) -> str:
-    if not name.startswith(SHM_PREFIX) or "/" in name or name in (".", ".."):
-        raise ValueError(f"not an lmcache-mp shared-memory name: {name!r}")
-    return name
 
 
 class SharedMapping:
     """Server side: a read-write mapping of a worker's shared-memory file."""
 
     def __init__(self, name: str, min_size: int):
-        path = os.path.join(SHM_DIR, _validate_name(name))
+        path = shm_path(name)
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
