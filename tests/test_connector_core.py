@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import socket
 import time
@@ -17,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lmcache_mp import Server, ServerConfig  # noqa: E402
+from lmcache_mp import Client, Server, ServerConfig  # noqa: E402
 from lmcache_mp.integration.connector_core import (  # noqa: E402
     ConnectorConfig,
     ScheduledRequest,
@@ -58,33 +59,58 @@ def engines():
         e.close()
 
 
-def make_cache(device: str = "cpu") -> list:
+# Per-layer shapes of the caches the fake engine allocates, and the dim that indexes blocks:
+# vLLM's CPU layout (blocks copied whole), the flash-attention layout, and MLA.
+LAYER_SHAPES = {
+    "opaque": ((NUM_BLOCKS, HEADS, BS, HEAD2), 0),
+    "mha": ((2, NUM_BLOCKS, BS, HEADS, HEAD2 // 2), 1),
+    "mla": ((NUM_BLOCKS, BS, HEAD2), 0),
+}
+
+
+def make_cache(device: str = "cpu", kind: str = "opaque") -> list:
     """Per-layer views into one ordinary (not shared) buffer, as vLLM's workers allocate."""
-    per_layer = NUM_BLOCKS * HEADS * BS * HEAD2
+    shape, _ = LAYER_SHAPES[kind]
+    per_layer = math.prod(shape)
     buf = torch.zeros(LAYERS * per_layer * 2, dtype=torch.int8, device=device)
     flat = buf.view(torch.bfloat16)
-    return [flat[i * per_layer : (i + 1) * per_layer].view(NUM_BLOCKS, HEADS, BS, HEAD2) for i in range(LAYERS)]
+    return [flat[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(LAYERS)]
 
 
-def block_bytes(tokens, block_index: int, layer: int, rank: int):
-    """The KV of one full block: a function of every token up to its end (like real KV)."""
+def block_view(layer_cache, block_id: int, kind: str = "opaque"):
+    return layer_cache.select(LAYER_SHAPES[kind][1], block_id)
+
+
+def block_bytes(tokens, block_index: int, layer: int, rank: int, kind: str = "opaque"):
+    """The KV of one full block: a function of every token up to its end (like real KV).
+    MLA KV is the same on every rank."""
+    if kind == "mla":
+        rank = 0
     h = hashlib.blake2b(repr((tokens[: (block_index + 1) * BS], layer, rank)).encode(), digest_size=8)
     g = torch.Generator().manual_seed(int.from_bytes(h.digest(), "little"))
-    return torch.randn(HEADS, BS, HEAD2, generator=g).to(torch.bfloat16)
+    shape, dim = LAYER_SHAPES[kind]
+    return torch.randn(shape[:dim] + shape[dim + 1 :], generator=g).to(torch.bfloat16)
 
 
 class Engine:
     """One engine instance: a scheduler core and one worker core per rank."""
 
-    def __init__(self, url: str, world_size: int = 1, device: str = "cpu", **cfg):
+    def __init__(self, url: str, world_size: int = 1, device: str = "cpu", kind: str = "opaque", **cfg):
         cfg.setdefault("lookup_timeout", 2.0)
         cfg.setdefault("connect_timeout", 5.0)
-        self.cfg = ConnectorConfig(url=url, model="tiny", block_size=BS, world_size=world_size, **cfg)
+        cfg.setdefault("model", "tiny")
+        self.cfg = ConnectorConfig(url=url, block_size=BS, world_size=world_size, **cfg)
         self.sched = SchedulerCore(self.cfg)
         self.sched.scratch_block_id = SCRATCH
         self.sched.start()
-        self.caches = [make_cache(device) for _ in range(world_size)]
-        self.workers = [WorkerCore(self.cfg, rank=r) for r in range(world_size)]
+        self.kind = kind
+        self.caches = [make_cache(device, kind) for _ in range(world_size)]
+        # As the vLLM adapter does: MLA bytes are the same on every rank, so only rank 0 stores.
+        mla = kind == "mla"
+        self.workers = [
+            WorkerCore(self.cfg, rank=r, layout="mla" if mla else "auto", stores=not mla or r == 0)
+            for r in range(world_size)
+        ]
         for w, c in zip(self.workers, self.caches):
             w.register_kv_caches(c)
         if any(w.link.client is not None for w in self.workers):
@@ -106,14 +132,16 @@ class Engine:
         for i in range(start // BS, end // BS):
             for r, cache in enumerate(self.caches):
                 for layer in range(LAYERS):
-                    cache[layer][block_ids[i]].copy_(block_bytes(tokens, i, layer, r))
+                    block = block_view(cache[layer], block_ids[i], self.kind)
+                    block.copy_(block_bytes(tokens, i, layer, r, self.kind))
 
     def check(self, tokens, block_ids, upto_tokens: int) -> bool:
         ok = True
         for i in range(upto_tokens // BS):
             for r, cache in enumerate(self.caches):
                 for layer in range(LAYERS):
-                    ok &= torch.equal(cache[layer][block_ids[i]].cpu(), block_bytes(tokens, i, layer, r))
+                    block = block_view(cache[layer], block_ids[i], self.kind).cpu()
+                    ok &= torch.equal(block, block_bytes(tokens, i, layer, r, self.kind))
         return ok
 
     def execute(self, plan: StepPlan, compute=()) -> None:
@@ -165,8 +193,6 @@ class Engine:
 
 
 def leases(server) -> int:
-    from lmcache_mp import Client
-
     with Client(server.url, timeout=5) as c:
         return c.status()["l1"]["leases"]
 
@@ -514,6 +540,42 @@ def test_tensor_parallel_two_ranks(server, engines):
         b.finish("r")
     finally:
         b.close()
+
+
+def store_in_one_engine_load_in_another(url: str, *, kind: str, world_size: int, device: str = "cpu") -> None:
+    """Engine A stores a prompt's full chunks from every rank; a fresh engine B, with other
+    block ids, loads them and must see every rank's bytes exactly, with no lease left over."""
+    # One namespace per layout: a server shared by several of these runs keeps them apart.
+    cfg = dict(world_size=world_size, device=device, kind=kind, lookup_timeout=5.0, model=f"tiny-{kind}")
+    a = Engine(url, **cfg)
+    toks = prompt(40 + world_size, 333)
+    try:
+        ext, _, plan = a.prefill("r1", toks)
+        assert ext == 0 and [len(t.hashes) for t in plan.stores] == [333 // CS]
+        assert a.finish("r1") is True  # stores in flight until the server has the bytes
+        if kind == "mla":  # one copy for all ranks: only rank 0 sent stores
+            assert [w.stats["stored_chunks"] for w in a.workers] == [333 // CS] + [0] * (world_size - 1)
+    finally:
+        a.close()
+    b = Engine(url, **cfg)
+    try:
+        b.free = b.free[::-1]  # other blocks than engine A's
+        ext, blocks, plan = b.prefill("r1", toks)
+        assert ext == (333 // CS) * CS
+        assert b.load_errors == set()
+        assert [w.stats["loaded_chunks"] for w in b.workers] == [333 // CS] * world_size
+        assert b.check(toks, blocks, 333)  # every rank got its own shard back, bit for bit
+        with Client(url, timeout=10) as c:
+            assert c.status()["l1"]["leases"] == 0
+        b.finish("r1")
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("kind", ["opaque", "mha", "mla"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_every_cache_layout_round_trips(server, kind, world_size):
+    store_in_one_engine_load_in_another(server.url, kind=kind, world_size=world_size)
 
 
 def test_server_restart_is_survived(engines):

@@ -5,6 +5,9 @@
 
 prompts.json is a list of token-id lists. result.json holds, per prompt, the generated token
 ids and vLLM's `num_cached_tokens`, plus the engine's start-up and generation wall times.
+With --pause-dir DIR, prompts.json is a list of batches run one after another by the same
+engine; before batch i > 0 the engine creates DIR/paused-i and waits for DIR/resume-i (the
+test changes the world in between, e.g. restarts the server).
 With --connector-url the engine uses lmcache_mp.integration.vllm.LMCacheMPConnector.
 Meant to run in a fresh process: an engine per process, as in production.
 """
@@ -42,6 +45,15 @@ def inject_load_failures() -> None:
     worker_core.WorkerCore.start_loads = start_loads
 
 
+def wait_for_resume(pause_dir: str, i: int, timeout: float = 120.0) -> None:
+    open(os.path.join(pause_dir, f"paused-{i}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(pause_dir, f"resume-{i}")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody resumed batch {i}")
+        time.sleep(0.05)
+
+
 def connector_stats() -> dict:
     """Sum of the counters of the connector cores in this process (workers of other processes,
     as with tensor parallelism, are not seen)."""
@@ -63,7 +75,8 @@ def connector_stats() -> dict:
 
 def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tokens: int,
         extra_config: dict | None = None, fail_loads: bool = False, tensor_parallel: int = 1,
-        prefix_caching: bool = False, sequential: bool = False, kv_cache_bytes: int = 256 << 20) -> dict:
+        prefix_caching: bool = False, sequential: bool = False, kv_cache_bytes: int = 256 << 20,
+        pause_dir: str | None = None) -> dict:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if fail_loads:
@@ -96,9 +109,14 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
     )
     t1 = time.perf_counter()
     params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
-    batches = [[p] for p in prompts] if sequential else [prompts]
+    if pause_dir:
+        batches = prompts
+    else:
+        batches = [[p] for p in prompts] if sequential else [prompts]
     outs = []
-    for batch in batches:
+    for i, batch in enumerate(batches):
+        if pause_dir and i:
+            wait_for_resume(pause_dir, i)
         outs += llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
     t2 = time.perf_counter()
     result = {
@@ -131,13 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-caching", action="store_true", help="enable vLLM's own prefix cache")
     ap.add_argument("--sequential", action="store_true", help="one prompt per generate() call, in order")
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="vLLM's KV cache size (small: preemptions)")
+    ap.add_argument("--pause-dir", default=None, help="prompts are batches; pause between them (see above)")
     args = ap.parse_args(argv)
     with open(args.prompts) as f:
         prompts = json.load(f)
     result = run(args.model, prompts, args.connector_url, args.max_tokens, json.loads(args.extra_config),
                  fail_loads=args.inject_load_failures, tensor_parallel=args.tensor_parallel,
                  prefix_caching=args.prefix_caching, sequential=args.sequential,
-                 kv_cache_bytes=args.kv_cache_bytes)
+                 kv_cache_bytes=args.kv_cache_bytes, pause_dir=args.pause_dir)
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

@@ -9,6 +9,7 @@ hits the server can supply.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import importlib.util
 import json
 import os
@@ -171,6 +172,8 @@ def test_engines_share_prefixes_through_the_server(run, prompts, baseline, model
         assert b["connector"]["lookups"] == len(P + Q)
         assert b["connector"]["failed_load_chunks"] == 0
         assert b["outputs"] == baseline["outputs"]
+        log = (workdir / "engine_B.log").read_text()
+        assert "lmcache-mp connector (scheduler): server" in log and "lmcache-mp: first cache hit:" in log
         # B stored what was new: the rest of each Q prompt.
         assert server.present_chunks(Q, model_dir) == [len(q) // CHUNK for q in Q]
 
@@ -192,6 +195,66 @@ def test_server_absent_changes_nothing(run, prompts, baseline):
     # no lookups to an absent server, so no request waits for a lookup timeout.
     assert r["engine_start_s"] < baseline["engine_start_s"] + 8
     assert r["connector"]["lookups"] == 0
+
+
+def registrations(url: str, model: str) -> int:
+    from lmcache_mp import Client
+
+    with Client(url, timeout=10) as c:
+        return sum(r["model"] == model for r in c.status()["registrations"])
+
+
+def test_server_restarted_mid_run(run, prompts, baseline, model_dir, workdir):
+    """One engine runs the same batch four times. Before batch 2 the server stops; before batch
+    3 an empty server starts at the same address. The outputs never change, the outage is logged
+    once per side, the worker registers its cache again by itself, and batch 4 hits what batch 3
+    stored on the new server."""
+    P, _, _ = prompts
+    batch = P[:3]
+    port = free_port()
+    pauses = workdir / "restart_pauses"
+    pauses.mkdir()
+    servers = [ServerProcess(port, workdir / "server_restart_1.log")]
+    retry = 1.0
+    extra = ("--pause-dir", str(pauses), "--extra-config", json.dumps({"lmcache_mp.retry_interval": retry}))
+
+    def between(i: int, pending: cf.Future, action) -> None:
+        while not (pauses / f"paused-{i}").exists():
+            if pending.done():
+                pending.result()  # the engine failed: show why
+                raise AssertionError(f"the engine ended before batch {i}")
+            time.sleep(0.05)
+        action()
+        (pauses / f"resume-{i}").touch()
+
+    def restart() -> None:
+        servers.append(ServerProcess(port, workdir / "server_restart_2.log"))
+        deadline = time.monotonic() + 30
+        while registrations(servers[-1].url, model_dir) < 1:  # the client's heartbeat re-registers
+            assert time.monotonic() < deadline, "the worker never registered with the new server"
+            time.sleep(0.1)
+        time.sleep(2 * retry)  # past the scheduler's pause after its failed lookups
+
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(run, "restart", [batch] * 4, servers[0].url, *extra)
+            between(1, pending, servers[0].stop)
+            between(2, pending, restart)
+            between(3, pending, lambda: None)
+            r = pending.result()
+    finally:
+        for s in servers:
+            s.stop()
+    n = len(batch)
+    assert r["outputs"] == baseline["outputs"][:n] * 4
+    hits = [expected_hit(len(p), len(p)) for p in batch]
+    assert r["num_cached_tokens"] == [0] * n * 3 + hits  # batch 3 found the new server empty
+    log = (workdir / "restart.log").read_text()
+    outages = [line for line in log.splitlines() if "treating it as a cache miss" in line]
+    assert len(outages) == 1, outages  # the scheduler's lookups: one line for the outage
+    assert "registering 1 KV caches again" in log
+    assert "reachable again" in log  # INFO lines reach vLLM's log too
+    assert not [line for line in log.splitlines() if 'File "' in line and "lmcache_mp" in line]  # no traceback of ours
 
 
 def two_cpus() -> list[int] | None:

@@ -392,8 +392,11 @@ class Client:
         try:
             hello = self._hello(self.timeout)
             if hello.session_id != self.session_id:
-                logger.warning("lmcache-mp server at %s restarted: registering %d KV caches again",
-                               self.url, len(self._handles))
+                if self._handles:
+                    logger.warning("lmcache-mp server at %s restarted: registering %d KV caches again",
+                                   self.url, len(self._handles))
+                else:
+                    logger.warning("lmcache-mp server at %s restarted", self.url)
                 if self._io is not None:
                     self._io.fail_all(ServerUnavailable("the server restarted; the request was lost"))
                 self.session_id = hello.session_id

@@ -59,6 +59,7 @@ class SchedulerCore:
         self._releaser = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-mp-release")
         self.stats = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0, "load_tokens": 0, "store_chunks": 0}
         self._hits_logged: tuple[float, int, int] | None = None
+        self._first_hit_logged = False
 
     def start(self) -> None:
         self.link.connect(wait=self.cfg.connect_timeout)
@@ -190,6 +191,10 @@ class SchedulerCore:
         n = max(0, min(n, max_chunks))
         self.stats["hit_tokens"] += n * cs
         self.stats["lookup_tokens"] += max_chunks * cs
+        if n and not self._first_hit_logged:
+            self._first_hit_logged = True
+            logger.info("lmcache-mp: first cache hit: %d of the %d prompt tokens of request %s are on the server",
+                        n * cs, len(tr.token_ids), tr.req_id)
         self._log_hits()
         tr.hit_chunks = n
         tr.leased_chunks = n

@@ -56,6 +56,23 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
+def _log_through_vllm() -> None:
+    """vLLM configures its own logger tree only, so our INFO lines (connections, hit rates)
+    would vanish. Unless the application configured lmcache_mp's logging itself, send it
+    through vLLM's handlers: same format, same level."""
+    ours, theirs = logging.getLogger("lmcache_mp"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
+_log_through_vllm()
+
 __all__ = ["LMCacheMPConnector", "LMCacheMPConnectorMetadata"]
 
 
