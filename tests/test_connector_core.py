@@ -59,26 +59,33 @@ def engines():
         e.close()
 
 
-# Per-layer shapes of the caches the fake engine allocates, and the dim that indexes blocks:
-# vLLM's CPU layout (blocks copied whole), the flash-attention layout, and MLA.
-LAYER_SHAPES = {
-    "opaque": ((NUM_BLOCKS, HEADS, BS, HEAD2), 0),
-    "mha": ((2, NUM_BLOCKS, BS, HEADS, HEAD2 // 2), 1),
-    "mla": ((NUM_BLOCKS, BS, HEAD2), 0),
+# The caches the fake engine allocates, as vLLM hands them over: per kind, the per-layer shape
+# in memory, the permutation that gives the logical view, the view's block dim, and how many of
+# the tensor's blocks make one engine block (vLLM's kernel blocks).
+LAYER_LAYOUTS = {
+    "opaque": ((NUM_BLOCKS, HEADS, BS, HEAD2), (0, 1, 2, 3), 0, 1),  # vLLM's CPU cache
+    "opaque_nhd": ((NUM_BLOCKS, BS, HEADS, HEAD2), (0, 2, 1, 3), 0, 1),  # vLLM 0.32 CUDA default
+    "kernel_blocks": ((NUM_BLOCKS * 2, HEADS, BS // 2, HEAD2), (0, 1, 2, 3), 0, 2),
+    "mha": ((2, NUM_BLOCKS, BS, HEADS, HEAD2 // 2), (0, 1, 2, 3, 4), 1, 1),  # flash-attention
+    "mla": ((NUM_BLOCKS, BS, HEAD2), (0, 1, 2), 0, 1),
 }
 
 
 def make_cache(device: str = "cpu", kind: str = "opaque") -> list:
     """Per-layer views into one ordinary (not shared) buffer, as vLLM's workers allocate."""
-    shape, _ = LAYER_SHAPES[kind]
+    shape, perm, _, _ = LAYER_LAYOUTS[kind]
     per_layer = math.prod(shape)
     buf = torch.zeros(LAYERS * per_layer * 2, dtype=torch.int8, device=device)
     flat = buf.view(torch.bfloat16)
-    return [flat[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(LAYERS)]
+    return [flat[i * per_layer : (i + 1) * per_layer].view(shape).permute(perm) for i in range(LAYERS)]
 
 
 def block_view(layer_cache, block_id: int, kind: str = "opaque"):
-    return layer_cache.select(LAYER_SHAPES[kind][1], block_id)
+    """The part of one layer's tensor that holds engine block `block_id`."""
+    _, _, dim, split = LAYER_LAYOUTS[kind]
+    if split > 1:
+        return layer_cache.narrow(dim, block_id * split, split)
+    return layer_cache.select(dim, block_id)
 
 
 def block_bytes(tokens, block_index: int, layer: int, rank: int, kind: str = "opaque"):
@@ -88,8 +95,10 @@ def block_bytes(tokens, block_index: int, layer: int, rank: int, kind: str = "op
         rank = 0
     h = hashlib.blake2b(repr((tokens[: (block_index + 1) * BS], layer, rank)).encode(), digest_size=8)
     g = torch.Generator().manual_seed(int.from_bytes(h.digest(), "little"))
-    shape, dim = LAYER_SHAPES[kind]
-    return torch.randn(shape[:dim] + shape[dim + 1 :], generator=g).to(torch.bfloat16)
+    shape, perm, dim, split = LAYER_LAYOUTS[kind]
+    view = [shape[p] for p in perm]
+    view = view[:dim] + ([split] if split > 1 else []) + view[dim + 1 :]
+    return torch.randn(view, generator=g).to(torch.bfloat16)
 
 
 class Engine:
@@ -572,7 +581,43 @@ def store_in_one_engine_load_in_another(url: str, *, kind: str, world_size: int,
         b.close()
 
 
-@pytest.mark.parametrize("kind", ["opaque", "mha", "mla"])
+def test_tensor_blocks_larger_than_the_engine_block_are_refused(server, caplog):
+    cfg = ConnectorConfig(url=server.url, model="tiny", block_size=BS, connect_timeout=5.0)
+    worker = WorkerCore(cfg)
+    try:
+        with caplog.at_level(logging.ERROR, logger="lmcache_mp"):
+            worker.register_kv_caches([torch.zeros(8, HEADS, 2 * BS, HEAD2, dtype=torch.bfloat16) for _ in range(2)])
+        assert worker._client() is None  # the engine runs without the cache
+        assert any("do not divide the engine's block size" in r.getMessage() for r in caplog.records)
+        with Client(server.url, timeout=5) as c:
+            assert c.status()["registrations"] == []  # the refused registration was dropped
+    finally:
+        worker.close()
+
+
+def test_chunks_of_another_block_packing_are_load_errors_not_garbage(server):
+    """Same model name, same logical shape, other order of the bytes in a block: the server
+    refuses to copy the objects, the engine is told, and the blocks are recomputed."""
+    toks = prompt(50, 300)
+    a = Engine(server.url, kind="opaque_nhd", lookup_timeout=5.0)
+    try:
+        a.prefill("r", toks)
+        assert a.finish("r") is True
+    finally:
+        a.close()
+    b = Engine(server.url, kind="opaque", lookup_timeout=5.0)
+    try:
+        ext, blocks, plan = b.prefill("r", toks)
+        assert ext == 4 * CS  # lookups know keys, not layouts
+        assert b.load_errors == set(blocks[: 4 * BPC])
+        assert b.workers[0].stats["loaded_chunks"] == 0
+        assert all(not block_view(c[layer], blocks[0]).any() for c in b.caches for layer in range(LAYERS))
+        b.finish("r")
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("kind", list(LAYER_LAYOUTS))
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_every_cache_layout_round_trips(server, kind, world_size):
     store_in_one_engine_load_in_another(server.url, kind=kind, world_size=world_size)

@@ -1,18 +1,19 @@
 """The connector's worker side on a GPU, without vLLM: vLLM-shaped CUDA KV caches (per-layer
-views into one allocation: vLLM's `[blocks, heads, block_size, 2*head_size]`, the
-flash-attention `[2, blocks, block_size, heads, head_size]`, and MLA `[blocks, block_size, dim]`)
-registered over CUDA IPC from the connector's background thread with a CUDA server process,
+views into one allocation: vLLM's `[blocks, heads, block_size, 2*head_size]`, also over blocks
+stored token-major as vLLM 0.32 does on CUDA by default, the flash-attention
+`[2, blocks, block_size, heads, head_size]`, and MLA `[blocks, block_size, dim]`) registered
+over CUDA IPC from the connector's background thread with a CUDA server process,
 event-synchronised stores from one engine and loads into another, checked byte for byte. The
 fake engine is the one of test_connector_core."""
 
 import pytest
-from test_connector_core import CS, store_in_one_engine_load_in_another
+from test_connector_core import CS, LAYER_LAYOUTS, store_in_one_engine_load_in_another
 from test_gpu_server import CHUNK, cuda_server  # noqa: F401  (the server fixture)
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("kind", ["opaque", "mha", "mla"])
+@pytest.mark.parametrize("kind", list(LAYER_LAYOUTS))
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_cuda_engine_stores_and_another_loads(cuda_server, kind, world_size):  # noqa: F811
     assert CHUNK == CS

@@ -32,6 +32,21 @@ def test_vllm_cpu_layout_is_opaque_whole_blocks():
     assert s.format_key()[0] == "opaque"
 
 
+def test_opaque_blocks_may_pack_their_dims_in_any_dense_order():
+    # vLLM 0.32 on CUDA: logical [NB, H, BS, 2D] over memory [NB, BS, H, 2D]
+    nb, h, bs, d2 = 10, 2, 32, 64
+    hnd = infer_layout((nb, h, bs, d2), (h * bs * d2, bs * d2, d2, 1), 2, "bfloat16", 2)
+    nhd = infer_layout((nb, h, bs, d2), (h * bs * d2, d2, h * d2, 1), 2, "bfloat16", 2)
+    assert nhd.kind == "opaque" and nhd.block_size == bs and nhd.block_bytes == hnd.block_bytes
+    assert nhd.block_stride == hnd.block_stride == h * bs * d2 * 2
+    # The same bytes mean different things: never copied from one into the other.
+    assert hnd.format_key() != nhd.format_key()
+    with pytest.raises(LayoutError, match="densely packed"):  # a gap inside each block
+        infer_layout((nb, h, bs, d2), (2 * h * bs * d2, 2 * d2, 2 * h * d2, 1), 2, "bfloat16", 2)
+    with pytest.raises(LayoutError, match="densely packed"):  # heads overlap
+        infer_layout((nb, h, bs, d2), (h * bs * d2, d2 // 2, h * d2, 1), 2, "bfloat16", 2)
+
+
 def test_format_key_is_shared_by_token_layouts_with_equal_object_format():
     a = infer_layout((2, 10, 16, 2, 8), (10 * 16 * 16, 16 * 16, 16, 8, 1), 2, "bfloat16", 3)
     b = infer_layout((10, 2, 32, 2, 8), (2 * 32 * 16, 32 * 16, 16, 8, 1), 2, "bfloat16", 3)

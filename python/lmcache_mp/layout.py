@@ -6,7 +6,9 @@ Supported (shapes in elements, any dtype):
 - ``block_major``:  ``[num_blocks, 2, block_size, num_heads, head_size]``
 - ``mla``:          ``[num_blocks, block_size, head_dim]``
 - ``opaque``:       ``[num_blocks, ...]`` with each block packed in an engine-specific order, e.g.
-  vLLM's CPU cache ``[num_blocks, num_heads, block_size, 2 * head_size]``; copied whole.
+  vLLM's CPU cache ``[num_blocks, num_heads, block_size, 2 * head_size]``; copied whole. The
+  dims of a block may lie in memory in any order that packs them densely: vLLM 0.32's CUDA
+  caches are that same logical shape over blocks stored token-major (``[NB, BS, H, 2D]``).
 
 Token layouts may be strided (padding between tokens, blocks or K/V) as long as the bytes of one
 token of one layer are contiguous. Host objects are ``[S, L, T, W]`` bytes (DESIGN.md).
@@ -40,6 +42,9 @@ class LayoutSpec:
     rows_per_block: int
     row_bytes: int
     row_stride: int
+    # opaque only: the block's dims in memory order, outermost first, as (dim, size); what the
+    # bytes of a block mean, so it is part of the format key.
+    block_order: tuple[tuple[int, int], ...] = ()
 
     @property
     def block_bytes(self) -> int:
@@ -67,9 +72,9 @@ class LayoutSpec:
     def format_key(self) -> tuple:
         """What the bytes of a host object mean. Objects are only ever copied into a cache whose
         key is equal: token layouts share the [S, L, T, W] format whatever their block size or
-        strides; opaque blocks are only meaningful to the same kind and block size."""
+        strides; opaque blocks are only meaningful to the same block size and packing."""
         if self.kind == "opaque":
-            return ("opaque", self.block_size, self.num_layers, self.token_bytes, self.dtype)
+            return ("opaque", self.block_size, self.num_layers, self.token_bytes, self.dtype, self.block_order)
         return ("tokens", self.num_segments, self.num_layers, self.token_bytes, self.dtype)
 
     def native(self, layer_ptrs: Sequence[int]):
@@ -99,6 +104,18 @@ def _check_contiguous(shape: Sequence[int], strides: Sequence[int], what: str) -
         if size != 1 and stride != expected:
             raise LayoutError(f"{what} must be contiguous (shape {list(shape)}, strides {list(strides)})")
         expected *= size
+
+
+def _dense_order(shape: Sequence[int], strides: Sequence[int], what: str) -> tuple[tuple[int, int], ...]:
+    """The dims (of size > 1) in memory order, outermost first, as (dim, size); raise unless
+    they pack densely, in whatever order: then the bytes form one gap-free run."""
+    dims = sorted(((st, i, sz) for i, (sz, st) in enumerate(zip(shape, strides)) if sz != 1), reverse=True)
+    expected = 1
+    for st, _, sz in reversed(dims):
+        if st != expected:
+            raise LayoutError(f"{what} must be densely packed (shape {list(shape)}, strides {list(strides)})")
+        expected *= sz
+    return tuple((i, sz) for _, i, sz in dims)
 
 
 def _guess_kind(shape: Sequence[int]) -> str:
@@ -183,7 +200,7 @@ def infer_layout(
     # opaque: whole blocks, each contiguous
     if len(shape) < 2:
         raise LayoutError(f"layout 'opaque' needs at least 2 dimensions, got shape {shape}")
-    _check_contiguous(shape[1:], strides[1:], "an opaque block")
+    order = _dense_order(shape[1:], strides[1:], "an opaque block")
     bs = block_size if block_size is not None else (shape[2] if len(shape) > 2 else 1)
     block_bytes = math.prod(shape[1:]) * e
     if bs <= 0 or block_bytes % bs:
@@ -198,4 +215,5 @@ def infer_layout(
         rows_per_block=1,
         row_bytes=block_bytes,
         row_stride=block_bytes,
+        block_order=order,
     )

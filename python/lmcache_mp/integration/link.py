@@ -68,7 +68,7 @@ class ClientLink:
         self._lock = threading.Lock()
         self._client = None
         self._connecting: threading.Thread | None = None
-        self._connected = threading.Event()
+        self._settled = threading.Event()  # set when the latest attempt ended, either way
         self._next_attempt = 0.0
         self._paused_until = 0.0
         self._down = False  # an outage has been logged and not yet its end
@@ -83,10 +83,11 @@ class ClientLink:
         return self._client
 
     def connect(self, wait: float = 0.0):
-        """Start connecting if needed and wait up to `wait` seconds; returns `get()`."""
+        """Start connecting if needed and wait up to `wait` seconds for the attempt to end;
+        returns `get()`."""
         self._maybe_start_attempt(force=True)
         if wait > 0:
-            self._connected.wait(wait)
+            self._settled.wait(wait)
         return self.get()
 
     def get(self):
@@ -134,6 +135,7 @@ class ClientLink:
             self._next_attempt = self._clock() + self.retry_interval
             t = threading.Thread(target=self._attempt, name=f"{self.name}-connect", daemon=True)
             self._connecting = t
+            self._settled.clear()
         t.start()
 
     def _attempt(self) -> None:
@@ -160,6 +162,7 @@ class ClientLink:
                     exc,
                     self.retry_interval,
                 )
+            self._settled.set()
             return
         with self._lock:
             self._connecting = None
@@ -169,10 +172,10 @@ class ClientLink:
                 closed = False
                 self._client = client
                 self._paused_until = 0.0
+        self._settled.set()
         if closed:
             client.close()
             return
-        self._connected.set()
         if self._down:
             self.report_success()
         else:

@@ -56,6 +56,7 @@ class WorkerCore:
         self._shared: list = []
         self._handle = None
         self._handle_client = None
+        self._blocks_per_block = 1
         self._stores: dict[str, list[cf.Future]] = {}  # req -> store futures not yet reported
         self._with_stores: set[str] = set()  # requests that had a store planned
         self._finishing: set[str] = set()
@@ -86,19 +87,38 @@ class WorkerCore:
         if not self._tensors:
             raise RuntimeError("KV caches are not known yet")
         try:
-            self._handle = client.register_kv_cache(
+            handle = client.register_kv_cache(
                 self._tensors,
                 model=self.cfg.model,
                 world_size=self.cfg.world_size,
                 rank=self.rank,
                 layout=self.layout,
             )
+            per_block = self._kernel_blocks_per_block(handle.block_size)
         except (LMCacheMPError, ValueError) as exc:
             if not isinstance(exc, ServerUnavailable) and not self._register_failure_logged:
                 logger.error("lmcache-mp: registering the KV cache of rank %d failed: %s", self.rank, exc)
                 self._register_failure_logged = True
             raise
-        self._handle_client = client
+        self._handle, self._handle_client, self._blocks_per_block = handle, client, per_block
+
+    def _kernel_blocks_per_block(self, kernel: int) -> int:
+        """vLLM splits each block of its block table into several kernel blocks when the
+        attention kernel needs smaller ones; the registered tensors then hold kernel blocks."""
+        if kernel <= 0 or kernel > self.cfg.block_size or self.cfg.block_size % kernel:
+            raise ValueError(f"the KV cache's blocks of {kernel} tokens do not divide the engine's "
+                             f"block size {self.cfg.block_size}")
+        if kernel != self.cfg.block_size:
+            logger.info("lmcache-mp: rank %d's KV cache holds kernel blocks of %d tokens, %d per block of %d",
+                        self.rank, kernel, self.cfg.block_size // kernel, self.cfg.block_size)
+        return self.cfg.block_size // kernel
+
+    def _tensor_block_ids(self, block_ids: Sequence[int]) -> Sequence[int]:
+        """The engine's block ids as ids of the registered tensors' blocks."""
+        n = self._blocks_per_block
+        if n == 1:
+            return block_ids
+        return [b * n + j for b in block_ids for j in range(n)]
 
     def _client(self):
         client = self.link.get()
@@ -114,7 +134,7 @@ class WorkerCore:
             fut = None
             if client is not None and t.hashes:
                 try:
-                    fut = client.retrieve(self._handle, t.hashes, t.block_ids)
+                    fut = client.retrieve(self._handle, t.hashes, self._tensor_block_ids(t.block_ids))
                 except (LMCacheMPError, ValueError) as exc:
                     self._note_failure(exc, slow=False)
             self._loading.append((t, fut))
@@ -159,7 +179,7 @@ class WorkerCore:
             if client is None:
                 continue
             try:
-                fut = client.store(self._handle, t.hashes, t.block_ids)
+                fut = client.store(self._handle, t.hashes, self._tensor_block_ids(t.block_ids))
             except (LMCacheMPError, ValueError) as exc:
                 self._store_failed(exc)
                 continue
