@@ -68,12 +68,16 @@ LAYER_LAYOUTS = {
     "kernel_blocks": ((NUM_BLOCKS * 2, HEADS, BS // 2, HEAD2), (0, 1, 2, 3), 0, 2),
     "mha": ((2, NUM_BLOCKS, BS, HEADS, HEAD2 // 2), (0, 1, 2, 3, 4), 1, 1),  # flash-attention
     "mla": ((NUM_BLOCKS, BS, HEAD2), (0, 1, 2), 0, 1),
+    "cross_layer": ((NUM_BLOCKS, HEADS, BS, HEAD2), (0, 1, 2, 3), 0, 1),  # vLLM's BLHNC, see make_cache
 }
 
 
 def make_cache(device: str = "cpu", kind: str = "opaque") -> list:
     """Per-layer views into one ordinary (not shared) buffer, as vLLM's workers allocate."""
     shape, perm, _, _ = LAYER_LAYOUTS[kind]
+    if kind == "cross_layer":  # block-outermost: the layers of one block lie side by side
+        whole = torch.zeros((shape[0], LAYERS, *shape[1:]), dtype=torch.bfloat16, device=device)
+        return [whole[:, i] for i in range(LAYERS)]
     per_layer = math.prod(shape)
     buf = torch.zeros(LAYERS * per_layer * 2, dtype=torch.int8, device=device)
     flat = buf.view(torch.bfloat16)

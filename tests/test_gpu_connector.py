@@ -1,10 +1,10 @@
-"""The connector's worker side on a GPU, without vLLM: vLLM-shaped CUDA KV caches (per-layer
-views into one allocation: vLLM's `[blocks, heads, block_size, 2*head_size]`, also over blocks
-stored token-major as vLLM 0.32 does on CUDA by default, the flash-attention
-`[2, blocks, block_size, heads, head_size]`, and MLA `[blocks, block_size, dim]`) registered
+"""The connector's worker side on a GPU, without vLLM: vLLM-shaped CUDA KV caches registered
 over CUDA IPC from the connector's background thread with a CUDA server process,
 event-synchronised stores from one engine and loads into another, checked byte for byte. The
-fake engine is the one of test_connector_core."""
+caches are every kind of test_connector_core's fake engine: vLLM's per-layer
+`[blocks, heads, block_size, 2*head_size]` views (blocks head-major, token-major as vLLM 0.32
+stores them on CUDA by default, split into kernel blocks, or block-outermost across layers), the
+flash-attention `[2, blocks, block_size, heads, head_size]`, and MLA `[blocks, block_size, dim]`."""
 
 import pytest
 from test_connector_core import CS, LAYER_LAYOUTS, store_in_one_engine_load_in_another

@@ -197,7 +197,7 @@ def infer_layout(
             row_bytes=row_bytes,
             row_stride=strides[1] * e if shape[1] > 1 else row_bytes,
         )
-    # opaque: whole blocks, each contiguous
+    # opaque: whole blocks, each one gap-free run of bytes
     if len(shape) < 2:
         raise LayoutError(f"layout 'opaque' needs at least 2 dimensions, got shape {shape}")
     order = _dense_order(shape[1:], strides[1:], "an opaque block")
