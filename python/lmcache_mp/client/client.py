@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 import zmq
 
 from lmcache_mp import protocol as p
+from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_stream
 from lmcache_mp.client.io_thread import IOThread
 from lmcache_mp.client.tensors import DescribedCache, describe_kv_caches
 from lmcache_mp.errors import ProtocolMismatch, RequestError, ServerUnavailable
@@ -66,7 +67,7 @@ class KVCacheHandle:
         self.shared = False
         self.block_size = 0
         self.num_blocks = 0
-        self.events: _EventPool | None = None
+        self.events: EventPool | None = None
         self.closed = False
 
     @property
@@ -81,57 +82,6 @@ class KVCacheHandle:
     def __repr__(self) -> str:
         return (f"KVCacheHandle(model={self.model!r}, rank={self.rank}/{self.world_size}, layout={self.layout}, "
                 f"device={self.device}, kv_id={self.kv_id})")
-
-
-class _EventPool:
-    """Inter-process CUDA events this client records for the server to wait on, reused once the
-    server has answered (by then it has queued its wait)."""
-
-    def __init__(self, device: int):
-        self.device = device
-        self._free: list[tuple[int, bytes]] = []
-        self._lock = threading.Lock()
-        self._all: list[int] = []
-
-    def record(self, stream: int) -> tuple[tuple[int, bytes], bytes]:
-        from lmcache_mp import _C
-
-        with self._lock:
-            ev = self._free.pop() if self._free else None
-        if ev is None:
-            e = _C.cuda.create_event(self.device, interprocess=True, blocking=False)
-            ev = (e, _C.cuda.event_ipc_handle(e))
-            with self._lock:
-                self._all.append(e)
-        _C.cuda.record_event(ev[0], stream)
-        return ev, ev[1]
-
-    def give_back(self, ev: tuple[int, bytes]) -> None:
-        with self._lock:
-            self._free.append(ev)
-
-
-class _OpenedEvents:
-    """Completion events of the server, opened once each (opening is costly)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._events: dict[tuple[int, bytes], int] = {}
-
-    def get(self, device: int, handle: bytes) -> int:
-        from lmcache_mp import _C
-
-        with self._lock:
-            ev = self._events.get((device, handle))
-            if ev is None:
-                ev = self._events[(device, handle)] = _C.cuda.open_event(handle, device)
-            return ev
-
-
-def _current_stream(device: int) -> int:
-    import torch
-
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _check(reply: Any, expected: type) -> Any:
@@ -162,7 +112,7 @@ class Client:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._handles: list[KVCacheHandle] = []
-        self._opened = _OpenedEvents()
+        self._opened = OpenedEvents()
         self._closed = False
         self._restarting = threading.Lock()
         self._io: IOThread | None = None
@@ -267,7 +217,7 @@ class Client:
         handle = KVCacheHandle(tensors, model, world_size, rank, layout, block_size, describe_kv_caches(tensors))
         self._register(handle)
         if handle.device == "cuda":
-            handle.events = _EventPool(handle.described.device_index)
+            handle.events = EventPool(handle.described.device_index)
         with self._lock:
             self._handles.append(handle)
         return handle
@@ -358,7 +308,7 @@ class Client:
     @staticmethod
     def _stream_ptr(handle: KVCacheHandle, stream: Any) -> int:
         if stream is None:
-            return _current_stream(handle.described.device_index)
+            return current_stream(handle.described.device_index)
         return int(getattr(stream, "cuda_stream", stream))
 
     def _async(self, msg: p._Msg, timeout: float | None, convert, settled) -> Future:

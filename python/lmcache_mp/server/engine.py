@@ -21,8 +21,7 @@ import numpy as np
 from lmcache_mp import protocol as p
 from lmcache_mp._version import __version__
 from lmcache_mp.config import ServerConfig, format_size
-from lmcache_mp.keys import DIGEST_BYTES
-from lmcache_mp.native import HostArena, cuda_device_count, set_cpu_threads
+from lmcache_mp.native import HostArena, set_cpu_threads
 from lmcache_mp.server.contexts import (
     CPUCacheContext,
     GPUCacheContext,
@@ -32,44 +31,15 @@ from lmcache_mp.server.contexts import (
     RegistrationError,
     describe_layers,
 )
+from lmcache_mp.server.devices import gpu_numa_node, resolve_device
 from lmcache_mp.server.policy import choose_transfer_mode
+from lmcache_mp.server.validation import RequestFailure, chunk_request, invalid, lookup_digests
 from lmcache_mp.server.workers import CompletionWaiter, SerialWorker
-from lmcache_mp.storage.l1 import SHARED_RANK, L1Store, ObjectKey
+from lmcache_mp.storage.l1 import L1Store
 
 logger = logging.getLogger(__name__)
 
 Reply = Callable[[p._Msg], None]
-MAX_CHUNKS_PER_REQUEST = 1 << 16
-
-
-class RequestFailure(Exception):
-    def __init__(self, code: p.ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def _invalid(message: str) -> RequestFailure:
-    return RequestFailure(p.ErrorCode.INVALID_ARGUMENT, message)
-
-
-def resolve_device(requested: str) -> str:
-    if requested == "cpu":
-        return "cpu"
-    n = cuda_device_count()
-    if requested == "cuda" and n == 0:
-        raise RuntimeError("device=cuda but no CUDA device is usable (or lmcache-mp was built without CUDA)")
-    return "cuda" if n > 0 else "cpu"
-
-
-def _gpu_numa_node() -> int:
-    from lmcache_mp import _C
-
-    try:
-        bus = _C.cuda.device_pci_bus_id(0).lower()
-        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError, RuntimeError):
-        return -1
 
 
 class _Entry:
@@ -90,7 +60,7 @@ class MPCacheEngine:
         if config.cpu_threads:
             set_cpu_threads(config.cpu_threads)
         pin = self.device == "cuda"
-        numa = config.numa_node if config.numa_node >= 0 else (_gpu_numa_node() if pin else -1)
+        numa = config.numa_node if config.numa_node >= 0 else (gpu_numa_node() if pin else -1)
         self.arena = HostArena(config.l1_size, config.slab_size, pin, numa)
         self.l1 = L1Store(self.arena)
         self._lock = threading.Lock()
@@ -159,11 +129,11 @@ class MPCacheEngine:
 
     def register_kv_cache(self, msg: p.RegisterKVCache, reply: Reply) -> None:
         if not (1 <= msg.world_size <= 4096 and 0 <= msg.rank < msg.world_size):
-            raise _invalid(f"rank {msg.rank} / world_size {msg.world_size} is not a valid pair")
+            raise invalid(f"rank {msg.rank} / world_size {msg.world_size} is not a valid pair")
         if not msg.model or len(msg.model) > 1024:
-            raise _invalid("model must be a non-empty name of at most 1024 characters")
+            raise invalid("model must be a non-empty name of at most 1024 characters")
         if msg.device not in ("cpu", "cuda"):
-            raise _invalid(f"device must be 'cpu' or 'cuda', got {msg.device!r}")
+            raise invalid(f"device must be 'cpu' or 'cuda', got {msg.device!r}")
         if msg.device != self.device:
             raise RequestFailure(
                 p.ErrorCode.UNSUPPORTED,
@@ -172,15 +142,15 @@ class MPCacheEngine:
         try:
             spec = describe_layers(msg)
         except RegistrationError as e:
-            raise _invalid(str(e)) from None
+            raise invalid(str(e)) from None
         if self.config.chunk_size % spec.block_size:
-            raise _invalid(f"block size {spec.block_size} does not divide the chunk size {self.config.chunk_size}")
+            raise invalid(f"block size {spec.block_size} does not divide the chunk size {self.config.chunk_size}")
         self._touch(msg.client_id)
         kv_id = secrets.randbits(63)  # unguessable, never reused: a stale id cannot hit another cache
         reg = Registration(kv_id=kv_id, client_id=msg.client_id, model=msg.model, world_size=msg.world_size,
                            rank=msg.rank, spec=spec, chunk_size=self.config.chunk_size)
         if reg.object_bytes > self.arena.slab_bytes:
-            raise _invalid(f"one chunk of this cache is {format_size(reg.object_bytes)}, more than a slab "
+            raise invalid(f"one chunk of this cache is {format_size(reg.object_bytes)}, more than a slab "
                            f"({format_size(self.arena.slab_bytes)}): raise --slab-size or lower --chunk-size")
         worker = SerialWorker(f"lmcache-kv-{kv_id & 0xFFFF:04x}")
 
@@ -250,36 +220,13 @@ class MPCacheEngine:
 
     # ---- store / retrieve --------------------------------------------------------------------
 
-    def _chunks(self, entry: _Entry, hashes: bytes, block_ids: bytes, salt: bytes):
-        reg: Registration = entry.ctx.reg
-        if len(hashes) % DIGEST_BYTES:
-            raise _invalid(f"hashes must be packed {DIGEST_BYTES}-byte digests, got {len(hashes)} bytes")
-        n = len(hashes) // DIGEST_BYTES
-        if n > MAX_CHUNKS_PER_REQUEST:
-            raise _invalid(f"too many chunks in one request ({n} > {MAX_CHUNKS_PER_REQUEST})")
-        if len(salt) > 256:
-            raise _invalid("salt must be at most 256 bytes")
-        try:
-            ids = p.unpack_block_ids(block_ids)
-        except ValueError as e:
-            raise _invalid(str(e)) from None
-        if len(ids) != n * reg.blocks_per_chunk:
-            raise _invalid(f"{n} chunks of {reg.chunk_size} tokens need {n * reg.blocks_per_chunk} block ids "
-                           f"(blocks of {reg.spec.block_size}), got {len(ids)}")
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= reg.spec.num_blocks):
-            bad = int(ids[(ids < 0) | (ids >= reg.spec.num_blocks)][0])
-            raise _invalid(f"block id {bad} is out of range [0, {reg.spec.num_blocks})")
-        rank = SHARED_RANK if reg.shared else reg.rank
-        keys = [ObjectKey(reg.model, reg.world_size, rank, hashes[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES], salt)
-                for i in range(n)]
-        return reg, keys, ids.astype(np.int64).reshape(n, reg.blocks_per_chunk)
-
     def _object_ptrs(self, objs) -> np.ndarray:
         return np.fromiter((self.arena.base + o.offset for o in objs), dtype=np.uint64, count=len(objs))
 
     def store(self, msg: p.Store, reply: Reply) -> None:
         entry = self._entry(msg.kv_id)
-        reg, keys, ids = self._chunks(entry, msg.hashes, msg.block_ids, msg.salt)
+        reg = entry.ctx.reg
+        keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
         self._touch(reg.client_id)
         entry.worker.submit(lambda: self._run_store(entry, msg, reg, keys, ids, reply))
 
@@ -333,10 +280,11 @@ class MPCacheEngine:
 
     def retrieve(self, msg: p.Retrieve, reply: Reply) -> None:
         entry = self._entry(msg.kv_id)
-        reg, keys, ids = self._chunks(entry, msg.hashes, msg.block_ids, msg.salt)
+        reg = entry.ctx.reg
+        keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
         flat = ids.reshape(-1)
         if len(np.unique(flat)) != len(flat):
-            raise _invalid("block ids of a retrieve must be distinct (two chunks cannot fill one block)")
+            raise invalid("block ids of a retrieve must be distinct (two chunks cannot fill one block)")
         self._touch(reg.client_id)
         entry.worker.submit(lambda: self._run_retrieve(entry, msg, reg, keys, ids, reply))
 
@@ -380,24 +328,15 @@ class MPCacheEngine:
 
     # ---- lookup and leases -------------------------------------------------------------------
 
-    @staticmethod
-    def _digests(msg) -> list[bytes]:
-        if len(msg.hashes) % DIGEST_BYTES:
-            raise _invalid(f"hashes must be packed {DIGEST_BYTES}-byte digests, got {len(msg.hashes)} bytes")
-        if not 1 <= msg.world_size <= 4096:
-            raise _invalid(f"world_size must be in [1, 4096], got {msg.world_size}")
-        h = msg.hashes
-        return [h[i:i + DIGEST_BYTES] for i in range(0, len(h), DIGEST_BYTES)]
-
     def lookup(self, msg: p.Lookup, reply: Reply) -> None:
-        digests = self._digests(msg)
+        digests = lookup_digests(msg)
         self._touch(msg.client_id)
         hits = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt, lock=msg.lock, owner=msg.client_id,
                               ttl=self.config.lease_ttl)
         reply(p.LookupReply(hits=hits))
 
     def release(self, msg: p.Release, reply: Reply) -> None:
-        digests = self._digests(msg)
+        digests = lookup_digests(msg)
         self._touch(msg.client_id)
         reply(p.ReleaseReply(released=self.l1.release(msg.client_id, msg.model, msg.world_size, digests, msg.salt)))
 
