@@ -111,6 +111,7 @@ void init_cuda_bindings(py::module_& m) {
         d["completed"] = s.completed;
         d["batched_memcpy_calls"] = s.batched_memcpy_calls;
         d["fallback_memcpy_calls"] = s.fallback_memcpy_calls;
+        d["dma_segments"] = s.dma_segments;
         d["staging_bytes"] = s.staging_bytes;
         return d;
       });

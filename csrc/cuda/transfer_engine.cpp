@@ -184,9 +184,13 @@ void TransferEngine::enqueue_dma(Side& side, bool gather, const ChunkBatch& b, b
   dsts.reserve(b.num_chunks * S * L * bpc);
   srcs.reserve(dsts.capacity());
   sizes.reserve(dsts.capacity());
+  // Copies merge only within one run of one (chunk, segment, layer): it lies in one device
+  // allocation and one host object, whereas a copy that reached from one layer's allocation
+  // into a neighbouring one (or from one object into the next) is refused by the driver.
+  size_t run_begin = 0;
   auto add = [&](char* cache, char* obj, int64_t bytes) {
     // Coalesce with the previous copy when both sides continue where it ended.
-    if (!sizes.empty()) {
+    if (sizes.size() > run_begin) {
       char* pc = static_cast<char*>(gather ? const_cast<void*>(srcs.back()) : dsts.back());
       char* po = static_cast<char*>(gather ? dsts.back() : const_cast<void*>(srcs.back()));
       if (pc + sizes.back() == cache && po + sizes.back() == obj && blocks_adjacent) {
@@ -209,6 +213,7 @@ void TransferEngine::enqueue_dma(Side& side, bool gather, const ChunkBatch& b, b
       for (int64_t l = 0; l < L; ++l) {
         char* base = reinterpret_cast<char*>(layout_.layer_ptrs[l]) + s * layout_.segment_stride;
         char* obj = reinterpret_cast<char*>(b.object_ptrs[c]) + (s * L + l) * dlay_.plane_bytes;
+        run_begin = sizes.size();
         for (int64_t j = 0; j < bpc; ++j) {
           char* cache = base + ids[j] * layout_.block_stride;
           if (rows_contig) {
@@ -252,6 +257,7 @@ void TransferEngine::enqueue_dma(Side& side, bool gather, const ChunkBatch& b, b
   std::lock_guard<std::mutex> lk(ticket_mu_);
   stats_.batched_memcpy_calls += n_batched;
   stats_.fallback_memcpy_calls += n_fallback;
+  stats_.dma_segments += static_cast<int64_t>(sizes.size());
 }
 
 void TransferEngine::validate(Mode mode, const ChunkBatch& b) const {

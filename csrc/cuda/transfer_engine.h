@@ -45,6 +45,7 @@ struct EngineStats {
   int64_t completed = 0;
   int64_t batched_memcpy_calls = 0;
   int64_t fallback_memcpy_calls = 0;
+  int64_t dma_segments = 0;  // copies the dma modes issued, after coalescing
   int64_t staging_bytes = 0;
 };
 
