@@ -184,9 +184,9 @@ void TransferEngine::enqueue_dma(Side& side, bool gather, const ChunkBatch& b, b
   dsts.reserve(b.num_chunks * S * L * bpc);
   srcs.reserve(dsts.capacity());
   sizes.reserve(dsts.capacity());
-  // Copies merge only within one run of one (chunk, segment, layer): it lies in one device
-  // allocation and one host object, whereas a copy that reached from one layer's allocation
-  // into a neighbouring one (or from one object into the next) is refused by the driver.
+  // Copies merge only within one run of one (chunk, segment, layer), which lies in one device
+  // allocation and one host object. Merging on into the next layer or object whenever the
+  // addresses happen to continue could make one copy span two allocations.
   size_t run_begin = 0;
   auto add = [&](char* cache, char* obj, int64_t bytes) {
     // Coalesce with the previous copy when both sides continue where it ended.
