@@ -151,7 +151,7 @@ class MPCacheEngine:
                            rank=msg.rank, spec=spec, chunk_size=self.config.chunk_size)
         if reg.object_bytes > self.arena.slab_bytes:
             raise invalid(f"one chunk of this cache is {format_size(reg.object_bytes)}, more than a slab "
-                           f"({format_size(self.arena.slab_bytes)}): raise --slab-size or lower --chunk-size")
+                          f"({format_size(self.arena.slab_bytes)}): raise --slab-size or lower --chunk-size")
         worker = SerialWorker(f"lmcache-kv-{kv_id & 0xFFFF:04x}")
 
         def open_context() -> None:
