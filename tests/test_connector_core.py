@@ -589,8 +589,10 @@ def test_tensor_blocks_larger_than_the_engine_block_are_refused(server, caplog):
     cfg = ConnectorConfig(url=server.url, model="tiny", block_size=BS, connect_timeout=5.0)
     worker = WorkerCore(cfg)
     try:
+        t0 = time.monotonic()
         with caplog.at_level(logging.ERROR, logger="lmcache_mp"):
             worker.register_kv_caches([torch.zeros(8, HEADS, 2 * BS, HEAD2, dtype=torch.bfloat16) for _ in range(2)])
+        assert time.monotonic() - t0 < 2.5  # start-up waits for the failed attempt, not the connect timeout
         assert worker._client() is None  # the engine runs without the cache
         assert any("do not divide the engine's block size" in r.getMessage() for r in caplog.records)
         with Client(server.url, timeout=5) as c:

@@ -253,6 +253,7 @@ def test_server_restarted_mid_run(run, prompts, baseline, model_dir, workdir):
     outages = [line for line in log.splitlines() if "treating it as a cache miss" in line]
     assert len(outages) == 1, outages  # the scheduler's lookups: one line for the outage
     assert "registering 1 KV caches again" in log
+    assert "registering 0 KV caches" not in log  # the scheduler's client has none to register
     assert "reachable again" in log  # INFO lines reach vLLM's log too
     assert not [line for line in log.splitlines() if 'File "' in line and "lmcache_mp" in line]  # no traceback of ours
 
