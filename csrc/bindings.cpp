@@ -96,6 +96,29 @@ PYBIND11_MODULE(_C, m) {
       .def("allocate", &HostArena::allocate, py::arg("size_class"))
       .def("free", &HostArena::free, py::arg("offset"))
       .def("free_slots", &HostArena::free_slots, py::arg("size_class"))
+      .def("slots_per_slab", &HostArena::slots_per_slab, py::arg("size_class"))
+      .def_property_readonly("num_classes", &HostArena::num_classes)
+      .def("drain_candidates", &HostArena::drain_candidates, py::arg("size_class"), py::arg("max"))
+      .def("slab_objects", &HostArena::slab_objects, py::arg("slab"))
+      .def("drain", &HostArena::drain, py::arg("slab"))
+      .def("undrain", &HostArena::undrain, py::arg("slab"))
+      .def("move_objects", &HostArena::move_objects, py::arg("src"), py::arg("dst"), py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>(), "Copy objects to other slots (CPU copy threads, GIL released)")
+      .def("class_stats",
+           [](const HostArena& a) {
+             py::list out;
+             for (const ClassStats& c : a.class_stats()) {
+               py::dict d;
+               d["object_bytes"] = c.object_bytes;
+               d["slot_bytes"] = c.slot_bytes;
+               d["slots_per_slab"] = c.slots_per_slab;
+               d["slabs"] = c.slabs;
+               d["objects"] = c.objects;
+               d["free_slots"] = c.free_slots;
+               out.append(d);
+             }
+             return out;
+           })
       .def("stats",
            [](const HostArena& a) {
              ArenaStats s = a.stats();

@@ -90,11 +90,18 @@ void cpu_transfer(const KVLayout& layout, const ChunkBatch& b, Direction dir) {
 }
 
 void parallel_memcpy(void* dst, const void* src, size_t bytes) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  parallel_copy_many(&d, &s, 1, bytes);
+}
+
+void parallel_copy_many(char* const* dst, const char* const* src, size_t count, size_t bytes) {
   constexpr size_t kPiece = 4 << 20;
-  const int64_t n = static_cast<int64_t>((bytes + kPiece - 1) / kPiece);
-  cpu_pool()->parallel_for(n, [&](int64_t i) {
-    const size_t off = static_cast<size_t>(i) * kPiece;
-    copy_stream(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, std::min(kPiece, bytes - off));
+  const int64_t pieces = static_cast<int64_t>((bytes + kPiece - 1) / kPiece);
+  cpu_pool()->parallel_for(static_cast<int64_t>(count) * pieces, [&](int64_t i) {
+    const size_t k = static_cast<size_t>(i / pieces);
+    const size_t off = static_cast<size_t>(i % pieces) * kPiece;
+    copy_stream(dst[k] + off, src[k] + off, std::min(kPiece, bytes - off));
     fence();
   });
 }

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "cpu_transfer.h"
 #include "pinned_memory.h"
 
 namespace lmc {
@@ -113,101 +114,214 @@ int HostArena::size_class(uint64_t object_bytes) {
   c.object_bytes = object_bytes;
   c.slot_bytes = slot;
   c.slots_per_slab = static_cast<uint32_t>(slab_bytes_ / slot);
-  classes_.push_back(c);
+  classes_.push_back(std::move(c));
   return static_cast<int>(classes_.size() - 1);
+}
+
+void HostArena::check_class(int cls) const {
+  LMC_CHECK_ARG(cls >= 0 && cls < static_cast<int>(classes_.size()), "unknown size class ", cls);
+}
+
+void HostArena::check_slab(int s) const {
+  LMC_CHECK_ARG(s >= 0 && s < static_cast<int>(slabs_.size()), "slab ", s, " is outside the arena");
 }
 
 uint64_t HostArena::slot_bytes(int cls) const {
   std::lock_guard<std::mutex> lk(mu_);
-  LMC_CHECK_ARG(cls >= 0 && cls < static_cast<int>(classes_.size()), "unknown size class ", cls);
+  check_class(cls);
   return classes_[cls].slot_bytes;
 }
 
-void HostArena::list_remove(SizeClass& c, int s) {
-  Slab& sl = slabs_[s];
-  if (!sl.in_partial) return;
-  if (sl.prev >= 0) slabs_[sl.prev].next = sl.next;
-  else c.partial_head = sl.next;
-  if (sl.next >= 0) slabs_[sl.next].prev = sl.prev;
-  sl.prev = sl.next = -1;
-  sl.in_partial = false;
+uint32_t HostArena::slots_per_slab(int cls) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_class(cls);
+  return classes_[cls].slots_per_slab;
 }
 
-void HostArena::list_push(SizeClass& c, int s) {
-  Slab& sl = slabs_[s];
-  if (sl.in_partial) return;
-  sl.prev = -1;
-  sl.next = c.partial_head;
-  if (c.partial_head >= 0) slabs_[c.partial_head].prev = s;
-  c.partial_head = s;
-  sl.in_partial = true;
+int HostArena::num_classes() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return static_cast<int>(classes_.size());
 }
 
 int64_t HostArena::allocate(int cls) {
   std::lock_guard<std::mutex> lk(mu_);
-  LMC_CHECK_ARG(cls >= 0 && cls < static_cast<int>(classes_.size()), "unknown size class ", cls);
+  check_class(cls);
   SizeClass& c = classes_[cls];
-  if (c.partial_head < 0) {
+  if (c.partial.empty()) {
     if (free_slabs_.empty()) return -1;
     const int s = free_slabs_.back();
     free_slabs_.pop_back();
     Slab& sl = slabs_[s];
     sl.cls = cls;
     sl.num_used = 0;
+    sl.draining = false;
     sl.used.assign(c.slots_per_slab, 0);
     sl.free_slots.resize(c.slots_per_slab);
     for (uint32_t k = 0; k < c.slots_per_slab; ++k) sl.free_slots[k] = c.slots_per_slab - 1 - k;
-    list_push(c, s);
+    c.partial.emplace(0, s);
+    ++c.slabs;
+    c.free_slots += c.slots_per_slab;
   }
-  const int s = c.partial_head;
+  // The fullest slab with a free slot: emptier slabs drain, so whole slabs free up for other sizes.
+  auto it = std::prev(c.partial.end());
+  const int s = it->second;
+  c.partial.erase(it);
   Slab& sl = slabs_[s];
   const uint32_t slot = sl.free_slots.back();
   sl.free_slots.pop_back();
   sl.used[slot] = 1;
   ++sl.num_used;
-  if (sl.free_slots.empty()) list_remove(c, s);
+  if (!sl.free_slots.empty()) c.partial.emplace(sl.num_used, s);
+  --c.free_slots;
+  ++c.objects;
   bytes_allocated_ += c.slot_bytes;
   ++objects_;
   return static_cast<int64_t>(s) * static_cast<int64_t>(slab_bytes_) + static_cast<int64_t>(slot * c.slot_bytes);
 }
 
-void HostArena::free(int64_t offset) {
-  std::lock_guard<std::mutex> lk(mu_);
+int64_t HostArena::slot_at(int64_t offset, int* slab) const {
   LMC_CHECK_ARG(offset >= 0 && static_cast<uint64_t>(offset) < capacity_, "offset ", offset,
                 " is outside the arena");
   const int s = static_cast<int>(offset / static_cast<int64_t>(slab_bytes_));
-  Slab& sl = slabs_[s];
+  const Slab& sl = slabs_[s];
   LMC_CHECK_ARG(sl.cls >= 0, "offset ", offset, " is not an allocated object");
-  SizeClass& c = classes_[sl.cls];
+  const SizeClass& c = classes_[sl.cls];
   const uint64_t in_slab = static_cast<uint64_t>(offset) - static_cast<uint64_t>(s) * slab_bytes_;
   LMC_CHECK_ARG(in_slab % c.slot_bytes == 0 && in_slab / c.slot_bytes < c.slots_per_slab, "offset ", offset,
                 " is not the start of an object");
   const uint32_t slot = static_cast<uint32_t>(in_slab / c.slot_bytes);
   LMC_CHECK_ARG(sl.used[slot], "object at offset ", offset, " was already freed");
+  *slab = s;
+  return slot;
+}
+
+void HostArena::release_slab(int s) {
+  Slab& sl = slabs_[s];
+  SizeClass& c = classes_[sl.cls];
+  --c.slabs;
+  sl.cls = -1;
+  sl.draining = false;
+  sl.used.clear();
+  sl.used.shrink_to_fit();
+  sl.free_slots.clear();
+  sl.free_slots.shrink_to_fit();
+  free_slabs_.push_back(s);
+}
+
+void HostArena::free(int64_t offset) {
+  std::lock_guard<std::mutex> lk(mu_);
+  int s = -1;
+  const uint32_t slot = static_cast<uint32_t>(slot_at(offset, &s));
+  Slab& sl = slabs_[s];
+  SizeClass& c = classes_[sl.cls];
+  if (!sl.draining && sl.num_used < c.slots_per_slab) c.partial.erase({sl.num_used, s});
   sl.used[slot] = 0;
   sl.free_slots.push_back(slot);
   --sl.num_used;
+  --c.objects;
   bytes_allocated_ -= c.slot_bytes;
   --objects_;
+  if (sl.draining) {
+    if (sl.num_used == 0) release_slab(s);
+    return;
+  }
   if (sl.num_used == 0) {
-    list_remove(c, s);
-    sl.cls = -1;
-    sl.used.clear();
-    sl.used.shrink_to_fit();
-    sl.free_slots.clear();
-    sl.free_slots.shrink_to_fit();
-    free_slabs_.push_back(s);
+    c.free_slots -= c.slots_per_slab - 1;
+    release_slab(s);
   } else {
-    list_push(c, s);
+    ++c.free_slots;
+    c.partial.emplace(sl.num_used, s);
   }
 }
 
 int64_t HostArena::free_slots(int cls) const {
   std::lock_guard<std::mutex> lk(mu_);
-  LMC_CHECK_ARG(cls >= 0 && cls < static_cast<int>(classes_.size()), "unknown size class ", cls);
-  int64_t n = 0;
-  for (int s = classes_[cls].partial_head; s >= 0; s = slabs_[s].next) n += slabs_[s].free_slots.size();
-  return n;
+  check_class(cls);
+  return classes_[cls].free_slots;
+}
+
+std::vector<int> HostArena::drain_candidates(int cls, int max) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_class(cls);
+  std::vector<int> out;
+  for (auto it = classes_[cls].partial.begin(); it != classes_[cls].partial.end() && static_cast<int>(out.size()) < max;
+       ++it)
+    out.push_back(it->second);
+  return out;
+}
+
+std::vector<int64_t> HostArena::slab_objects(int s) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_slab(s);
+  const Slab& sl = slabs_[s];
+  std::vector<int64_t> out;
+  if (sl.cls < 0) return out;
+  const uint64_t slot_bytes = classes_[sl.cls].slot_bytes;
+  for (size_t k = 0; k < sl.used.size(); ++k)
+    if (sl.used[k]) out.push_back(static_cast<int64_t>(s * slab_bytes_ + k * slot_bytes));
+  return out;
+}
+
+void HostArena::drain(int s) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_slab(s);
+  Slab& sl = slabs_[s];
+  LMC_CHECK_ARG(sl.cls >= 0 && !sl.draining, "slab ", s, " holds no objects or is already draining");
+  SizeClass& c = classes_[sl.cls];
+  if (sl.num_used < c.slots_per_slab) c.partial.erase({sl.num_used, s});
+  c.free_slots -= c.slots_per_slab - sl.num_used;
+  sl.draining = true;
+}
+
+void HostArena::undrain(int s) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_slab(s);
+  Slab& sl = slabs_[s];
+  if (sl.cls < 0 || !sl.draining) return;  // emptied and back in the pool (maybe taken again)
+  SizeClass& c = classes_[sl.cls];
+  sl.draining = false;
+  c.free_slots += c.slots_per_slab - sl.num_used;
+  if (sl.num_used < c.slots_per_slab) c.partial.emplace(sl.num_used, s);
+}
+
+void HostArena::move_objects(const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
+                             uint64_t nbytes) const {
+  LMC_CHECK_ARG(src.size() == dst.size(), "move_objects: ", src.size(), " sources but ", dst.size(),
+                " destinations");
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (size_t i = 0; i < src.size(); ++i) {
+      for (int64_t off : {src[i], dst[i]}) {
+        int s = -1;
+        slot_at(off, &s);
+        LMC_CHECK_ARG(nbytes <= classes_[slabs_[s].cls].slot_bytes, "move_objects: ", nbytes,
+                      " bytes do not fit the object at offset ", off);
+      }
+    }
+  }
+  std::vector<char*> d(dst.size());
+  std::vector<const char*> s(src.size());
+  for (size_t i = 0; i < src.size(); ++i) {
+    d[i] = reinterpret_cast<char*>(base_ + dst[i]);
+    s[i] = reinterpret_cast<const char*>(base_ + src[i]);
+  }
+  parallel_copy_many(d.data(), s.data(), d.size(), nbytes);
+}
+
+std::vector<ClassStats> HostArena::class_stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<ClassStats> out;
+  for (const SizeClass& c : classes_) {
+    ClassStats s;
+    s.object_bytes = c.object_bytes;
+    s.slot_bytes = c.slot_bytes;
+    s.slots_per_slab = c.slots_per_slab;
+    s.slabs = c.slabs;
+    s.objects = c.objects;
+    s.free_slots = c.free_slots;
+    out.push_back(s);
+  }
+  return out;
 }
 
 ArenaStats HostArena::stats() const {

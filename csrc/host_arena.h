@@ -1,9 +1,14 @@
 // The host arena: one large region of (shared, optionally pinned) memory handed out as objects.
 //
 // Slab allocator. The region is cut into equal slabs; a slab serves one size class (one object
-// size, i.e. one registered layout) as an array of fixed-size slots. Allocate and free are O(1):
-// a class keeps a list of slabs with free slots, a slab a stack of free slots, and a slab whose
-// last object is freed goes back to the shared pool for any class.
+// size, i.e. one registered layout) as an array of fixed-size slots, so objects stay contiguous
+// and never straddle two pinned pieces. A class keeps its slabs with free slots ordered by use;
+// allocation fills the fullest one first (O(log slabs)), so the emptiest drain by themselves. A
+// slab whose last object is freed goes back to the shared pool for any class.
+//
+// Memory moves between classes a slab at a time: the caller (the L1 index, which knows which
+// objects may move) drains a class's emptiest slab, copies its live objects into free slots of
+// the class's other slabs (move_objects) and frees them, and the empty slab returns to the pool.
 //
 // The memory is a memfd that other processes can map through /proc/<pid>/fd/<fd>. When pinning
 // is asked for, a background thread page-locks the slabs one by one and only then makes each
@@ -14,6 +19,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +35,15 @@ struct ArenaStats {
   int64_t failed_slabs = 0;      // pinning failed; withheld
   uint64_t bytes_allocated = 0;  // slot bytes handed out
   int64_t objects = 0;
+};
+
+struct ClassStats {
+  uint64_t object_bytes = 0;
+  uint64_t slot_bytes = 0;
+  uint32_t slots_per_slab = 0;
+  int64_t slabs = 0;       // slabs this class holds (draining ones included)
+  int64_t objects = 0;
+  int64_t free_slots = 0;  // in its slabs that are not draining
 };
 
 struct PinStatus {
@@ -60,10 +75,24 @@ class HostArena {
   int64_t allocate(int size_class);
   // Returns a slot; throws InvalidArgument on an offset that is not an allocated slot.
   void free(int64_t offset);
-  // Slots a class could still hand out without taking a slab from the pool.
+  // Slots a class could still hand out without taking a slab from the pool (O(1)).
   int64_t free_slots(int size_class) const;
+  uint32_t slots_per_slab(int size_class) const;
+  int num_classes() const;
+
+  // Moving memory between classes. Candidates: up to `max` slabs of the class with free slots,
+  // emptiest first. A draining slab takes no new objects; when its last object is freed it
+  // returns to the pool. undrain() gives it back to its class (no-op if it already left).
+  std::vector<int> drain_candidates(int size_class, int max) const;
+  std::vector<int64_t> slab_objects(int slab) const;  // offsets of the slab's objects
+  void drain(int slab);
+  void undrain(int slab);
+  // Copies nbytes from each src offset to the dst offset at the same index (CPU copy threads;
+  // both must be allocated objects of at least nbytes).
+  void move_objects(const std::vector<int64_t>& src, const std::vector<int64_t>& dst, uint64_t nbytes) const;
 
   ArenaStats stats() const;
+  std::vector<ClassStats> class_stats() const;
   PinStatus pin_status() const;
   // Waits until pinning has finished (or timeout_s passed); true when finished.
   bool wait_pinned(double timeout_s) const;
@@ -74,19 +103,23 @@ class HostArena {
     std::vector<uint32_t> free_slots;
     std::vector<uint8_t> used;  // per slot
     uint32_t num_used = 0;
-    int prev = -1, next = -1;  // in its class's list of slabs with free slots
-    bool in_partial = false;
+    bool draining = false;
   };
   struct SizeClass {
     uint64_t object_bytes = 0;
     uint64_t slot_bytes = 0;
     uint32_t slots_per_slab = 0;
-    int partial_head = -1;
+    std::set<std::pair<uint32_t, int>> partial;  // (objects, slab) of slabs with free slots, not draining
+    int64_t slabs = 0;
+    int64_t objects = 0;
+    int64_t free_slots = 0;
   };
 
   void pin_loop();
-  void list_remove(SizeClass& c, int s);
-  void list_push(SizeClass& c, int s);
+  void check_class(int cls) const;
+  void check_slab(int slab) const;
+  int64_t slot_at(int64_t offset, int* slab) const;  // validates an allocated object's offset
+  void release_slab(int s);
 
   uint8_t* base_ = nullptr;
   int fd_ = -1;
