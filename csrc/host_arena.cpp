@@ -190,7 +190,7 @@ int64_t HostArena::slot_at(int64_t offset, int* slab) const {
   LMC_CHECK_ARG(in_slab % c.slot_bytes == 0 && in_slab / c.slot_bytes < c.slots_per_slab, "offset ", offset,
                 " is not the start of an object");
   const uint32_t slot = static_cast<uint32_t>(in_slab / c.slot_bytes);
-  LMC_CHECK_ARG(sl.used[slot], "object at offset ", offset, " was already freed");
+  LMC_CHECK_ARG(sl.used[slot], "offset ", offset, " is not an allocated object (free, or already freed)");
   *slab = s;
   return slot;
 }

@@ -108,24 +108,107 @@ def test_concurrent_allocate_and_free():
     assert st_["objects"] == 0 and st_["bytes_allocated"] == 0 and st_["free_slabs"] == 16
 
 
+def test_allocation_fills_the_fullest_slab_so_emptier_ones_drain():
+    a = HostArena(4 * MiB, MiB)
+    c = a.size_class(256 * 1024)  # 4 slots per slab
+    offs = [a.allocate(c) for _ in range(12)]  # three full slabs
+    slab = lambda o: o // MiB  # noqa: E731
+    a.free(offs[0])  # slab 0: 3 objects
+    for o in offs[4:7]:
+        a.free(o)  # slab 1: 1 object
+    assert a.drain_candidates(c, 4) == [slab(offs[4]), slab(offs[0])]  # emptiest first
+    assert slab(a.allocate(c)) == slab(offs[0])  # the fuller of the two takes the new object
+    assert a.free_slots(c) == 3 and a.class_stats()[0]["free_slots"] == 3
+
+
+def test_a_drained_slab_takes_no_objects_and_returns_to_the_pool_when_emptied():
+    a = HostArena(2 * MiB, MiB)
+    small, big = a.size_class(256 * 1024), a.size_class(MiB)
+    offs = [a.allocate(small) for _ in range(8)]
+    for o in offs[1:4] + offs[5:7]:
+        a.free(o)  # slab 0 holds offs[0], slab 1 holds offs[4] and offs[7]
+    assert a.free_slots(small) == 5 and a.slots_per_slab(small) == 4
+    (emptiest, _) = a.drain_candidates(small, 4)
+    assert a.slab_objects(emptiest) == [offs[0]]
+    a.drain(emptiest)
+    assert a.free_slots(small) == 2  # a draining slab's free slots are not offered
+    np.frombuffer(a.view(offs[0], 1000), dtype=np.uint8)[:] = 42
+    dst = a.allocate(small)
+    assert dst // MiB != emptiest
+    a.move_objects([offs[0]], [dst], 1000)
+    assert (np.frombuffer(a.view(dst, 1000), dtype=np.uint8) == 42).all()
+    a.free(offs[0])
+    assert a.stats()["free_slabs"] == 1 and a.class_stats()[0]["slabs"] == 1
+    assert a.allocate(big) == emptiest * MiB  # the slab changed size
+    a.undrain(emptiest)  # no-op: it left the class
+    assert a.class_stats()[1]["objects"] == 1 and a.free_slots(small) == 1
+
+
+def test_undrain_gives_the_slab_back_to_its_class():
+    a = HostArena(2 * MiB, MiB)
+    c = a.size_class(256 * 1024)
+    offs = [a.allocate(c) for _ in range(6)]
+    s = offs[5] // MiB
+    a.drain(s)
+    with pytest.raises(ValueError, match="draining"):
+        a.drain(s)
+    assert a.free_slots(c) == 0 and a.allocate(c) == -1
+    a.undrain(s)
+    assert a.free_slots(c) == 2 and a.allocate(c) >= 0
+
+
+def test_move_objects_checks_its_offsets():
+    a = HostArena(2 * MiB, MiB)
+    c = a.size_class(4096)
+    x, y = a.allocate(c), a.allocate(c)
+    with pytest.raises(ValueError, match="not an allocated|not the start"):
+        a.move_objects([x], [y + 8 * 4096], 4096)
+    with pytest.raises(ValueError, match="do not fit"):
+        a.move_objects([x], [y], 8192)
+    with pytest.raises(ValueError, match="sources"):
+        a.move_objects([x], [], 4096)
+
+
 @settings(max_examples=80, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(0, 2), st.integers(0, 10**6)),
-                    max_size=200))
+@given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "free", "drain", "undrain"]), st.integers(0, 2),
+                              st.integers(0, 10**6)), max_size=200))
 def test_allocator_against_a_model(ops):
-    """No two live objects overlap; frees of live objects always succeed; usage adds up."""
+    """No two live objects overlap; frees of live objects always succeed; a draining slab takes
+    no objects; per-class counts add up."""
     a = HostArena(4 * MiB, MiB)
     classes = [a.size_class(s) for s in (1000, 70 * 1024, 300 * 1024)]
-    live: dict[int, int] = {}  # offset -> slot bytes
+    live: dict[int, int] = {}  # offset -> class
+    draining: set[int] = set()
     for op, k, pick in ops:
         if op == "alloc":
             o = a.allocate(classes[k])
             if o >= 0:
                 size = a.slot_bytes(classes[k])
-                for lo, sz in live.items():
-                    assert o + size <= lo or lo + sz <= o, "overlapping objects"
-                live[o] = size
-        elif live:
+                assert o // MiB not in draining
+                for lo, c in live.items():
+                    assert o + size <= lo or lo + a.slot_bytes(c) <= o, "overlapping objects"
+                live[o] = classes[k]
+        elif op == "free" and live:
             o = sorted(live)[pick % len(live)]
             a.free(o)
             del live[o]
-        assert a.stats()["bytes_allocated"] == sum(live.values())
+            if not any(x // MiB == o // MiB for x in live):
+                draining.discard(o // MiB)  # emptied: back in the pool
+        elif op == "drain":
+            cands = a.drain_candidates(classes[k], 4)
+            if cands:
+                s = cands[pick % len(cands)]
+                assert sorted(a.slab_objects(s)) == sorted(x for x in live if x // MiB == s)
+                a.drain(s)
+                draining.add(s)
+        elif op == "undrain" and draining:
+            s = sorted(draining)[pick % len(draining)]
+            a.undrain(s)
+            draining.discard(s)
+        assert a.stats()["bytes_allocated"] == sum(a.slot_bytes(c) for c in live.values())
+        for cls, cs in zip(classes, a.class_stats()):
+            mine = [o for o, c in live.items() if c == cls]
+            slabs = {o // MiB for o in mine}
+            assert cs["objects"] == len(mine) and cs["slabs"] == len(slabs)
+            open_slabs = slabs - draining
+            assert cs["free_slots"] == sum(cs["slots_per_slab"] - sum(o // MiB == s for o in mine) for s in open_slabs)
