@@ -55,8 +55,9 @@ def test_sizes_in_the_dataclass_are_parsed():
 
 
 def test_a_small_l1_gets_small_slabs():
-    c = ServerConfig(l1_size="64KiB")
-    assert c.slab_size == 16 * KiB and c.l1_size // c.slab_size == 4
+    c = ServerConfig(l1_size="1GiB")
+    assert c.slab_size == 64 * MiB and c.l1_size // c.slab_size == 16
+    assert ServerConfig(l1_size="64GiB").slab_size == 256 * MiB
 
 
 @pytest.mark.parametrize("kwargs, match", [

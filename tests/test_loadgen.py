@@ -43,3 +43,34 @@ def test_no_server_is_a_clear_error(capsys):
     rc = loadgen.main(["--url", url, "--connect-timeout", "0.5"])
     assert rc != 0
     assert f"no lmcache-mp server answers at {url}" in capsys.readouterr().err
+
+
+SMALL = ["--layers", "2", "--heads", "2", "--head-size", "64", "--block-size", "16", "--chunks", "4"]
+
+
+@pytest.mark.parametrize("prompts, requests", [(6, 60), (64, 150)], ids=["fits", "overflows"])
+def test_mix_of_two_layouts_reports_hit_ratios_next_to_an_ideal_lru(tmp_path, capsys, prompts, requests):
+    """Two layouts at once, as engines use the server. When both working sets fit, every repeat is
+    a hit (as for the ideal LRU); when they do not, the hit ratio stays close to the ideal's."""
+    srv = lmcache_mp.Server(lmcache_mp.ServerConfig(url="tcp://127.0.0.1:0", l1_size="16MiB", device="cpu",
+                                                    chunk_size=64)).start()
+    out = tmp_path / "mix.json"
+    try:
+        rc = loadgen.main(["--url", srv.url, *SMALL, "--mix", "mla:2", "--prompts", str(prompts),
+                           "--requests", str(requests), "--skew", "0.8", "--json", str(out)])
+    finally:
+        srv.stop()
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert "ideal LRU" in printed.out and "x ideal" in printed.out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["llama3-8b:2", "mla:2"]
+    assert [r["object_bytes"] for r in rows] == [2 * 2 * 64 * 2 * 64 * 2, 2 * 64 * 576 * 2]
+    for r in rows:
+        assert r["requests"] == requests and r["chunks"] == 4 * requests
+        assert r["missing"] == 0 and r["mismatches"] == 0
+        if prompts == 6:
+            assert r["hits"] == r["ideal_hits"] > 0 and r["evicted"] == 0
+        else:  # 2.5x the L1 in all: the ideal LRU misses too, and we stay close to it
+            assert r["evicted"] > 0 and r["ideal_hit_ratio"] < 0.7
+            assert r["hit_ratio"] >= 0.9 * r["ideal_hit_ratio"], r

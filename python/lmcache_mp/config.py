@@ -63,7 +63,9 @@ class ServerConfig:
     staging_size: int | str = _setting(
         "256MiB", "device staging ring per registration and direction (staged); deep enough to pack ahead")
     direct_ctas: int = _setting(4, "CTAs of the zero-copy kernel (direct): few, to leave SMs to the engine")
-    slab_size: int | str = _setting("256MiB", "arena slab; one chunk of one rank must fit in one")
+    slab_size: int | str = _setting(
+        "256MiB", "arena slab (at most l1_size/16): one chunk of one rank must fit; each object size may hold "
+                  "up to one slab of free slots, so smaller slabs waste less when sizes mix")
     lease_ttl: float = _setting(30.0, "seconds a lookup lease lives unless a retrieve or release ends it")
     heartbeat_timeout: float = _setting(
         10.0, "seconds of client silence after which its leases and registrations are dropped")
@@ -90,8 +92,9 @@ class ServerConfig:
             raise ValueError(f"transfer_mode must be one of {TRANSFER_MODES}, got {self.transfer_mode!r}")
         if self.slab_size < 4096 or self.slab_size % 4096:
             raise ValueError(f"slab_size must be a multiple of 4 KiB, got {self.slab_size}")
-        # A small L1 gets small slabs, so that it still holds several slabs.
-        self.slab_size = min(self.slab_size, max(4096, (self.l1_size // 4) // 4096 * 4096))
+        # A small L1 gets small slabs: memory moves between object sizes a slab at a time, and
+        # each size may keep up to a slab of free slots, so a slab should be a small part of L1.
+        self.slab_size = min(self.slab_size, max(4096, (self.l1_size // 16) // 4096 * 4096))
         if self.l1_size < self.slab_size:
             raise ValueError(f"l1_size ({format_size(self.l1_size)}) must hold at least one slab")
         if self.lease_ttl <= 0 or self.heartbeat_timeout <= 0:

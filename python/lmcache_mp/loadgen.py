@@ -186,6 +186,7 @@ def summarize(infos: list[dict], workers: int, gpus_used: int, ceilings: dict | 
         "store_ms_p50": s50, "store_ms_p99": s99, "retrieve_ms_p50": r50, "retrieve_ms_p99": r99,
         "lookup_us_p50": l50, "lookup_us_p99": l99,
         "mismatches": sum(i["mismatches"] for i in infos),
+        "missing": sum(i["missing"] for i in infos),
         "requested_chunks": sum(i["requested_chunks"] for i in infos),
         "stored_chunks": sum(i["stored_chunks"] for i in infos),
         "present_chunks": sum(i["present_chunks"] for i in infos),
@@ -237,7 +238,9 @@ def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
     record = {"summary": row, "workers_detail": infos, "l1_after": after, "seconds": time.monotonic() - t_run}
     problems = []
     if row["mismatches"]:
-        problems.append(f"{row['mismatches']} mismatching or missing chunks")
+        problems.append(f"{row['mismatches']} chunks came back with other bytes than were stored (corruption)")
+    if row["missing"]:
+        problems.append(f"{row['missing']} chunks missing at verification (evicted, or never stored)")
     if row["evicted"]:
         evicted = f"{row['evicted']} chunks evicted from L1 during the run"
         if own_l1:
@@ -261,7 +264,8 @@ def print_table(rows: list[dict], unit_note: str) -> None:
     ratios = all("store_ratio" in r for r in rows if "error" not in r)
     d2h, h2d = (f" {'x D2H':>6}", f" {'x H2D':>6}") if ratios else ("", "")
     head = (f"{'workers':>7} {'GPUs':>4} | {'store GB/s':>10}{d2h} | {'retr GB/s':>10}{h2d} | "
-            f"{'store ms p50/p99':>17} | {'retr ms p50/p99':>17} | {'lookup us p50/p99':>18} | {'mismatch':>8}")
+            f"{'store ms p50/p99':>17} | {'retr ms p50/p99':>17} | {'lookup us p50/p99':>18} | {'evicted':>7} | "
+            f"{'missing':>7} | {'mismatch':>8}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -273,8 +277,10 @@ def print_table(rows: list[dict], unit_note: str) -> None:
               f"{r['retrieve_GBps']:>10.2f}{rr} | "
               f"{r['store_ms_p50']:>8.2f}/{r['store_ms_p99']:<8.2f} | "
               f"{r['retrieve_ms_p50']:>8.2f}/{r['retrieve_ms_p99']:<8.2f} | "
-              f"{r['lookup_us_p50']:>8.1f}/{r['lookup_us_p99']:<9.1f} | {r['mismatches']:>8}")
-    print(unit_note)
+              f"{r['lookup_us_p50']:>8.1f}/{r['lookup_us_p99']:<9.1f} | {r.get('evicted', 0):>7} | "
+              f"{r['missing']:>7} | {r['mismatches']:>8}")
+    print(unit_note + "; evicted: chunks the server evicted during the run (any run's); missing: chunks "
+          "not loaded at verification; mismatch: loaded chunks whose bytes differ")
 
 
 # ---- lmcache-mp-bench -------------------------------------------------------------------------
@@ -299,6 +305,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="the workers are TP ranks of one model (default: separate models)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a worker waits on a request or barrier")
     ap.add_argument("--connect-timeout", type=float, default=5, help="seconds to wait for the server's handshake")
+    ap.add_argument("--mix", metavar="LAYOUT[:LAYERS]",
+                    help="run --workers workers of this second layout beside those of --layout, as engines "
+                         "serving prompts (lookup, retrieve the hits, store the rest), and compare hit ratios "
+                         "with an ideal LRU by bytes")
+    ap.add_argument("--prompts", type=int, default=32, help="--mix: distinct prompts per worker (default 32)")
+    ap.add_argument("--skew", type=float, default=1.0,
+                    help="--mix: prompt popularity ~ 1/rank**skew (0: uniform; default 1)")
     ap.add_argument("--json", help="write the results here")
     return ap
 
@@ -310,8 +323,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--workers, --chunks, --requests and --gpus must be positive")
     try:
         lay = geometry(args.layout, args.layers, args.heads, args.head_size, args.block_size)
+        mix = None
+        if args.mix:
+            name, _, layers = args.mix.partition(":")
+            if name not in LAYOUTS:
+                raise ValueError(f"--mix: unknown layout {name!r} (one of {', '.join(sorted(LAYOUTS))})")
+            mix = geometry(name, int(layers) if layers else None, block_size=args.block_size)
     except ValueError as e:
         ap.error(str(e))
+    if args.prompts < 1 or args.skew < 0:
+        ap.error("--prompts must be positive and --skew not negative")
 
     from lmcache_mp import Client, ProtocolMismatch, ServerUnavailable
 
@@ -325,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lmcache-mp-bench: {e}", file=sys.stderr)
         return 1
     try:
-        return _bench(args, lay, client)
+        return _bench(args, lay, client) if mix is None else _bench_mix(args, lay, mix, client)
     finally:
         client.close()
 
@@ -391,6 +412,51 @@ def _bench(args, lay: dict, client) -> int:
             json.dump(result, f, indent=1, default=str)
         print(f"wrote {args.json}")
     return 0 if clean else 1
+
+
+def _bench_mix(args, lay: dict, mix: dict, client) -> int:
+    from lmcache_mp.config import format_size
+    from lmcache_mp.loadgen_mix import mix_rows, print_mix, run_mix
+
+    status = client.status()
+    chunk = client.chunk_size
+    args.device = args.device or status["device"]
+    if args.device != status["device"]:
+        print(f"lmcache-mp-bench: the server runs on device {status['device']}, not {args.device}", file=sys.stderr)
+        return 2
+    names = [f"{args.layout}" + (f":{lay['layers']}" if args.layers else ""), args.mix]
+    sizes = [object_bytes(g, chunk) for g in (lay, mix)]
+    capacity = status["l1"]["capacity"]
+    run = secrets.token_hex(4)
+    groups = [dict(url=args.url, device=args.device, geometry=g, model=f"bench-mix{i}-{run}", chunks=args.chunks,
+                   prompts=args.prompts, skew=args.skew, requests=args.requests, run=i, timeout=args.timeout)
+              for i, g in enumerate((lay, mix))]
+    print(f"mix: {names[0]} ({format_size(sizes[0])} per chunk) and {names[1]} ({format_size(sizes[1])} per "
+          f"chunk); {args.workers} worker(s) each, {args.requests} requests over {args.prompts} prompts of "
+          f"{args.chunks} chunks, skew {args.skew:g}; server L1 {format_size(capacity)}", flush=True)
+    evicted_by_size = lambda st: {s["object_bytes"]: s["evicted"] for s in st["l1"]["sizes"]}  # noqa: E731
+    before = evicted_by_size(status)
+    t0 = time.monotonic()
+    try:
+        results = run_mix(groups, args.workers, args.timeout)
+    except RuntimeError as e:
+        print(f"lmcache-mp-bench --mix: a worker failed:\n{e}", file=sys.stderr)
+        return 1
+    after = evicted_by_size(client.status())
+    evicted = [after.get(n, 0) - before.get(n, 0) for n in sizes]
+    rows = mix_rows(names, sizes, results, capacity, evicted)
+    print(f"run: {time.monotonic() - t0:.1f} s\n")
+    print_mix(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "lmcache-mp-bench --mix", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                       "config": {**vars(args), "chunk_size": chunk}, "rows": rows,
+                       "l1_after": client.status()["l1"]}, f, indent=1, default=str)
+        print(f"wrote {args.json}")
+    bad = sum(r["mismatches"] + r["missing"] for r in rows)
+    if bad:
+        print(f"!! {bad} chunks were missing after a lease or came back with other bytes", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -392,8 +392,9 @@ class MPCacheEngine:
             "chunk_size": self.config.chunk_size,
             "clients": len(self._clients),
             "registrations": regs,
-            "l1": {**self.l1.stats(), "capacity": arena["capacity"], "arena": arena,
-                   "pinning": dict(self.arena.pin_status())},
+            "l1": {**self.l1.stats(), "capacity": arena["capacity"],
+                   "bytes_free": arena["free_slabs"] * arena["slab_bytes"],  # whole slabs, any size
+                   "sizes": self.l1.size_stats(), "arena": arena, "pinning": dict(self.arena.pin_status())},
         }
 
     def add_close_hook(self, fn: Callable[[], None]) -> None:

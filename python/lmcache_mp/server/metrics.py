@@ -18,6 +18,24 @@ class _StatusCollector:
         l1 = st["l1"]
         yield GaugeMetricFamily("lmcache_mp_l1_capacity_bytes", "L1 host memory", value=l1["capacity"])
         yield GaugeMetricFamily("lmcache_mp_l1_used_bytes", "L1 bytes held by objects", value=l1["bytes_used"])
+        yield GaugeMetricFamily("lmcache_mp_l1_free_bytes", "L1 bytes in free slabs (any object size)",
+                                value=l1["bytes_free"])
+        per_size = (("used_bytes", "bytes_used", "payload bytes of objects of this size"),
+                    ("free_bytes", "bytes_free", "free slots held by this size (usable by it only)"),
+                    ("fragmented_bytes", "bytes_fragmented", "slot rounding and slab tails of this size"),
+                    ("objects", "objects", "objects of this size"),
+                    ("slabs", "slabs", "slabs held by this size"))
+        for suffix, field, help_ in per_size:
+            g = GaugeMetricFamily(f"lmcache_mp_l1_size_{suffix}", f"L1, per object size: {help_}",
+                                  labels=["object_bytes"])
+            for size in l1["sizes"]:
+                g.add_metric([str(size["object_bytes"])], size[field])
+            yield g
+        evicted = CounterMetricFamily("lmcache_mp_l1_size_evicted", "chunks evicted, per object size",
+                                      labels=["object_bytes"])
+        for size in l1["sizes"]:
+            evicted.add_metric([str(size["object_bytes"])], size["evicted"])
+        yield evicted
         yield GaugeMetricFamily("lmcache_mp_l1_objects", "committed chunk objects", value=l1["objects"])
         yield GaugeMetricFamily("lmcache_mp_l1_leases", "live lookup leases", value=l1["leases"])
         yield GaugeMetricFamily("lmcache_mp_l1_pinned_bytes", "page-locked bytes",
@@ -25,7 +43,9 @@ class _StatusCollector:
         yield GaugeMetricFamily("lmcache_mp_registrations", "registered KV caches", value=len(st["registrations"]))
         yield GaugeMetricFamily("lmcache_mp_clients", "clients heard from recently", value=st["clients"])
         for name, help_ in (("stored", "chunks stored"), ("evicted", "chunks evicted"), ("lookups", "lookups"),
-                            ("hits", "chunks found by lookups"), ("leases_expired", "leases that timed out")):
+                            ("hits", "chunks found by lookups"), ("leases_expired", "leases that timed out"),
+                            ("moved", "objects moved to another slot so that a slab could change size"),
+                            ("slab_moves", "slabs drained for another object size")):
             yield CounterMetricFamily(f"lmcache_mp_{name}", help_, value=l1[name])
 
 
