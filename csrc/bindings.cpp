@@ -145,6 +145,8 @@ PYBIND11_MODULE(_C, m) {
              d["error"] = p.error;
              return d;
            })
+      .def("pause_pinning", &HostArena::pause_pinning)
+      .def("resume_pinning", &HostArena::resume_pinning)
       .def("wait_pinned", &HostArena::wait_pinned, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def(
           "view",

@@ -66,7 +66,11 @@ HostArena::HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_
 }
 
 HostArena::~HostArena() {
-  stop_ = true;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  pin_cv_.notify_all();
   if (pin_thread_.joinable()) pin_thread_.join();
   if (pin_) {
     for (int64_t i = 0; i < slabs_pinned_; ++i) unpin_host_memory(base_ + i * slab_bytes_);
@@ -78,6 +82,11 @@ HostArena::~HostArena() {
 void HostArena::pin_loop() {
   const auto t0 = std::chrono::steady_clock::now();
   for (size_t i = 0; i < slabs_.size() && !stop_; ++i) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      pin_cv_.wait(lk, [&] { return pin_pauses_ == 0 || stop_; });
+    }
+    if (stop_) break;
     std::string err;
     const bool ok = pin_host_memory(base_ + i * slab_bytes_, slab_bytes_, &err);
     {
@@ -348,6 +357,19 @@ PinStatus HostArena::pin_status() const {
   p.seconds = pin_seconds_;
   p.error = pin_error_;
   return p;
+}
+
+void HostArena::pause_pinning() {
+  std::lock_guard<std::mutex> lk(mu_);
+  ++pin_pauses_;
+}
+
+void HostArena::resume_pinning() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (pin_pauses_ > 0) --pin_pauses_;
+  }
+  pin_cv_.notify_all();
 }
 
 bool HostArena::wait_pinned(double timeout_s) const {

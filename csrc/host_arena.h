@@ -94,6 +94,10 @@ class HostArena {
   ArenaStats stats() const;
   std::vector<ClassStats> class_stats() const;
   PinStatus pin_status() const;
+  // Registering GPU memory needs the driver, which cudaHostRegister holds for a whole slab: while
+  // any pause is open the pinning thread waits between slabs (calls nest; each pause one resume).
+  void pause_pinning();
+  void resume_pinning();
   // Waits until pinning has finished (or timeout_s passed); true when finished.
   bool wait_pinned(double timeout_s) const;
 
@@ -139,6 +143,7 @@ class HostArena {
   std::atomic<bool> stop_{false};
   mutable std::condition_variable pin_cv_;
   int64_t slabs_pinned_ = 0, slabs_failed_ = 0;
+  int pin_pauses_ = 0;
   bool pin_done_ = false;
   double pin_seconds_ = 0;
   std::string pin_error_;

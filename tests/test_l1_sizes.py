@@ -58,10 +58,10 @@ class Obj:
     stamp: int = 0
     committed: bool = False
     readers: int = 0
-    leases: list = field(default_factory=list)  # [owner, uses, expires, serial]
+    leases: int = 0  # leases holding it
 
     def held(self) -> bool:
-        return not self.committed or self.readers > 0 or bool(self.leases)
+        return not self.committed or self.readers > 0 or self.leases > 0
 
 
 class LRUModel:
@@ -69,27 +69,34 @@ class LRUModel:
 
     def __init__(self):
         self.objs: dict[ObjectKey, Obj] = {}
+        self.leases: dict[int, tuple[float, dict]] = {}  # id -> (expires, {key: reads left})
         self.clock = 0
-        self.serial = 0
 
     def use(self, o: Obj) -> None:
         self.clock += 1
         o.stamp = self.clock
 
-    def end_lease(self, o: Obj, lease) -> None:
-        o.leases.remove(lease)
-        if not o.held():
-            self.use(o)
+    def let_go(self, lease: int, keys) -> None:
+        uses = self.leases[lease][1]
+        for k in keys:
+            if uses.pop(k, None) is not None:
+                o = self.objs[k]
+                o.leases -= 1
+                if not o.held():
+                    self.use(o)
+        if not uses:
+            del self.leases[lease]
 
     def expire(self, now: float) -> None:
-        due = sorted((ls[2], ls[3], id(o), o, ls) for o in self.objs.values() for ls in o.leases if ls[2] <= now)
-        for *_, o, ls in due:
-            self.end_lease(o, ls)
+        for lease, (expires, uses) in sorted(self.leases.items(), key=lambda kv: (kv[1][0], kv[0])):
+            if expires <= now:
+                self.let_go(lease, list(uses))
 
 
 class SizesMachine(RuleBasedStateMachine):
     writes = Bundle("writes")
     reads = Bundle("reads")
+    lease_ids = Bundle("lease_ids")
 
     def __init__(self):
         super().__init__()
@@ -187,19 +194,19 @@ class SizesMachine(RuleBasedStateMachine):
             if o in made:
                 del self.m.objs[k]
 
-    @rule(target=reads, size=sizes, chunks=chunk_lists)
-    def begin_read(self, size, chunks):
-        got = self.l1.begin_read([key(size, i) for i in chunks], FMT[size])
+    @rule(target=reads, size=sizes, chunks=chunk_lists, lease=st.one_of(st.just(0), lease_ids))
+    def begin_read(self, size, chunks, lease):
+        got = self.l1.begin_read([key(size, i) for i in chunks], FMT[size], lease)
         want = []
+        uses = self.m.leases[lease][1] if lease in self.m.leases else {}
         for i in chunks:
-            o = self.m.objs.get(key(size, i))
+            k = key(size, i)
+            o = self.m.objs.get(k)
             if o is None or not o.committed:
                 break
             o.readers += 1
-            if o.leases:
-                o.leases[0][1] -= 1
-                if o.leases[0][1] <= 0:
-                    o.leases.pop(0)
+            if k in uses:
+                self.m.let_go(lease, [k])
             want.append(o)
         assert len(got) == len(want)
         for obj, o in zip(got, want):
@@ -215,36 +222,38 @@ class SizesMachine(RuleBasedStateMachine):
             if not o.held():
                 self.m.use(o)
 
-    @rule(size=sizes, chunks=chunk_lists)
-    def retrieve(self, size, chunks):
-        self.end_read(self.begin_read(size, chunks))
+    @rule(size=sizes, chunks=chunk_lists, lease=st.one_of(st.just(0), lease_ids))
+    def retrieve(self, size, chunks, lease):
+        self.end_read(self.begin_read(size, chunks, lease))
 
-    @rule(size=sizes, chunks=chunk_lists, lock=st.booleans(), owner=st.sampled_from(OWNERS))
+    @rule(target=lease_ids, size=sizes, chunks=chunk_lists, lock=st.booleans(), owner=st.sampled_from(OWNERS))
     def lookup(self, size, chunks, lock, owner):
         self.l1.expire()
         self.m.expire(self.clock.now)
-        hits = self.l1.lookup(f"m{size}", 1, [key(size, i).digest for i in chunks], lock=lock, owner=owner, ttl=TTL)
+        hits, lease = self.l1.lookup(f"m{size}", 1, [key(size, i).digest for i in chunks], lock=lock, owner=owner,
+                                     ttl=TTL)
         want = 0
         for i in chunks:
             o = self.m.objs.get(key(size, i))
             if o is None or not o.committed:
                 break
             want += 1
-            if lock:
-                self.m.serial += 1
-                o.leases.append([owner, 1, self.clock.now + TTL, self.m.serial])
-            else:
+            if not lock:
                 self.m.use(o)
         assert hits == want
+        if lease:
+            uses = {}
+            for i in chunks[:hits]:
+                self.m.objs[key(size, i)].leases += 1
+                uses[key(size, i)] = 1
+            self.m.leases[lease] = (self.clock.now + TTL, uses)
+        return lease
 
-    @rule(size=sizes, chunks=chunk_lists, owner=st.sampled_from(OWNERS))
-    def release(self, size, chunks, owner):
-        self.l1.release(owner, f"m{size}", 1, [key(size, i).digest for i in chunks])
-        for i in chunks:
-            o = self.m.objs.get(key(size, i))
-            mine = [ls for ls in o.leases if ls[0] == owner] if o else []
-            if mine:
-                self.m.end_lease(o, mine[0])
+    @rule(lease=lease_ids)
+    def release(self, lease):
+        self.l1.release(lease)
+        if lease in self.m.leases:
+            self.m.let_go(lease, list(self.m.leases[lease][1]))
 
     @rule(dt=st.sampled_from([1.0, TTL + 1]))
     def advance_clock(self, dt):
@@ -313,7 +322,8 @@ def test_a_slab_changes_size_by_moving_its_objects_not_evicting_them():
     small = [key(16000, i) for i in range(8)]  # 4 per slab: both slabs full
     for i, k in enumerate(small):
         _fill(l1, arena, [k], 16000, i + 1)
-    assert l1.lookup("m16000", 1, [small[3].digest], lock=True, owner=b"a") == 1  # leased objects may move
+    hits, lease = l1.lookup("m16000", 1, [small[3].digest], lock=True, owner=b"a")  # leased objects may move
+    assert hits == 1
     for k in (small[0], small[4], small[5], small[6], small[7]):
         l1.lookup("m16000", 1, [k.digest])  # used again: LRU order is now 1, 2, 0, 4, 5, 6, 7
     # A 60000-byte object needs a whole slab. The four oldest go (1, 2, 0, 4: only then does the
@@ -327,7 +337,7 @@ def test_a_slab_changes_size_by_moving_its_objects_not_evicting_them():
             obj = l1._get(k)
             assert (np.frombuffer(arena.view(obj.offset, 16000), dtype=np.uint8) == i + 1).all()
             assert obj.offset // SLAB != plan.objects[0].offset // SLAB
-    assert l1.stats()["leases"] == 1 and l1.release(b"a", "m16000", 1, [small[3].digest]) == 1
+    assert l1.stats()["leases"] == 1 and l1.release(lease) == 1
 
 
 class _ReadDuringCopy:

@@ -51,9 +51,8 @@ class Clock:
 @dataclass
 class MLease:
     owner: bytes
-    uses: int
     expires: float
-    serial: int
+    uses: dict = field(default_factory=dict)  # chunk index -> reads left, in lookup order
 
 
 @dataclass(eq=False)
@@ -62,18 +61,18 @@ class MObject:
     fill: int  # the byte written into the slot when the store began
     committed: bool = False
     readers: int = 0
-    leases: list[MLease] = field(default_factory=list)
+    leases: int = 0  # leases holding it
     stamp: int = 0  # last use; the evictable object with the smallest stamp goes first
 
 
 class Model:
     """What L1Store should do, written as plainly as possible: a dict from digest index to object,
-    least-recently-used by a use stamp."""
+    least-recently-used by a use stamp, and leases by id."""
 
     def __init__(self):
         self.objs: dict[int, MObject] = {}  # insertion order = creation order, as in the store
+        self.leases: dict[int, MLease] = {}
         self.stamps = 0
-        self.serials = 0
         self.evicted = 0
         self.expired = 0
 
@@ -85,19 +84,32 @@ class Model:
         self.stamps += 1
         o.stamp = self.stamps
 
-    def expire(self, now: float) -> None:
-        due = sorted(((ls.expires, ls.serial, o, ls) for o in self.objs.values() for ls in o.leases
-                      if ls.expires <= now), key=lambda t: t[:2])
-        for _, _, o, ls in due:
-            o.leases.remove(ls)
-            self.expired += 1
-            event("lease expired")
-            self.use(o)
+    def let_go(self, lease_id: int, chunks) -> int:
+        """The lease stops holding these chunks; an object nothing holds any more is used now."""
+        ls = self.leases[lease_id]
+        n = 0
+        for i in list(chunks):
+            if ls.uses.pop(i, None) is None:
+                continue
+            n += 1
+            o = self.objs[i]
+            o.leases -= 1
+            if self.evictable(o):
+                self.use(o)
+        if not ls.uses:
+            del self.leases[lease_id]
+        return n
 
-    def make_room(self, now: float) -> bool:
+    def expire(self, now: float) -> None:
+        for lease_id, ls in sorted(self.leases.items(), key=lambda kv: (kv[1].expires, kv[0])):
+            if ls.expires <= now:
+                self.expired += 1
+                event("lease expired")
+                self.let_go(lease_id, list(ls.uses))
+
+    def make_room(self) -> bool:
         if len(self.objs) < CAPACITY:
             return True
-        self.expire(now)
         victims = [(o.stamp, i) for i, o in self.objs.items() if self.evictable(o)]
         if not victims:
             return False
@@ -110,6 +122,7 @@ class Model:
 class L1Machine(RuleBasedStateMachine):
     stores = Bundle("stores")
     reads = Bundle("reads")
+    lease_ids = Bundle("lease_ids")
 
     def __init__(self):
         super().__init__()
@@ -149,7 +162,7 @@ class L1Machine(RuleBasedStateMachine):
                 else:
                     pending += 1  # another store is writing it: answered once it is written
                 continue
-            if not m.make_room(self.clock.now):
+            if not m.make_room():
                 event("store skipped: nothing evictable")
                 skipped = len(chunks) - pos
                 break
@@ -182,24 +195,26 @@ class L1Machine(RuleBasedStateMachine):
 
     # ---- read ------------------------------------------------------------------------------
 
-    @rule(chunks=chunk_lists)
-    def retrieve(self, chunks):
-        self.end_read(self.begin_read(chunks))
+    @rule(chunks=chunk_lists, lease=st.one_of(st.just(0), lease_ids))
+    def retrieve(self, chunks, lease):
+        self.end_read(self.begin_read(chunks, lease))
 
-    @rule(target=reads, chunks=chunk_lists)
-    def begin_read(self, chunks):
-        got = self.l1.begin_read([key(i) for i in chunks], FMT)
+    @rule(target=reads, chunks=chunk_lists, lease=st.one_of(st.just(0), lease_ids))
+    def begin_read(self, chunks, lease):
+        got = self.l1.begin_read([key(i) for i in chunks], FMT, lease)
         want = []
+        held = self.model.leases.get(lease)
         for i in chunks:
             o = self.model.objs.get(i)
             if o is None or not o.committed:
                 break
             o.readers += 1
-            if o.leases:  # a read consumes one use of the oldest lease
-                event("read consumed a lease")
-                o.leases[0].uses -= 1
-                if o.leases[0].uses <= 0:
-                    o.leases.pop(0)
+            if held is not None and i in held.uses:  # a read consumes one use of its own lease only
+                event("read consumed its lease")
+                if held.uses[i] > 1:
+                    held.uses[i] -= 1
+                else:
+                    self.model.let_go(lease, [i])
             want.append(o)
         assert [obj.key for obj in got] == [key(i) for i in chunks[: len(want)]]
         for obj, o in zip(got, want, strict=True):
@@ -213,37 +228,40 @@ class L1Machine(RuleBasedStateMachine):
         self.l1.end_read(got)
         for o in want:
             o.readers -= 1
-            self.model.use(o)
+            if self.model.evictable(o):
+                self.model.use(o)
 
     # ---- lookup and leases -----------------------------------------------------------------
 
-    @rule(chunks=chunk_lists, lock=st.booleans(),
-          owner=st.sampled_from(OWNERS))
+    @rule(target=lease_ids, chunks=chunk_lists, lock=st.booleans(), owner=st.sampled_from(OWNERS))
     def lookup(self, chunks, lock, owner):
-        hits = self.l1.lookup("m", 1, [DIGESTS[i] for i in chunks], lock=lock, owner=owner, ttl=TTL)
+        hits, lease = self.l1.lookup("m", 1, [DIGESTS[i] for i in chunks], lock=lock, owner=owner, ttl=TTL)
         m = self.model
-        m.expire(self.clock.now)
         want = 0
         for i in chunks:
             o = m.objs.get(i)
             if o is None or not o.committed:
                 break
             want += 1
-            if lock:
-                m.serials += 1
-                o.leases.append(MLease(owner, 1, self.clock.now + TTL, m.serials))
-            else:
+            if not lock:
                 m.use(o)  # a lookup hit is a use
         assert hits == want
-        if hits:
-            event("locked hit" if lock else "hit")
+        assert bool(lease) == (lock and hits > 0)
+        if lease:
+            ls = m.leases[lease] = MLease(owner, self.clock.now + TTL)
+            for i in chunks[:hits]:
+                if i not in ls.uses:
+                    m.objs[i].leases += 1
+                ls.uses[i] = ls.uses.get(i, 0) + 1  # a chunk named twice is leased for two reads
+            event("locked hit")
+        return lease
 
     @rule(chunks=chunk_lists, owner=st.sampled_from(OWNERS), read=st.booleans())
     def lookup_then_retrieve(self, chunks, owner, read):
         """The engine's flow: the scheduler leases what it found, a worker reads it (or not)."""
-        self.lookup(chunks, True, owner)
+        lease = self.lookup(chunks, True, owner)
         if read:
-            self.retrieve(chunks)
+            self.retrieve(chunks, lease)
 
     @rule(chunks=chunk_lists, owner=st.sampled_from(OWNERS), wait=st.sampled_from([TTL - 0.1, TTL, TTL + 1]))
     def lookup_then_abandon(self, chunks, owner, wait):
@@ -252,32 +270,20 @@ class L1Machine(RuleBasedStateMachine):
         self.advance_clock(wait)
         self.expire()
 
-    @rule(chunks=chunk_lists, owner=st.sampled_from(OWNERS))
-    def release(self, chunks, owner):
-        dropped = self.l1.release(owner, "m", 1, [DIGESTS[i] for i in chunks])
-        want = 0
-        for i in chunks:
-            o = self.model.objs.get(i)
-            if o is None:
-                continue
-            mine = [ls for ls in o.leases if ls.owner == owner]
-            if mine:
-                o.leases.remove(mine[0])
-                want += 1
-                self.model.use(o)
+    @rule(lease=lease_ids, chunks=st.one_of(st.none(), chunk_lists))
+    def release(self, lease, chunks):
+        dropped = self.l1.release(lease, None if chunks is None else [DIGESTS[i] for i in chunks])
+        held = self.model.leases.get(lease)
+        want = 0 if held is None else self.model.let_go(lease, list(held.uses) if chunks is None else chunks)
         assert dropped == want
 
     @rule(owner=st.sampled_from(OWNERS))
     def drop_owner(self, owner):
         dropped = self.l1.drop_owner(owner)
-        want = 0
-        for o in self.model.objs.values():
-            keep = [ls for ls in o.leases if ls.owner != owner]
-            if len(keep) != len(o.leases):
-                want += len(o.leases) - len(keep)
-                o.leases = keep
-                self.model.use(o)
-        assert dropped == want
+        mine = sorted(i for i, ls in self.model.leases.items() if ls.owner == owner)
+        for lease_id in mine:
+            self.model.let_go(lease_id, list(self.model.leases[lease_id].uses))
+        assert dropped == len(mine)
 
     @rule(dt=st.sampled_from([0.0, 1.0, TTL - 0.1, TTL, TTL + 3.0]))
     def advance_clock(self, dt):
@@ -293,8 +299,9 @@ class L1Machine(RuleBasedStateMachine):
     def clear(self):
         removed = self.l1.clear()
         want = 0
+        for lease_id in sorted(self.model.leases):
+            self.model.let_go(lease_id, list(self.model.leases[lease_id].uses))
         for i, o in list(self.model.objs.items()):
-            o.leases.clear()
             if o.committed and o.readers == 0:
                 del self.model.objs[i]
                 want += 1
@@ -312,7 +319,7 @@ class L1Machine(RuleBasedStateMachine):
         s = self.l1.stats()
         assert s["objects"] == sum(o.committed for o in objs)
         assert s["writing"] == sum(not o.committed for o in objs)
-        assert s["leases"] == sum(len(o.leases) for o in objs)
+        assert s["leases"] == len(m.leases)
         assert s["leased_objects"] == sum(bool(o.leases) for o in objs)
         assert s["evictable"] == sum(m.evictable(o) for o in objs)
         assert s["evicted"] == m.evicted
@@ -338,6 +345,10 @@ TestL1Store = L1Machine.TestCase
 # ---- unit tests ---------------------------------------------------------------------------------
 
 
+def found(l1, *args, **kwargs) -> int:
+    return l1.lookup(*args, **kwargs)[0]
+
+
 def _store(l1, keys, fmt=FMT, nbytes=OBJECT_BYTES):
     plan = l1.begin_store(keys, nbytes, fmt)
     l1.commit(plan)
@@ -354,7 +365,7 @@ def store():
 
 def test_lru_order_follows_use(store):
     _store(store, [key(i) for i in range(CAPACITY)])
-    assert store.lookup("m", 1, [DIGESTS[0]]) == 1  # chunk 0 is used again: now the newest
+    assert found(store, "m", 1, [DIGESTS[0]]) == 1  # chunk 0 is used again: now the newest
     plan = _store(store, [key(CAPACITY)])
     assert plan.indices == [0]
     assert not store.contains(key(1)), "chunk 1 was the least recently used"
@@ -363,7 +374,7 @@ def test_lru_order_follows_use(store):
 
 def test_aborted_store_leaves_nothing(store):
     plan = store.begin_store([key(0), key(1)], OBJECT_BYTES, FMT)
-    assert store.lookup("m", 1, DIGESTS[:2]) == 0  # not visible while being written
+    assert found(store, "m", 1, DIGESTS[:2]) == 0  # not visible while being written
     assert store.begin_read([key(0)], FMT) == []
     store.abort(plan)
     assert not store.contains(key(0)) and store.stats()["writing"] == 0
@@ -373,7 +384,7 @@ def test_aborted_store_leaves_nothing(store):
 
 def test_leased_prefix_survives_pressure_and_unleased_chunks_go(store):
     _store(store, [key(i) for i in range(CAPACITY)])
-    assert store.lookup("m", 1, DIGESTS[:2], lock=True, owner=b"a") == 2
+    assert found(store, "m", 1, DIGESTS[:2], lock=True, owner=b"a") == 2
     plan = _store(store, [key(i) for i in range(CAPACITY, POOL)])
     assert plan.indices == list(range(CAPACITY - 2)) and plan.skipped == POOL - CAPACITY - (CAPACITY - 2)
     assert store.contains(key(0)) and store.contains(key(1))
@@ -395,25 +406,61 @@ def test_being_read_and_being_written_objects_are_never_evicted(store):
 
 def test_lease_ttl_with_an_injected_clock(store):
     _store(store, [key(0)])
-    assert store.lookup("m", 1, [DIGESTS[0]], lock=True, owner=b"a", ttl=5.0) == 1
+    assert found(store, "m", 1, [DIGESTS[0]], lock=True, owner=b"a", ttl=5.0) == 1
     store.clock.now += 4.9
     store.expire()
     assert store.stats()["leases"] == 1 and store.stats()["evictable"] == 0
     store.clock.now += 0.2
     store.expire()
     assert store.stats()["leases"] == 0 and store.stats()["evictable"] == 1
-    assert store.counters["leases_expired"] == 1
+    assert store.stats()["leases_expired"] == 1
 
 
-def test_release_drops_only_the_owners_lease(store):
+def test_a_lease_protects_the_request_that_took_it():
+    """Two engines lease the same chunk; one reads and releases it; pressure comes: the other's
+    lease still holds, and its read finds the chunk (a lease is consumed only by its own reads)."""
+    arena = HostArena(SLABS * SLAB, SLAB)
+    l1 = L1Store(arena, clock=Clock())
+    _store(l1, [key(0)])
+    hits_a, lease_a = l1.lookup("m", 1, [DIGESTS[0]], lock=True, owner=b"a")
+    hits_b, lease_b = l1.lookup("m", 1, [DIGESTS[0]], lock=True, owner=b"b")
+    assert hits_a == hits_b == 1 and lease_a != lease_b
+    l1.end_read(l1.begin_read([key(0)], FMT, lease_b))  # B reads under its own lease...
+    assert l1.release(lease_b) == 0  # ...which that read used up
+    assert l1.stats()["leases"] == 1
+    plan = _store(l1, [key(i) for i in range(1, POOL)])  # C fills memory: only unleased chunks go
+    assert plan.skipped == POOL - CAPACITY
+    objs = l1.begin_read([key(0)], FMT, lease_a)
+    assert [o.key for o in objs] == [key(0)], "A's leased chunk was evicted"
+    l1.end_read(objs)
+    assert l1.stats()["leases"] == 0
+
+
+def test_release_by_id_and_chunks_and_drop_owner(store):
+    _store(store, [key(0), key(1), key(2)])
+    _, mine = store.lookup("m", 1, DIGESTS[:3], lock=True, owner=b"a")
+    _, theirs = store.lookup("m", 1, DIGESTS[:1], lock=True, owner=b"b")
+    assert store.release(12345) == 0  # unknown id
+    assert store.release(mine, [DIGESTS[1], DIGESTS[1], DIGESTS[7]]) == 1  # chunk 1 only
+    assert store.stats()["leased_objects"] == 2 and store.lease(mine) is not None
+    assert store.release(mine) == 2 and store.lease(mine) is None
+    assert store.release(mine) == 0
+    assert store.stats()["evictable"] == 2  # chunk 0 is still held by the other lease
+    assert store.drop_owner(b"b") == 1 and store.lease(theirs) is None
+    assert store.stats()["evictable"] == 3 and store.stats()["leases"] == 0
+
+
+def test_a_client_cannot_hold_leases_without_bound(store, monkeypatch):
+    from lmcache_mp.storage import leases
+
+    monkeypatch.setattr(leases, "MAX_LEASES_PER_CLIENT", 3)
     _store(store, [key(0)])
-    store.lookup("m", 1, [DIGESTS[0]], lock=True, owner=b"a")
-    store.lookup("m", 1, [DIGESTS[0]], lock=True, owner=b"b")
-    assert store.release(b"c", "m", 1, [DIGESTS[0]]) == 0
-    assert store.release(b"a", "m", 1, [DIGESTS[0]]) == 1
-    assert store.stats()["leases"] == 1 and store.stats()["evictable"] == 0
-    assert store.drop_owner(b"b") == 1
-    assert store.stats()["evictable"] == 1
+    ids = [store.lookup("m", 1, [DIGESTS[0]], lock=True, owner=b"a")[1] for _ in range(3)]
+    with pytest.raises(leases.TooManyLeases):
+        store.lookup("m", 1, [DIGESTS[0]], lock=True, owner=b"a")
+    assert store.lookup("m", 1, [DIGESTS[0]], lock=True, owner=b"b")[1]  # another client may
+    store.release(ids[0])
+    assert store.lookup("m", 1, [DIGESTS[0]], lock=True, owner=b"a")[1]
 
 
 def test_mla_shared_object_is_leased_once_per_rank(store):
@@ -421,12 +468,12 @@ def test_mla_shared_object_is_leased_once_per_rank(store):
     protected until every rank has read it."""
     shared = ObjectKey("mla", 2, SHARED_RANK, DIGESTS[0], b"")
     _store(store, [shared])
-    assert store.lookup("mla", 2, [DIGESTS[0]]) == 1  # present for both ranks at once
-    assert store.lookup("mla", 1, [DIGESTS[0]]) == 0  # another world size is another namespace
-    assert store.lookup("mla", 2, [DIGESTS[0]], lock=True, owner=b"sched") == 1
-    assert store.stats()["leases"] == 1
+    assert found(store, "mla", 2, [DIGESTS[0]]) == 1  # present for both ranks at once
+    assert found(store, "mla", 1, [DIGESTS[0]]) == 0  # another world size is another namespace
+    hits, lease = store.lookup("mla", 2, [DIGESTS[0]], lock=True, owner=b"sched")
+    assert hits == 1 and store.stats()["leases"] == 1
     for rank in range(2):
-        objs = store.begin_read([shared], FMT)  # rank 0, then rank 1
+        objs = store.begin_read([shared], FMT, lease)  # rank 0, then rank 1
         assert len(objs) == 1
         store.end_read(objs)
         assert store.stats()["leases"] == (1 if rank == 0 else 0)
@@ -435,23 +482,23 @@ def test_mla_shared_object_is_leased_once_per_rank(store):
 
 def test_lookup_counts_a_chunk_only_when_every_rank_has_it(store):
     _store(store, [key(i, world_size=2, rank=0) for i in range(3)])
-    assert store.lookup("m", 2, DIGESTS[:3]) == 0  # rank 1 has nothing yet
+    assert found(store, "m", 2, DIGESTS[:3]) == 0  # rank 1 has nothing yet
     _store(store, [key(i, world_size=2, rank=1) for i in (0, 1)])
-    assert store.lookup("m", 2, DIGESTS[:3]) == 2  # chunk 2 is on rank 0 only
-    assert store.lookup("m", 2, DIGESTS[:3], lock=True, owner=b"a") == 2
-    assert store.stats()["leases"] == 4  # chunks 0 and 1 on both ranks, one use each
+    assert found(store, "m", 2, DIGESTS[:3]) == 2  # chunk 2 is on rank 0 only
+    assert found(store, "m", 2, DIGESTS[:3], lock=True, owner=b"a") == 2
+    assert store.stats()["leases"] == 1 and store.stats()["leased_objects"] == 4  # 2 chunks x 2 ranks
     assert store.stats()["evictable"] == 1  # rank 0's chunk 2 is not leased
     writing = store.begin_store([key(2, world_size=2, rank=1)], OBJECT_BYTES, FMT)
-    assert store.lookup("m", 2, DIGESTS[:3]) == 2  # still being written: not a hit
+    assert found(store, "m", 2, DIGESTS[:3]) == 2  # still being written: not a hit
     store.commit(writing)
-    assert store.lookup("m", 2, DIGESTS[:3]) == 3
-    assert store.lookup("m", 2, [DIGESTS[5]] + DIGESTS[:3]) == 0  # hits are a prefix of the request
+    assert found(store, "m", 2, DIGESTS[:3]) == 3
+    assert found(store, "m", 2, [DIGESTS[5]] + DIGESTS[:3]) == 0  # hits are a prefix of the request
 
 
 def test_salt_is_a_separate_namespace(store):
     _store(store, [key(0, salt=b"tenant")])
-    assert store.lookup("m", 1, [DIGESTS[0]]) == 0
-    assert store.lookup("m", 1, [DIGESTS[0]], salt=b"tenant") == 1
+    assert found(store, "m", 1, [DIGESTS[0]]) == 0
+    assert found(store, "m", 1, [DIGESTS[0]], salt=b"tenant") == 1
 
 
 def test_format_key_mismatch_is_a_miss_on_read(store):
@@ -467,8 +514,9 @@ def test_format_key_mismatch_is_a_miss_on_read(store):
 def test_store_replaces_stale_bytes_of_another_layout_unless_in_use(store):
     other = ("opaque", 16, 1, 32, "uint8")
     _store(store, [key(0), key(1)])
-    assert store.lookup("m", 1, DIGESTS[:2], lock=True, owner=b"a") == 2
-    store.release(b"a", "m", 1, [DIGESTS[0]])
+    hits, lease = store.lookup("m", 1, DIGESTS[:2], lock=True, owner=b"a")
+    assert hits == 2
+    store.release(lease, [DIGESTS[0]])
     plan = store.begin_store([key(0), key(1)], OBJECT_BYTES, other)
     assert plan.indices == [0]  # chunk 0 replaced; chunk 1 is leased in the old layout
     assert plan.skipped == 1
@@ -489,7 +537,7 @@ def test_mixed_sizes_never_evict_protected_objects():
         (obj,) = l1.begin_read([k], FMT)
         offsets[k] = obj.offset
         l1.end_read([obj])
-    assert l1.lookup("small", 1, [small[0].digest], lock=True, owner=b"a") == 1
+    assert found(l1, "small", 1, [small[0].digest], lock=True, owner=b"a") == 1
     reading = l1.begin_read([small[1]], FMT)
     big = l1.begin_store([ObjectKey("big", 1, 0, DIGESTS[9], b"")], SLAB, FMT)
     assert l1.contains(small[0]) and l1.contains(small[1])

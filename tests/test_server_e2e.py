@@ -188,7 +188,8 @@ def test_lookup_lock_protects_the_prefix_under_memory_pressure(shm_files, server
     ref = w.reference(1, "mha", 4 * CHUNK)
     w.write_tokens(kv, "mha", blocks_of(4), ref)
     assert c.store(h, leased, blocks_of(4)).result(10).stored == 4
-    assert c.lookup(leased, model="m", lock=True) == 4
+    found = c.lookup(leased, model="m", lock=True)
+    assert found == 4 and found.lease
 
     # fill the rest of memory, then store more: only unleased chunks can make room
     filler = chunk_hashes(w.prompt(2, capacity), CHUNK)
@@ -201,11 +202,11 @@ def test_lookup_lock_protects_the_prefix_under_memory_pressure(shm_files, server
     assert c.lookup(filler[8:capacity - 4], model="m") == capacity - 12  # newer filler chunks survive
     assert c.lookup(more, model="m") == 8
     l1 = c.status()["l1"]
-    assert l1["evicted"] == 8 and l1["leases"] == 4
+    assert l1["evicted"] == 8 and l1["leases"] == 1 and l1["leased_objects"] == 4
 
     # the retrieve consumes the lease; the bytes are intact
     dst = blocks_of(4, start=64)
-    assert c.retrieve(h, leased, dst).result(10).loaded == 4
+    assert c.retrieve(h, leased, dst, lease=found).result(10).loaded == 4
     assert np.array_equal(w.read_tokens(kv, "mha", dst), ref)
     assert c.status()["l1"]["leases"] == 0
     # unprotected now: once the other chunks are used more recently, pressure evicts these first
@@ -222,11 +223,13 @@ def test_release_ends_a_lease(shm_files, servers, clients):
     kv, h = register_mha(c)
     hashes = chunk_hashes(w.prompt(1, 3), CHUNK)
     c.store(h, hashes, blocks_of(3)).result(10)
-    assert c.lookup(hashes, model="m", lock=True) == 3
-    assert c.status()["l1"]["leases"] == 3
-    assert c.release(hashes[:2], model="m") == 2
+    found = c.lookup(hashes, model="m", lock=True)
+    assert found == 3 and c.status()["l1"]["leased_objects"] == 3
+    assert c.release(hashes[:2], model="m") == 2  # this client's leases on those chunks
     assert c.release(hashes[:2], model="m") == 0
-    assert c.status()["l1"]["leases"] == 1
+    assert c.status()["l1"]["leased_objects"] == 1
+    assert c.release(lease=found) == 1  # the rest, by id
+    assert c.status()["l1"]["leases"] == 0
 
 
 def test_close_drops_the_clients_leases(shm_files, servers, clients):
@@ -238,10 +241,10 @@ def test_close_drops_the_clients_leases(shm_files, servers, clients):
     assert a.lookup(hashes, model="m", lock=True) == 4
     b = clients(srv.url)
     l1 = b.status()["l1"]
-    assert (l1["leases"], l1["evictable"]) == (4, 0)
+    assert (l1["leases"], l1["leased_objects"], l1["evictable"]) == (1, 4, 0)
     a.close()
     status = b.status()
-    assert (status["l1"]["leases"], status["l1"]["evictable"], status["l1"]["objects"]) == (0, 4, 4)
+    assert (status["l1"]["leased_objects"], status["l1"]["evictable"], status["l1"]["objects"]) == (0, 4, 4)
     assert status["registrations"] == []  # unregistered by the goodbye
     with pytest.raises(ServerUnavailable, match="closed"):
         a.lookup(hashes, model="m")
@@ -263,13 +266,13 @@ def test_a_killed_client_loses_its_leases_after_the_heartbeat_timeout(servers, c
         assert status == "ok", info
         time.sleep(0.2)  # stores in flight
         before = watcher.status()
-        assert before["l1"]["leases"] == 4
+        assert before["l1"]["leased_objects"] == 4
         assert len(before["registrations"]) == 1
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         proc.join(10)
-        assert watcher.status()["l1"]["leases"] == 4, "leases must outlive a silent client for a while"
-        wait_until(lambda: watcher.status()["l1"]["leases"] == 0, 5, "the dead client's leases to go")
+        assert watcher.status()["l1"]["leased_objects"] == 4, "leases must outlive a silent client for a while"
+        wait_until(lambda: watcher.status()["l1"]["leased_objects"] == 0, 5, "the dead client's leases to go")
         gone = time.monotonic() - killed
         wait_until(lambda: not watcher.status()["registrations"], 5, "the dead client's registration to go")
         assert 0.5 <= gone <= 3.0, gone
@@ -405,19 +408,23 @@ def test_garbage_frames_get_typed_errors_while_another_client_works(shm_files, s
         raw.expect_error(store(block_ids=good_ids[:-4]), E.INVALID_ARGUMENT)
         raw.expect_error(store(hashes=b"h" * 31), E.INVALID_ARGUMENT)
         raw.expect_error(store(salt=b"s" * 257), E.INVALID_ARGUMENT)
-        raw.expect_error(store(hashes=b"h" * 16 * 70_000, block_ids=b""), E.INVALID_ARGUMENT)
+        raw.expect_error(store(hashes=b"h" * 16 * 70_000, block_ids=b""), E.LIMIT_EXCEEDED)
         raw.expect_error(retrieve(block_ids=p.pack_block_ids([8, 9, 10, 11, 12, 13, 14, 2**20])),
                          E.INVALID_ARGUMENT)
         raw.expect_error(retrieve(block_ids=p.pack_block_ids([8, 9, 10, 11, 8, 9, 10, 11])), E.INVALID_ARGUMENT)
         raw.expect_error(p.encode(p.UnregisterKVCache(kv_id=1)), E.UNKNOWN_REGISTRATION)
-        for ws in (0, -1, 5000):
-            raw.expect_error(p.encode(p.Lookup(client_id=b"x", model="m", world_size=ws, hashes=b"")),
+        cid = b"c" * 16
+        for ws, code in ((0, E.INVALID_ARGUMENT), (-1, E.INVALID_ARGUMENT), (5000, E.LIMIT_EXCEEDED)):
+            raw.expect_error(p.encode(p.Lookup(client_id=cid, model="m", world_size=ws, hashes=b"")), code)
+        for bad_id in (b"", b"x", b"c" * 17):  # client ids are 16 bytes: state must belong to someone
+            raw.expect_error(p.encode(p.Lookup(client_id=bad_id, model="m", world_size=1, hashes=b"")),
                              E.INVALID_ARGUMENT)
-        raw.expect_error(p.encode(p.Release(client_id=b"x", model="m", world_size=1, hashes=b"abc")),
-                         E.INVALID_ARGUMENT)
+            raw.expect_error(p.encode(p.Hello(version=p.PROTOCOL_VERSION, client_id=bad_id)), E.INVALID_ARGUMENT)
+        raw.expect_error(p.encode(p.Release(client_id=cid, lease=1, hashes=b"abc")), E.INVALID_ARGUMENT)
         layer = h.described.layers[0]
         register = lambda **kw: p.encode(p.RegisterKVCache(**{  # noqa: E731
-            "client_id": b"raw", "model": "m", "world_size": 1, "rank": 0, "device": "cpu", "device_uuid": b"",
+            "client_id": b"raw-client-id-16", "model": "m", "world_size": 1, "rank": 0, "device": "cpu",
+            "device_uuid": b"",
             "layout": "auto", "layers": [layer], **kw}))
         mem = layer.memory
         bad_layers = {
@@ -442,6 +449,8 @@ def test_garbage_frames_get_typed_errors_while_another_client_works(shm_files, s
         raw.expect_error(register(layout="sideways"), E.INVALID_ARGUMENT)
         raw.expect_error(register(rank=2, world_size=2), E.INVALID_ARGUMENT)
         raw.expect_error(register(model=""), E.INVALID_ARGUMENT)
+        raw.expect_error(register(client_id=b""), E.INVALID_ARGUMENT)
+        raw.expect_error(register(layers=[layer] * (p.MAX_LAYERS + 1)), E.LIMIT_EXCEEDED)
         raw.expect_error(register(device="cuda"), E.UNSUPPORTED)
 
         # nothing was copied by any rejected request, and the good client still works
@@ -502,7 +511,7 @@ def _typed_requests(target):
             memory=p.MemoryRef(kind="shm", name=target["shm_name"], offset=off, size=target["shm_size"])),
         hostile(ss[0]), hostile(ss[1]), st.one_of(st.just(0), _int), st.one_of(st.just(2), _int)))
     deep_register = st.builds(  # everything valid but the layer geometry: reaches the layout code
-        p.RegisterKVCache, client_id=st.just(b"fuzz"), model=st.just("fuzz"), world_size=st.just(1),
+        p.RegisterKVCache, client_id=st.just(b"fuzz" * 4), model=st.just("fuzz"), world_size=st.just(1),
         rank=st.just(0), device=st.just("cpu"), device_uuid=st.just(b""),
         layout=st.sampled_from(["auto", "mha", "mla", "block_major", "opaque"]),
         layers=st.lists(deep_layer, min_size=1, max_size=2), block_size=st.one_of(st.just(0), _int))
@@ -516,11 +525,11 @@ def _typed_requests(target):
                   layers=st.lists(layer, max_size=3), block_size=_int),
         st.builds(p.UnregisterKVCache, kv_id=st.integers(0, 2**64 - 1)),
         st.builds(p.Store, kv_id=kv_ids, hashes=digests, block_ids=ids, event=st.binary(max_size=70), **common),
-        st.builds(p.Retrieve, kv_id=kv_ids, hashes=digests, block_ids=ids, reply_on_submit=st.booleans(), **common),
+        st.builds(p.Retrieve, kv_id=kv_ids, hashes=digests, block_ids=ids, reply_on_submit=st.booleans(),
+                  lease=st.integers(0, 2**64 - 1), deadline=st.floats(allow_nan=False), **common),
         st.builds(p.Lookup, client_id=st.binary(max_size=20), model=st.text(max_size=5), world_size=_int,
                   hashes=digests, lock=st.booleans(), **common),
-        st.builds(p.Release, client_id=st.binary(max_size=20), model=st.text(max_size=5), world_size=_int,
-                  hashes=digests, **common),
+        st.builds(p.Release, client_id=st.binary(max_size=20), lease=st.integers(0, 2**64 - 1), hashes=digests),
         st.builds(p.Ping, client_id=st.binary(max_size=20)),
         st.builds(p.Status),
         st.builds(p.Bye, client_id=st.binary(max_size=20)),

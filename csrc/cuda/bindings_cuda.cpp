@@ -29,6 +29,14 @@ Mode parse_mode(const std::string& m) {
   throw InvalidArgument(concat("unknown transfer mode '", m, "'"));
 }
 
+// Destroying an engine synchronises its streams and frees device memory: without the GIL.
+struct ReleaseGilDelete {
+  void operator()(TransferEngine* e) const {
+    py::gil_scoped_release nogil;
+    delete e;
+  }
+};
+
 }  // namespace
 }  // namespace lmc::cuda
 
@@ -36,8 +44,20 @@ void init_cuda_bindings(py::module_& m) {
   using namespace lmc;
   using namespace lmc::cuda;
   py::module_ c = m.def_submodule("cuda", "CUDA runtime helpers and the GPU transfer engine");
+  // Every call that may wait in the driver releases the GIL: the driver is busy for long stretches
+  // (cudaHostRegister of a slab while the arena pins), and the socket thread must keep answering.
   c.def("device_count", &device_count, "Visible CUDA devices (0 without driver or device)");
-  c.def("device_uuid", [](int d) { return py::bytes(device_uuid(d)); }, py::arg("device"));
+  c.def(
+      "device_uuid",
+      [](int d) {
+        std::string u;
+        {
+          py::gil_scoped_release nogil;
+          u = device_uuid(d);
+        }
+        return py::bytes(u);
+      },
+      py::arg("device"));
   c.def("device_name", &device_name, py::arg("device"));
   c.def("device_pci_bus_id", &device_pci_bus_id, py::arg("device"));
   c.def("device_by_uuid", [](const py::bytes& u) { return device_by_uuid(u); }, py::arg("uuid"));
@@ -47,31 +67,48 @@ void init_cuda_bindings(py::module_& m) {
   c.def(
       "export_memory",
       [](uintptr_t ptr) {
-        MemoryExport e = export_memory(ptr);
+        MemoryExport e;
+        {
+          py::gil_scoped_release nogil;
+          e = export_memory(ptr);
+        }
         return py::make_tuple(py::bytes(e.handle), e.offset, e.alloc_bytes, e.device);
       },
       py::arg("ptr"), "(handle, offset in allocation, allocation bytes, device) of a device pointer");
   c.def("address_range", [](uintptr_t p, int d) { return address_range(p, d); }, py::arg("ptr"),
-        py::arg("device") = -1,
+        py::arg("device") = -1, py::call_guard<py::gil_scoped_release>(),
         "(base, bytes) of the device allocation holding an address");
-  c.def("open_memory", [](const py::bytes& h, int d) { return open_memory(h, d); }, py::arg("handle"),
-        py::arg("device"), "Map another process's allocation; returns its base address");
-  c.def("close_memory", &close_memory, py::arg("base"), py::arg("device"));
+  c.def(
+      "open_memory",
+      [](const py::bytes& h, int d) {
+        std::string handle = h;
+        py::gil_scoped_release nogil;
+        return open_memory(handle, d);
+      },
+      py::arg("handle"), py::arg("device"), "Map another process's allocation; returns its base address");
+  c.def("close_memory", &close_memory, py::arg("base"), py::arg("device"), py::call_guard<py::gil_scoped_release>());
 
   c.def("create_event", &create_event, py::arg("device"), py::arg("interprocess") = true,
-        py::arg("blocking") = false);
-  c.def("destroy_event", &destroy_event, py::arg("event"));
+        py::arg("blocking") = false, py::call_guard<py::gil_scoped_release>());
+  c.def("destroy_event", &destroy_event, py::arg("event"), py::call_guard<py::gil_scoped_release>());
   c.def("event_ipc_handle", [](uintptr_t e) { return py::bytes(event_ipc_handle(e)); }, py::arg("event"));
-  c.def("open_event", [](const py::bytes& h, int d) { return open_event(h, d); }, py::arg("handle"), py::arg("device"));
-  c.def("record_event", &record_event, py::arg("event"), py::arg("stream"));
-  c.def("stream_wait_event", &stream_wait_event, py::arg("stream"), py::arg("event"));
+  c.def(
+      "open_event",
+      [](const py::bytes& h, int d) {
+        std::string handle = h;
+        py::gil_scoped_release nogil;
+        return open_event(handle, d);
+      },
+      py::arg("handle"), py::arg("device"));
+  c.def("record_event", &record_event, py::arg("event"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+  c.def("stream_wait_event", &stream_wait_event, py::arg("stream"), py::arg("event"), py::call_guard<py::gil_scoped_release>());
   c.def("event_synchronize", &event_synchronize, py::arg("event"), py::call_guard<py::gil_scoped_release>());
   c.def("event_query", &event_query, py::arg("event"));
-  c.def("create_stream", &create_stream, py::arg("device"), py::arg("high_priority") = false);
-  c.def("destroy_stream", &destroy_stream, py::arg("stream"));
+  c.def("create_stream", &create_stream, py::arg("device"), py::arg("high_priority") = false, py::call_guard<py::gil_scoped_release>());
+  c.def("destroy_stream", &destroy_stream, py::arg("stream"), py::call_guard<py::gil_scoped_release>());
   c.def("stream_synchronize", &stream_synchronize, py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 
-  py::class_<TransferEngine>(c, "TransferEngine")
+  py::class_<TransferEngine, std::unique_ptr<TransferEngine, ReleaseGilDelete>>(c, "TransferEngine")
       .def(py::init([](int device, const KVLayout& layout, int64_t chunk_size, int64_t staging_bytes, int direct_ctas,
                        int pack_ctas, int threads, bool blocking_sync) {
              EngineOptions o;
@@ -80,6 +117,7 @@ void init_cuda_bindings(py::module_& m) {
              o.pack_ctas = pack_ctas;
              o.threads = threads;
              o.blocking_sync = blocking_sync;
+             py::gil_scoped_release nogil;  // allocates the staging ring and streams: driver work
              return new TransferEngine(device, layout, chunk_size, o);
            }),
            py::arg("device"), py::arg("layout"), py::arg("chunk_size"), py::arg("staging_bytes") = 256ll << 20,

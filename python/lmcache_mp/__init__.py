@@ -4,7 +4,7 @@
 """
 
 from lmcache_mp._version import __version__
-from lmcache_mp.client import Client, KVCacheHandle, RetrieveResult, StoreResult
+from lmcache_mp.client import Client, KVCacheHandle, LookupResult, RetrieveResult, StoreResult
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.errors import LMCacheMPError, ProtocolMismatch, RequestError, ServerUnavailable
 from lmcache_mp.keys import chunk_hashes
@@ -16,6 +16,7 @@ __all__ = [
     "Client",
     "KVCacheHandle",
     "LMCacheMPError",
+    "LookupResult",
     "ProtocolMismatch",
     "RequestError",
     "RetrieveResult",

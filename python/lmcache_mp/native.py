@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from lmcache_mp import _C
 
 HostArena = _C.HostArena
+
+
+@contextlib.contextmanager
+def pinning_paused(arena: HostArena) -> Iterator[None]:
+    """Hold the arena's background pinning between slabs for the duration (GPU registrations)."""
+    arena.pause_pinning()
+    try:
+        yield
+    finally:
+        arena.resume_pinning()
 
 
 def build_info() -> dict[str, Any]:

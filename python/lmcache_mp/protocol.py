@@ -19,8 +19,18 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 16 << 20
+PROTOCOL_VERSION = 2  # 2: named leases (LOOKUP returns a lease id; RETRIEVE and RELEASE name it), deadlines
+
+# Per-request limits: what one request may name, so that its cost stays bounded. Larger requests
+# are answered with LIMIT_EXCEEDED (frames over MAX_MESSAGE_BYTES are dropped by the transport).
+CLIENT_ID_BYTES = 16
+MAX_CHUNKS = 1 << 16  # hashes in one request
+MAX_WORLD_SIZE = 256
+MAX_LAYERS = 1024
+MAX_LOOKUP_KEYS = 1 << 18  # hashes x world_size of one lookup
+MAX_NAME_BYTES = 1024  # model names
+MAX_SALT_BYTES = 256
+MAX_MESSAGE_BYTES = (4 << 20) + 4096
 # CPU KV caches live in files SHM_DIR/SHM_PREFIX* that the server maps by name.
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "lmcache_mp_"
@@ -60,6 +70,8 @@ class ErrorCode(enum.IntEnum):
     DEVICE_ERROR = 7  # the copy itself failed
     SHUTTING_DOWN = 8
     INTERNAL = 9
+    LIMIT_EXCEEDED = 10  # over a per-request or per-client limit (frame bytes, chunks, world size, leases)
+    DEADLINE_EXCEEDED = 11  # a retrieve's deadline passed before its copy started: nothing was written
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=False, forbid_unknown_fields=False):
@@ -130,6 +142,8 @@ class Retrieve(_Msg, tag=int(Op.RETRIEVE)):
     salt: bytes = b""
     event: bytes = b""  # IPC event to wait for before writing the blocks (CUDA)
     reply_on_submit: bool = False  # reply once queued, with a completion event to wait on
+    lease: int = 0  # the lookup lease this retrieve consumes (0: none)
+    deadline: float = 0.0  # CLOCK_MONOTONIC seconds after which no copy may start (0: none)
 
 
 class Lookup(_Msg, tag=int(Op.LOOKUP)):
@@ -142,11 +156,11 @@ class Lookup(_Msg, tag=int(Op.LOOKUP)):
 
 
 class Release(_Msg, tag=int(Op.RELEASE)):
+    """Drop what is left of a lease: on these chunks only, or on all of its chunks (no hashes)."""
+
     client_id: bytes
-    model: str
-    world_size: int
-    hashes: bytes
-    salt: bytes = b""
+    lease: int
+    hashes: bytes = b""
 
 
 class Clear(_Msg, tag=int(Op.CLEAR)):
@@ -184,6 +198,7 @@ class HelloReply(_Msg, tag=int(Op.HELLO)):
     chunk_size: int
     device: str
     capabilities: list[str] = []
+    lease_ttl: float = 0.0  # seconds a lookup lease lives unless retrieves or a release end it
 
 
 class RegisterReply(_Msg, tag=int(Op.REGISTER_KV_CACHE)):
@@ -213,10 +228,11 @@ class RetrieveReply(_Msg, tag=int(Op.RETRIEVE)):
 
 class LookupReply(_Msg, tag=int(Op.LOOKUP)):
     hits: int
+    lease: int = 0  # with lock and hits: the lease on the found prefix, for retrieves and release
 
 
 class ReleaseReply(_Msg, tag=int(Op.RELEASE)):
-    released: int
+    released: int  # objects the lease no longer holds
 
 
 class ClearReply(_Msg, tag=int(Op.CLEAR)):
@@ -268,6 +284,14 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+def too_large(msg: msgspec.Struct, size: int) -> Exception:
+    """What a client raises instead of sending a message the transport would drop."""
+    from lmcache_mp.errors import RequestError
+
+    return RequestError(int(ErrorCode.LIMIT_EXCEEDED), f"a {type(msg).__name__} of {size} bytes is over the "
+                                                       f"{MAX_MESSAGE_BYTES}-byte message limit")
+
+
 def pack_request_id(request_id: int) -> bytes:
     return _REQ_ID.pack(request_id)
 
@@ -276,8 +300,42 @@ def unpack_request_id(frame: bytes) -> int:
     return _REQ_ID.unpack(frame)[0]
 
 
+# Largest body per op: decoding is the one cost the server pays before it can check a field, so
+# ops that carry lists of structs get small frames (1,000 layers of a registration take ~1 ms).
+_SMALL_FRAME = 1024
+MAX_FRAME_BYTES = {
+    Op.HELLO: 4096,
+    Op.REGISTER_KV_CACHE: 128 << 10,
+    Op.STORE: MAX_MESSAGE_BYTES,
+    Op.RETRIEVE: MAX_MESSAGE_BYTES,
+    Op.LOOKUP: MAX_CHUNKS * 16 + 2048,
+    Op.RELEASE: MAX_CHUNKS * 16 + 1024,
+}
+
+
+def peek_op(body: bytes) -> int | None:
+    """The tag of an encoded body without decoding it (None if it is not a tagged array)."""
+    if not body:
+        return None
+    head = body[0]
+    if 0x90 <= head <= 0x9F:
+        at = 1
+    elif head == 0xDC:
+        at = 3
+    elif head == 0xDD:
+        at = 5
+    else:
+        return None
+    return body[at] if len(body) > at and body[at] <= 0x7F else None
+
+
 def decode_request(body: bytes) -> Request:
-    """Decode a request body, or raise FrameError(BAD_REQUEST or UNKNOWN_OP)."""
+    """Decode a request body, or raise FrameError(BAD_REQUEST, UNKNOWN_OP or LIMIT_EXCEEDED)."""
+    op = peek_op(body)
+    limit = MAX_FRAME_BYTES.get(op, _SMALL_FRAME) if op is not None else MAX_MESSAGE_BYTES
+    if len(body) > limit:
+        name = Op(op).name if op in Op._value2member_map_ else f"op {op}"
+        raise FrameError(ErrorCode.LIMIT_EXCEEDED, f"a {name} request may be at most {limit} bytes, got {len(body)}")
     try:
         return _request_decoder.decode(body)
     except msgspec.ValidationError as e:

@@ -1,5 +1,6 @@
 """The client library for engine workers."""
 
 from lmcache_mp.client.client import Client, KVCacheHandle, RetrieveResult, StoreResult
+from lmcache_mp.client.leases import LookupResult
 
-__all__ = ["Client", "KVCacheHandle", "RetrieveResult", "StoreResult"]
+__all__ = ["Client", "KVCacheHandle", "LookupResult", "RetrieveResult", "StoreResult"]

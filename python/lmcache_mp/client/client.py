@@ -24,6 +24,7 @@ import zmq
 from lmcache_mp import protocol as p
 from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_stream
 from lmcache_mp.client.io_thread import IOThread
+from lmcache_mp.client.leases import HeldLeases, LookupResult
 from lmcache_mp.client.tensors import DescribedCache, describe_kv_caches
 from lmcache_mp.errors import ProtocolMismatch, RequestError, ServerUnavailable
 from lmcache_mp.keys import DIGEST_BYTES, pack_hashes
@@ -124,6 +125,7 @@ class Client:
         self.server_info = {f: getattr(hello, f) for f in hello.__struct_fields__}
         self.chunk_size: int = hello.chunk_size
         self.session_id: bytes = hello.session_id
+        self._leases = HeldLeases(hello.lease_ttl)
         ref = weakref.ref(self)  # the I/O thread must not keep a dropped client alive
 
         def heartbeat():
@@ -160,8 +162,11 @@ class Client:
             sock.setsockopt(zmq.RCVTIMEO, ms)
             self._local.timeout_ms = ms
         deadline = time.monotonic() + timeout
+        body = p.encode(msg)
+        if len(body) > p.MAX_MESSAGE_BYTES:
+            raise p.too_large(msg, len(body))
         try:
-            sock.send_multipart((p.pack_request_id(rid), p.encode(msg)))
+            sock.send_multipart((p.pack_request_id(rid), body))
         except zmq.Again:
             raise ServerUnavailable(f"no server reachable at {self.url} within {timeout:.3g} s") from None
         while True:
@@ -181,19 +186,45 @@ class Client:
         return self._call(msg, p.HelloReply, timeout)
 
     def lookup(self, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1, lock: bool = False,
-               salt: bytes = b"", timeout: float | None = None) -> int:
-        """Leading chunks present for every rank of (model, world_size). lock=True leases them
-        until a retrieve consumes them, release(), this client's close, or the server's TTL."""
-        msg = p.Lookup(client_id=self.client_id, model=model, world_size=world_size, hashes=pack_hashes(hashes),
-                       lock=lock, salt=salt)
-        return self._call(msg, p.LookupReply, timeout).hits
+               salt: bytes = b"", timeout: float | None = None) -> LookupResult:
+        """Leading chunks present for every rank of (model, world_size), as an int. lock=True
+        leases them: pass `result.lease` to the retrieves that read them (each read consumes
+        the lease's use of what it reads) and to release(); it also ends at the server's TTL or
+        when this client closes."""
+        packed = pack_hashes(hashes)
+        msg = p.Lookup(client_id=self.client_id, model=model, world_size=world_size, hashes=packed, lock=lock,
+                       salt=salt)
+        r = self._call(msg, p.LookupReply, timeout)
+        if r.lease:
+            n = r.hits
+            self._leases.add(r.lease, model, world_size, salt,
+                             [packed[i:i + DIGEST_BYTES] for i in range(0, n * DIGEST_BYTES, DIGEST_BYTES)])
+        return LookupResult(r.hits, r.lease)
 
-    def release(self, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1, salt: bytes = b"",
+    def release(self, hashes: bytes | Iterable[bytes] | None = None, *, lease: int | None = None,
+                model: str | None = None, world_size: int = 1, salt: bytes = b"",
                 timeout: float | None = None) -> int:
-        """Drop this client's lookup leases on these chunks; returns the leases dropped."""
-        msg = p.Release(client_id=self.client_id, model=model, world_size=world_size, hashes=pack_hashes(hashes),
-                        salt=salt)
-        return self._call(msg, p.ReleaseReply, timeout).released
+        """Drop lookup leases not consumed by retrieves; returns the objects let go.
+
+        With `lease` (an id, or the LookupResult): that lease, on `hashes` only if given. Without:
+        this client's own leases on `hashes` of (model, world_size, salt)."""
+        packed = pack_hashes(hashes) if hashes is not None else b""
+        if lease is not None:
+            lease = int(getattr(lease, "lease", lease))
+            if not packed:
+                self._leases.forget(lease)
+            return self._release_one(lease, packed, timeout)
+        if model is None:
+            raise ValueError("release() needs a lease, or the model (and hashes) of this client's leases")
+        digests = [packed[i:i + DIGEST_BYTES] for i in range(0, len(packed), DIGEST_BYTES)]
+        return sum(self._release_one(held, b"".join(mine), timeout)
+                   for held, mine in self._leases.matching(model, world_size, salt, digests))
+
+    def _release_one(self, lease: int, packed: bytes, timeout: float | None) -> int:
+        if not lease:
+            return 0
+        return self._call(p.Release(client_id=self.client_id, lease=lease, hashes=packed), p.ReleaseReply,
+                          timeout).released
 
     def ping(self, timeout: float | None = None) -> float:
         """Round-trip seconds."""
@@ -276,9 +307,16 @@ class Client:
         return self._async(msg, timeout, convert, settled)
 
     def retrieve(self, handle: KVCacheHandle, hashes: bytes | Iterable[bytes], block_ids, *, salt: bytes = b"",
-                 stream: Any = None, wait: str = "host", timeout: float | None = None) -> "Future[RetrieveResult]":
+                 stream: Any = None, wait: str = "host", lease: int = 0, deadline: float | None = None,
+                 timeout: float | None = None) -> "Future[RetrieveResult]":
         """Load the leading stored chunks into these blocks; result.loaded says how many.
 
+        `lease`: the LookupResult (or its lease id) of the lookup that found them; this read
+        consumes that lease's use of what it reads. `deadline` (a time.monotonic() value): the
+        server starts no copy after it and answers DEADLINE_EXCEEDED instead. The future of a
+        retrieve with a deadline does not time out here: it resolves once the server answered
+        (or this client closed, or the server restarted), so a caller that gives up at the
+        deadline can tell when the blocks are surely no longer written.
         CUDA: the server waits for the work queued so far on `stream` before writing. wait="host"
         resolves the future when the bytes are in the blocks; wait="stream" resolves it as soon as
         `stream` has been made to wait for the copy (the host never blocks on the copy)."""
@@ -292,7 +330,8 @@ class Client:
             settled = lambda: handle.events.give_back(event)  # noqa: E731
         early = wait == "stream" and handle.device == "cuda"
         msg = p.Retrieve(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle,
-                         reply_on_submit=early)
+                         reply_on_submit=early, lease=int(getattr(lease, "lease", lease) or 0),
+                         deadline=float(deadline or 0.0))
 
         def convert(reply: Any) -> RetrieveResult:
             r = self._checked(reply, p.RetrieveReply)
@@ -303,7 +342,7 @@ class Client:
                 _C.cuda.stream_wait_event(stream_ptr, self._opened.get(dev, r.event))
             return RetrieveResult(r.loaded)
 
-        return self._async(msg, timeout, convert, settled)
+        return self._async(msg, timeout, convert, settled, expires=deadline is None)
 
     @staticmethod
     def _stream_ptr(handle: KVCacheHandle, stream: Any) -> int:
@@ -311,10 +350,10 @@ class Client:
             return current_stream(handle.described.device_index)
         return int(getattr(stream, "cuda_stream", stream))
 
-    def _async(self, msg: p._Msg, timeout: float | None, convert, settled) -> Future:
+    def _async(self, msg: p._Msg, timeout: float | None, convert, settled, expires: bool = True) -> Future:
         if self._closed or self._io is None:
             raise ServerUnavailable("the client is closed")
-        return self._io.request(msg, self.timeout if timeout is None else timeout, convert, settled)
+        return self._io.request(msg, self.timeout if timeout is None else timeout, convert, settled, expires)
 
     def _checked(self, reply: Any, expected: type) -> Any:
         if isinstance(reply, p.Error) and reply.code == p.ErrorCode.UNKNOWN_REGISTRATION:

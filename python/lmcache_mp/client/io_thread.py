@@ -29,14 +29,15 @@ Converter = Callable[[Any], Any]
 
 
 class _Pending:
-    __slots__ = ("future", "convert", "deadline", "what", "on_settled")
+    __slots__ = ("future", "convert", "deadline", "what", "on_settled", "expires")
 
-    def __init__(self, future: Future, convert: Converter, deadline: float, what: str, on_settled):
+    def __init__(self, future: Future, convert: Converter, deadline: float, what: str, on_settled, expires: bool):
         self.future = future
         self.convert = convert
-        self.deadline = deadline
+        self.deadline = deadline  # to be sent by then; once sent, answered by then if `expires`
         self.what = what
         self.on_settled = on_settled
+        self.expires = expires
 
 
 class IOThread:
@@ -63,16 +64,22 @@ class IOThread:
         self._thread.start()
 
     def request(self, msg: p._Msg, timeout: float, convert: Converter,
-                on_settled: Callable[[], None] | None = None) -> Future:
+                on_settled: Callable[[], None] | None = None, expires: bool = True) -> Future:
         """Queue msg; the future gets convert(reply), or an error. on_settled runs once the
-        request is answered, failed or timed out (e.g. to return a pooled event)."""
+        request is answered, failed or timed out (e.g. to return a pooled event). expires=False:
+        once sent, the request waits for its reply however long it takes (it still fails when
+        it cannot be sent within `timeout`, when the client closes, or on fail_all)."""
         fut: Future = Future()
         if self._stop:
             fut.set_exception(ServerUnavailable("the client is closed"))
             return fut
+        body = p.encode(msg)
+        if len(body) > p.MAX_MESSAGE_BYTES:
+            fut.set_exception(p.too_large(msg, len(body)))
+            return fut
         rid = next(self._ids)
-        self._inbox.append((rid, p.encode(msg), _Pending(fut, convert, time.monotonic() + timeout,
-                                                         type(msg).__name__, on_settled)))
+        self._inbox.append((rid, body, _Pending(fut, convert, time.monotonic() + timeout, type(msg).__name__,
+                                                on_settled, expires)))
         self._wakeup()
         return fut
 
@@ -125,7 +132,8 @@ class IOThread:
                 continue
             self._unsent.popleft()
             self._pending[rid] = pend
-            heapq.heappush(self._deadlines, (pend.deadline, rid))
+            if pend.expires:
+                heapq.heappush(self._deadlines, (pend.deadline, rid))
 
     def _receive(self) -> None:
         while True:

@@ -66,12 +66,14 @@ class Transfer:
     `num_scratch_blocks` of them are a scratch block: the engine already holds those tokens
     (a local prefix hit ending inside the first chunk), so their bytes are written where
     nothing reads them. A load without hashes is one the scheduler could not plan: the worker
-    reports all its blocks as failed."""
+    reports all its blocks as failed. `lease`: the scheduler's lookup lease on a load's chunks,
+    which the workers' retrieves consume."""
 
     req_id: str
     hashes: list[bytes]
     block_ids: list[int]
     num_scratch_blocks: int = 0
+    lease: int = 0
 
 
 @dataclass

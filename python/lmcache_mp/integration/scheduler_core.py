@@ -31,8 +31,11 @@ class _Tracked:
     looked_up: bool = False
     hit_chunks: int = 0
     leased_chunks: int = 0  # leading chunks leased by our lookup and not yet loaded/released
+    lease: int = 0  # the server's id of that lease
     stored_chunks: int = 0  # leading chunks known to be on the server or planned to be stored
-    has_stores: bool = False  # a store was ever planned (the workers then report it finished)
+    # A store or load was ever planned: the workers then report the request finished once the
+    # server answered them all, and its blocks stay allocated until then.
+    has_transfers: bool = False
     block_ids: list[int] = field(default_factory=list)
 
 
@@ -95,8 +98,9 @@ class SchedulerCore:
             tr.hashes = chunk_hashes(tokens, chunk_size, salt=tr.salt)
         return tr.hashes[:num_chunks]
 
-    def _release(self, hashes: list[bytes], client=None) -> None:
-        if not hashes:
+    def _release(self, lease: int, hashes: list[bytes] | None = None, client=None) -> None:
+        """Drop what is left of a lease (on these chunks only, if given), off the scheduler's thread."""
+        if not lease:
             return
         client = client or self.link.get()
         if client is None:
@@ -105,8 +109,7 @@ class SchedulerCore:
         def run():
             try:
                 # Short timeout: a lease we fail to drop only lives until its TTL or our goodbye.
-                client.release(hashes, model=self.cfg.model, world_size=self.cfg.world_size,
-                               timeout=max(1.0, self.cfg.lookup_timeout))
+                client.release(hashes, lease=lease, timeout=max(1.0, self.cfg.lookup_timeout))
             except LMCacheMPError as exc:
                 logger.debug("lmcache-mp: release failed: %s", exc)
 
@@ -115,8 +118,10 @@ class SchedulerCore:
     def _drop_lease(self, tr: _Tracked, upto: int | None = None) -> None:
         """Release the leased chunks [0, upto) (all by default); the rest is left to a load."""
         if tr.leased_chunks and self._chunk_size:
-            n = tr.leased_chunks if upto is None else min(upto, tr.leased_chunks)
-            self._release(tr.hashes[:n])
+            if upto is None or upto >= tr.leased_chunks:
+                self._release(tr.lease)
+            elif upto > 0:
+                self._release(tr.lease, tr.hashes[:upto])
         tr.leased_chunks = 0
 
     # ---- engine hooks ---------------------------------------------------------------------
@@ -169,18 +174,17 @@ class SchedulerCore:
         hashes = self._hashes(tr, max_chunks, cs)
         self.stats["lookups"] += 1
         try:
-            n = int(
-                client.lookup(
-                    hashes,
-                    model=self.cfg.model,
-                    world_size=self.cfg.world_size,
-                    lock=True,
-                    timeout=self.cfg.lookup_timeout,
-                )
+            found = client.lookup(
+                hashes,
+                model=self.cfg.model,
+                world_size=self.cfg.world_size,
+                lock=True,
+                timeout=self.cfg.lookup_timeout,
             )
         except ServerUnavailable as exc:
+            # Should the lookup still land, its lease (whose id we never learn) ends with its
+            # TTL or when the server stops hearing from us.
             self.link.report_failure(exc)
-            self._release(hashes, client)  # in case the lookup still lands and leases them
             return
         except LMCacheMPError as exc:
             if not self._error_logged:
@@ -188,7 +192,7 @@ class SchedulerCore:
                 self._error_logged = True
             return
         self.link.report_success()
-        n = max(0, min(n, max_chunks))
+        n = max(0, min(int(found), max_chunks))
         self.stats["hit_tokens"] += n * cs
         self.stats["lookup_tokens"] += max_chunks * cs
         if n and not self._first_hit_logged:
@@ -198,6 +202,7 @@ class SchedulerCore:
         self._log_hits()
         tr.hit_chunks = n
         tr.leased_chunks = n
+        tr.lease = found.lease
         tr.stored_chunks = n
 
     def _log_hits(self, every: float = 30.0) -> None:
@@ -253,6 +258,7 @@ class SchedulerCore:
             # engine recomputes the tokens it was promised.
             bad = tr.block_ids[max(start, 0) // bs : -(-hit_end // bs)]
             self._pending_loads.append(Transfer(req_id=req_id, hashes=[], block_ids=bad))
+            tr.has_transfers = True
             return
         scratch = start // bs - first * bpc
         if scratch and self.scratch_block_id is not None:
@@ -260,10 +266,12 @@ class SchedulerCore:
         else:
             scratch = 0
         self._pending_loads.append(
-            Transfer(req_id=req_id, hashes=tr.hashes[first : tr.hit_chunks], block_ids=blocks, num_scratch_blocks=scratch)
+            Transfer(req_id=req_id, hashes=tr.hashes[first : tr.hit_chunks], block_ids=blocks,
+                     num_scratch_blocks=scratch, lease=tr.lease)
         )
+        tr.has_transfers = True
         self.stats["load_tokens"] += num_external_tokens
-        self._drop_lease(tr, upto=first)  # the load consumes the leases of chunks [first, hit)
+        self._drop_lease(tr, upto=first)  # the load consumes the lease on chunks [first, hit)
 
     def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
         plan = StepPlan(loads=self._pending_loads, preempted=list(preempted))
@@ -299,17 +307,17 @@ class SchedulerCore:
             plan.stores.append(Transfer(req_id=s.req_id, hashes=hashes[tr.stored_chunks : end], block_ids=blocks))
             self.stats["store_chunks"] += end - tr.stored_chunks
             tr.stored_chunks = end
-            tr.has_stores = True
+            tr.has_transfers = True
         return plan
 
     def request_finished(self, req_id: str) -> bool:
-        """Forget the request; True if stores were planned (keep its blocks until the workers
-        report it finished)."""
+        """Forget the request; True if stores or loads were planned: keep its blocks until the
+        workers report it finished (the server then writes none of them any more)."""
         tr = self._requests.pop(req_id, None)
         if tr is None:
             return False
         self._drop_lease(tr)
-        return tr.has_stores
+        return tr.has_transfers
 
     def flush_releases(self, timeout: float | None = None) -> None:
         """Wait until the releases queued so far reached the server."""

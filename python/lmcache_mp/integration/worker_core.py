@@ -58,9 +58,13 @@ class WorkerCore:
         self._handle_client = None
         self._blocks_per_block = 1
         self._stores: dict[str, list[cf.Future]] = {}  # req -> store futures not yet reported
-        self._with_stores: set[str] = set()  # requests that had a store planned
+        # req -> loads given up on at their deadline whose answer has not come: the server may
+        # still be writing their blocks, so the request is not reported finished before it does
+        self._unsettled: dict[str, list[cf.Future]] = {}
+        self._delayed: set[str] = set()  # requests that had a store or load planned
         self._finishing: set[str] = set()
         self._loading: list[tuple[Transfer, cf.Future | None]] = []
+        self._load_deadline = 0.0
         self._load_errors: set[int] = set()
         self._store_failure_logged = False
         self._load_failure_logged = False
@@ -130,20 +134,25 @@ class WorkerCore:
 
     def start_loads(self, plan: StepPlan) -> None:
         client = self._client() if plan.loads else None
+        # The server starts no copy after this deadline, the moment we stop waiting.
+        self._load_deadline = time.monotonic() + self.cfg.load_timeout
         for t in plan.loads:
+            self._delayed.add(t.req_id)
             fut = None
             if client is not None and t.hashes:
                 try:
-                    fut = client.retrieve(self._handle, t.hashes, self._tensor_block_ids(t.block_ids))
+                    fut = client.retrieve(self._handle, t.hashes, self._tensor_block_ids(t.block_ids), lease=t.lease,
+                                          deadline=self._load_deadline)
                 except (LMCacheMPError, ValueError) as exc:
                     self._note_failure(exc, slow=False)
             self._loading.append((t, fut))
 
     def wait_loads(self) -> None:
-        """Block until this step's loads landed; record the blocks of every chunk not loaded."""
+        """Block until this step's loads landed or their deadline passed; record the blocks of
+        every chunk not loaded (the engine recomputes them)."""
         if not self._loading:
             return
-        deadline = time.monotonic() + self.cfg.load_timeout
+        deadline = self._load_deadline
         loading, self._loading = self._loading, []
         for t, fut in loading:
             loaded = 0
@@ -152,8 +161,10 @@ class WorkerCore:
                 try:
                     loaded = int(fut.result(timeout=max(0.0, deadline - t0)).loaded)
                 except cf.TimeoutError:
-                    # The engine recomputes these blocks; should the copy still land, it
-                    # writes the same KV the recomputation does.
+                    # A copy that started before the deadline may still be writing (a stalled
+                    # server): the request keeps its blocks until the server answers. While it
+                    # runs the engine recomputes the same KV into them.
+                    self._unsettled.setdefault(t.req_id, []).append(fut)
                     self.link.report_failure(ServerUnavailable("load timed out"))
                 except Exception as exc:  # noqa: BLE001 - any failure is a miss, never a crash
                     self._note_failure(exc, slow=time.monotonic() - t0 > 1.0)
@@ -175,7 +186,7 @@ class WorkerCore:
     def start_stores(self, plan: StepPlan) -> None:
         client = self._client() if plan.stores and self.issues_stores else None
         for t in plan.stores:
-            self._with_stores.add(t.req_id)
+            self._delayed.add(t.req_id)
             if client is None:
                 continue
             try:
@@ -226,16 +237,17 @@ class WorkerCore:
             self.wait_stores(plan.preempted)
 
     def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """Requests that finished and whose stores are all done (each reported once)."""
-        self._finishing.update(r for r in finished_req_ids if r in self._with_stores)
+        """Requests that finished and whose stores and loads the server has all answered (each
+        reported once): only then may the engine give their blocks to another request."""
+        self._finishing.update(r for r in finished_req_ids if r in self._delayed)
         done = set()
         for rid in self._finishing:
-            futures = self._stores.get(rid, ())
-            if all(f.done() for f in futures):
+            if all(f.done() for f in self._stores.get(rid, ())) and all(f.done() for f in self._unsettled.get(rid, ())):
                 done.add(rid)
         for rid in done:
             self._reap(self._stores.pop(rid, []))
-            self._with_stores.discard(rid)
+            self._unsettled.pop(rid, None)
+            self._delayed.discard(rid)
         self._finishing -= done
         return done
 

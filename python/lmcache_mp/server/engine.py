@@ -1,10 +1,13 @@
 """MPCacheEngine: registrations, store, retrieve, lookup and leases over the L1 host arena.
 
-Requests arrive from the transport with a `reply` callable. Cheap requests (hello, ping,
-lookup, release, status, clear) are answered at once on the caller's thread. Work on a
-registration (store, retrieve, unregister) runs on that registration's worker thread; on the
-GPU the worker only validates and enqueues the copy, and a completion thread replies once the
-bytes have landed, so one registration keeps several requests in flight.
+Requests arrive from the transport with a `reply` callable. The socket thread only does what is
+cheap and bounded: handshakes, pings, status, small lookups, and the checks of scalar fields.
+Work on a registration (opening it, store, retrieve, unregister) runs on that registration's
+worker thread; on the GPU the worker only validates and enqueues the copy, and a completion
+thread replies once the bytes have landed, so one registration keeps several requests in flight.
+Everything else that grows with its input (large lookups, releases, clear, lease expiry,
+forgetting a client) runs on one housekeeping thread, a slice at a time (see storage/l1.py), so
+no request keeps the socket thread or the L1 lock for more than a few milliseconds.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 from lmcache_mp import protocol as p
 from lmcache_mp._version import __version__
 from lmcache_mp.config import ServerConfig, format_size
-from lmcache_mp.native import HostArena, set_cpu_threads
+from lmcache_mp.native import HostArena, pinning_paused, set_cpu_threads
 from lmcache_mp.server.contexts import (
     CPUCacheContext,
     GPUCacheContext,
@@ -33,13 +36,16 @@ from lmcache_mp.server.contexts import (
 )
 from lmcache_mp.server.devices import gpu_numa_node, resolve_device
 from lmcache_mp.server.policy import choose_transfer_mode
-from lmcache_mp.server.validation import RequestFailure, chunk_request, invalid, lookup_digests
+from lmcache_mp.server import validation as check
+from lmcache_mp.server.validation import RequestFailure, chunk_request, invalid, over_limit
 from lmcache_mp.server.workers import CompletionWaiter, SerialWorker
 from lmcache_mp.storage.l1 import L1Store
+from lmcache_mp.storage.leases import TooManyLeases
 
 logger = logging.getLogger(__name__)
 
 Reply = Callable[[p._Msg], None]
+INLINE_LOOKUP_KEYS = 2048  # lookups of at most this many keys (hashes x ranks) run on the socket thread
 
 
 class _Entry:
@@ -73,6 +79,7 @@ class MPCacheEngine:
             from lmcache_mp import _C
 
             self._uuids = {_C.cuda.device_uuid(i): i for i in range(_C.cuda.device_count())}
+        self._bulk = SerialWorker("lmcache-housekeeping")
         self._close_hooks: list[Callable[[], None]] = []
         self._closed = False
         self.started = time.time()
@@ -99,6 +106,21 @@ class MPCacheEngine:
             logger.exception("internal error handling %s", type(msg).__name__)
             reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
 
+    @staticmethod
+    def _job(reply: Reply, fn: Callable[[], None]) -> Callable[[], None]:
+        """fn for a worker thread: whatever it raises still becomes the request's one reply."""
+
+        def run() -> None:
+            try:
+                fn()
+            except RequestFailure as e:
+                reply(p.Error(code=int(e.code), message=str(e)))
+            except Exception as e:
+                logger.exception("internal error in a queued request")
+                reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
+
+        return run
+
     def _touch(self, client_id: bytes) -> None:
         if client_id:
             self._clients[client_id] = time.monotonic()
@@ -109,29 +131,33 @@ class MPCacheEngine:
                 p.ErrorCode.PROTOCOL_MISMATCH,
                 f"client speaks protocol {msg.version}, server {p.PROTOCOL_VERSION}: upgrade the older side",
             )
-        self._touch(msg.client_id)
+        self._touch(check.client_id(msg.client_id))
         logger.debug("hello from %s (pid %d)", msg.client_name or msg.client_id.hex(), msg.pid)
         reply(p.HelloReply(protocol_version=p.PROTOCOL_VERSION, server_version=__version__,
                            session_id=self.session_id, chunk_size=self.config.chunk_size, device=self.device,
-                           capabilities=["lookup_lock", "reply_on_submit"]))
+                           capabilities=["lookup_lock", "reply_on_submit", "named_leases", "deadlines"],
+                           lease_ttl=self.config.lease_ttl))
 
     def _ping(self, msg: p.Ping, reply: Reply) -> None:
-        self._touch(msg.client_id)
+        self._touch(check.client_id(msg.client_id, required=False))
         reply(p.PingReply(session_id=self.session_id))
 
     def _status(self, msg: p.Status, reply: Reply) -> None:
         reply(p.StatusReply(status=self.status()))
 
     def _clear(self, msg: p.Clear, reply: Reply) -> None:
-        reply(p.ClearReply(removed=self.clear()))
+        self._bulk.submit(self._job(reply, lambda: reply(p.ClearReply(removed=self.clear()))))
 
     # ---- registration ------------------------------------------------------------------------
 
     def register_kv_cache(self, msg: p.RegisterKVCache, reply: Reply) -> None:
-        if not (1 <= msg.world_size <= 4096 and 0 <= msg.rank < msg.world_size):
+        cid = check.client_id(msg.client_id)
+        check.world_size(msg.world_size)
+        if not 0 <= msg.rank < msg.world_size:
             raise invalid(f"rank {msg.rank} / world_size {msg.world_size} is not a valid pair")
-        if not msg.model or len(msg.model) > 1024:
-            raise invalid("model must be a non-empty name of at most 1024 characters")
+        check.names(msg.model)
+        if len(msg.layers) > p.MAX_LAYERS:
+            raise over_limit(f"{len(msg.layers)} layers, over the limit of {p.MAX_LAYERS}")
         if msg.device not in ("cpu", "cuda"):
             raise invalid(f"device must be 'cpu' or 'cuda', got {msg.device!r}")
         if msg.device != self.device:
@@ -139,23 +165,14 @@ class MPCacheEngine:
                 p.ErrorCode.UNSUPPORTED,
                 f"this server runs on the {self.device} device; it cannot take a {msg.device} KV cache",
             )
-        try:
-            spec = describe_layers(msg)
-        except RegistrationError as e:
-            raise invalid(str(e)) from None
-        if self.config.chunk_size % spec.block_size:
-            raise invalid(f"block size {spec.block_size} does not divide the chunk size {self.config.chunk_size}")
-        self._touch(msg.client_id)
+        self._touch(cid)
         kv_id = secrets.randbits(63)  # unguessable, never reused: a stale id cannot hit another cache
-        reg = Registration(kv_id=kv_id, client_id=msg.client_id, model=msg.model, world_size=msg.world_size,
-                           rank=msg.rank, spec=spec, chunk_size=self.config.chunk_size)
-        if reg.object_bytes > self.arena.slab_bytes:
-            raise invalid(f"one chunk of this cache is {format_size(reg.object_bytes)}, more than a slab "
-                          f"({format_size(self.arena.slab_bytes)}): raise --slab-size or lower --chunk-size")
         worker = SerialWorker(f"lmcache-kv-{kv_id & 0xFFFF:04x}")
 
-        def open_context() -> None:
+        def open_context() -> None:  # on the registration's own thread: the socket thread goes on
+            ctx = None
             try:
+                reg = self._registration(kv_id, msg)
                 if self.device == "cpu":
                     ctx = CPUCacheContext(reg, msg)
                 else:
@@ -163,23 +180,33 @@ class MPCacheEngine:
                     if dev is None:
                         raise RegistrationError("the KV cache is on a GPU this server cannot see "
                                                 f"(uuid {msg.device_uuid.hex()}); check CUDA_VISIBLE_DEVICES")
-                    ctx = GPUCacheContext(reg, msg, dev, self._ipc, self._events, self.config.transfer_mode,
-                                          choose_transfer_mode, self.config.staging_size, self.config.direct_ctas)
-            except RegistrationError as e:
-                worker.stop()
-                reply(p.Error(code=int(p.ErrorCode.INVALID_ARGUMENT), message=str(e)))
+                    with pinning_paused(self.arena):  # pinning holds the driver; registering needs it
+                        ctx = GPUCacheContext(reg, msg, dev, self._ipc, self._events, self.config.transfer_mode,
+                                              choose_transfer_mode, self.config.staging_size, self.config.direct_ctas)
+                entry = _Entry(ctx, worker)
+                if self.device == "cuda":
+                    entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", ctx.engine.wait)
+                    entry.retrieve_done = CompletionWaiter(f"lmcache-load-{kv_id & 0xFFFF:04x}", ctx.engine.wait)
+                with self._lock:  # a client forgotten meanwhile must not leave a registration behind
+                    alive = cid in self._clients and not self._closed
+                    if alive:
+                        self._entries[kv_id] = entry
+                if not alive:
+                    for waiter in (entry.store_done, entry.retrieve_done):
+                        if waiter is not None:
+                            waiter.stop()
+                    raise RegistrationError("the client went away while its KV cache was being registered")
+            except (RegistrationError, RequestFailure) as e:
+                self._abandon(ctx, worker)
+                code = e.code if isinstance(e, RequestFailure) else p.ErrorCode.INVALID_ARGUMENT
+                reply(p.Error(code=int(code), message=str(e)))
                 return
             except Exception as e:  # every request gets a reply, even on a bug here
-                worker.stop()
+                self._abandon(ctx, worker)
                 logger.exception("internal error registering a KV cache")
                 reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
                 return
-            entry = _Entry(ctx, worker)
-            if self.device == "cuda":
-                entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", ctx.engine.wait)
-                entry.retrieve_done = CompletionWaiter(f"lmcache-load-{kv_id & 0xFFFF:04x}", ctx.engine.wait)
-            with self._lock:
-                self._entries[kv_id] = entry
+            spec = reg.spec
             logger.info("registered %s KV cache: model %s rank %d/%d, %d layers x %d blocks of %d tokens, "
                         "%s, %s per chunk, transfer mode %s", spec.kind, reg.model, reg.rank, reg.world_size,
                         spec.num_layers, spec.num_blocks, spec.block_size, spec.dtype,
@@ -189,6 +216,25 @@ class MPCacheEngine:
                                   num_blocks=spec.num_blocks))
 
         worker.submit(open_context)
+
+    def _registration(self, kv_id: int, msg: p.RegisterKVCache) -> Registration:
+        spec = describe_layers(msg)
+        if self.config.chunk_size % spec.block_size:
+            raise RegistrationError(f"block size {spec.block_size} does not divide the chunk size "
+                                    f"{self.config.chunk_size}")
+        reg = Registration(kv_id=kv_id, client_id=msg.client_id, model=msg.model, world_size=msg.world_size,
+                           rank=msg.rank, spec=spec, chunk_size=self.config.chunk_size)
+        if reg.object_bytes > self.arena.slab_bytes:
+            raise RegistrationError(f"one chunk of this cache is {format_size(reg.object_bytes)}, more than a slab "
+                                    f"({format_size(self.arena.slab_bytes)}): raise --slab-size or lower "
+                                    "--chunk-size")
+        return reg
+
+    @staticmethod
+    def _abandon(ctx, worker: SerialWorker) -> None:
+        if ctx is not None:
+            ctx.close()
+        worker.stop()
 
     def _entry(self, kv_id: int) -> _Entry:
         with self._lock:
@@ -225,12 +271,12 @@ class MPCacheEngine:
 
     def store(self, msg: p.Store, reply: Reply) -> None:
         entry = self._entry(msg.kv_id)
+        entry.worker.submit(self._job(reply, lambda: self._run_store(entry, msg, reply)))
+
+    def _run_store(self, entry: _Entry, msg: p.Store, reply: Reply) -> None:
         reg = entry.ctx.reg
         keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
         self._touch(reg.client_id)
-        entry.worker.submit(lambda: self._run_store(entry, msg, reg, keys, ids, reply))
-
-    def _run_store(self, entry: _Entry, msg: p.Store, reg: Registration, keys, ids, reply: Reply) -> None:
         plan = self.l1.begin_store(keys, reg.object_bytes, reg.spec.format_key())
         if plan.skipped:
             logger.debug("store skipped %d chunks: no evictable memory", plan.skipped)
@@ -280,22 +326,33 @@ class MPCacheEngine:
 
     def retrieve(self, msg: p.Retrieve, reply: Reply) -> None:
         entry = self._entry(msg.kv_id)
+        entry.worker.submit(self._job(reply, lambda: self._run_retrieve(entry, msg, reply)))
+
+    @staticmethod
+    def _check_deadline(msg: p.Retrieve) -> None:
+        """A worker gives up on a load at its deadline and the engine may reuse the blocks: no copy
+        may start after it."""
+        if msg.deadline and time.monotonic() > msg.deadline:
+            raise RequestFailure(p.ErrorCode.DEADLINE_EXCEEDED,
+                                 f"the retrieve's deadline passed {time.monotonic() - msg.deadline:.3f} s ago; "
+                                 "nothing was written")
+
+    def _run_retrieve(self, entry: _Entry, msg: p.Retrieve, reply: Reply) -> None:
         reg = entry.ctx.reg
         keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
         flat = ids.reshape(-1)
         if len(np.unique(flat)) != len(flat):
             raise invalid("block ids of a retrieve must be distinct (two chunks cannot fill one block)")
         self._touch(reg.client_id)
-        entry.worker.submit(lambda: self._run_retrieve(entry, msg, reg, keys, ids, reply))
-
-    def _run_retrieve(self, entry: _Entry, msg: p.Retrieve, reg: Registration, keys, ids, reply: Reply) -> None:
-        objs = self.l1.begin_read(keys, reg.spec.format_key())
+        self._check_deadline(msg)
+        objs = self.l1.begin_read(keys, reg.spec.format_key(), msg.lease)
         if not objs:
             reply(p.RetrieveReply(loaded=0))
             return
         block_ids = ids[: len(objs)].reshape(-1)
         ptrs = self._object_ptrs(objs)
         try:
+            self._check_deadline(msg)  # the last moment before a byte may move
             if entry.retrieve_done is None:
                 entry.ctx.copy("scatter", block_ids, ptrs, objs[0].nbytes)
             else:
@@ -317,6 +374,9 @@ class MPCacheEngine:
 
                 entry.retrieve_done.add(ticket, done)
                 return
+        except RequestFailure:
+            self.l1.end_read(objs)
+            raise
         except Exception as e:
             self.l1.end_read(objs)
             code = p.ErrorCode.INVALID_ARGUMENT if isinstance(e, ValueError) else p.ErrorCode.DEVICE_ERROR
@@ -329,16 +389,26 @@ class MPCacheEngine:
     # ---- lookup and leases -------------------------------------------------------------------
 
     def lookup(self, msg: p.Lookup, reply: Reply) -> None:
-        digests = lookup_digests(msg)
+        digests = check.lookup_digests(msg)
         self._touch(msg.client_id)
-        hits = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt, lock=msg.lock, owner=msg.client_id,
-                              ttl=self.config.lease_ttl)
-        reply(p.LookupReply(hits=hits))
+
+        def run() -> None:
+            try:
+                hits, lease = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt, lock=msg.lock,
+                                             owner=msg.client_id, ttl=self.config.lease_ttl)
+            except TooManyLeases as e:
+                raise over_limit(str(e)) from None
+            reply(p.LookupReply(hits=hits, lease=lease))
+
+        if len(digests) * msg.world_size <= INLINE_LOOKUP_KEYS:
+            run()
+        else:
+            self._bulk.submit(self._job(reply, run))
 
     def release(self, msg: p.Release, reply: Reply) -> None:
-        digests = lookup_digests(msg)
-        self._touch(msg.client_id)
-        reply(p.ReleaseReply(released=self.l1.release(msg.client_id, msg.model, msg.world_size, digests, msg.salt)))
+        self._touch(check.client_id(msg.client_id))
+        digests = check.digests(msg.hashes) if msg.hashes else None
+        self._bulk.submit(self._job(reply, lambda: reply(p.ReleaseReply(released=self.l1.release(msg.lease, digests)))))
 
     def clear(self) -> int:
         removed = self.l1.clear()
@@ -352,28 +422,41 @@ class MPCacheEngine:
 
     def _forget_client(self, client: bytes) -> tuple[int, int]:
         """Drop a client's leases and registrations; returns how many of each."""
-        self._clients.pop(client, None)
-        dropped = self.l1.drop_owner(client)
         with self._lock:
+            self._clients.pop(client, None)
             owned = [kv for kv, e in self._entries.items() if e.ctx.reg.client_id == client]
+        dropped = self.l1.drop_owner(client)
         for kv_id in owned:
             self.unregister_kv_cache(p.UnregisterKVCache(kv_id=kv_id))
         return dropped, len(owned)
 
     def _bye(self, msg: p.Bye, reply: Reply) -> None:
-        leases, regs = self._forget_client(msg.client_id)
-        reply(p.ByeReply(leases=leases, registrations=regs))
+        client = check.client_id(msg.client_id)
+
+        def run() -> None:
+            leases, regs = self._forget_client(client)
+            reply(p.ByeReply(leases=leases, registrations=regs))
+
+        self._bulk.submit(self._job(reply, run))
 
     def tick(self) -> None:
         """Expire leases; forget clients that stopped sending heartbeats, with their leases and
-        registrations (called about once a second by the transport)."""
-        self.l1.expire()
+        registrations (called about twice a second by the transport; the work itself runs on
+        the housekeeping thread)."""
         deadline = time.monotonic() - self.config.heartbeat_timeout
-        for client in [c for c, seen in list(self._clients.items()) if seen < deadline]:
-            dropped, owned = self._forget_client(client)
-            if dropped or owned:
-                logger.info("client %s went silent: dropped %d leases and %d registrations",
-                            client.hex()[:8], dropped, owned)
+        silent = [c for c, seen in list(self._clients.items()) if seen < deadline]
+
+        def run() -> None:
+            self.l1.expire()
+            for client in silent:
+                if self._clients.get(client, 0) >= deadline:
+                    continue  # heard from again meanwhile
+                dropped, owned = self._forget_client(client)
+                if dropped or owned:
+                    logger.info("client %s went silent: dropped %d leases and %d registrations",
+                                client.hex()[:8], dropped, owned)
+
+        self._bulk.submit(run)
 
     def status(self) -> dict:
         with self._lock:
@@ -412,6 +495,7 @@ class MPCacheEngine:
             self.unregister_kv_cache(p.UnregisterKVCache(kv_id=kv_id))
             if entry is not None:
                 entry.worker.stop(timeout=30)
+        self._bulk.stop(timeout=30)
         if self._events is not None:
             self._events.close()
         self.l1.clear()

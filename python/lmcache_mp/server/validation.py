@@ -1,4 +1,8 @@
-"""Checks of wire input before any work is queued: a bad field becomes a typed error reply."""
+"""Checks of wire input before any work is queued: a bad field becomes a typed error reply.
+
+Every request's cost is bounded by what it may name (protocol.MAX_*): a request over a limit is
+answered with LIMIT_EXCEEDED before anything is done for it.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,6 @@ from lmcache_mp import protocol as p
 from lmcache_mp.keys import DIGEST_BYTES
 from lmcache_mp.server.contexts import Registration
 from lmcache_mp.storage.l1 import SHARED_RANK, ObjectKey
-
-MAX_CHUNKS_PER_REQUEST = 1 << 16
 
 
 class RequestFailure(Exception):
@@ -22,16 +24,62 @@ def invalid(message: str) -> RequestFailure:
     return RequestFailure(p.ErrorCode.INVALID_ARGUMENT, message)
 
 
-def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: bytes):
-    """The object keys and the `[chunks, blocks per chunk]` block ids of a store or retrieve,
-    every field checked against the registration."""
+def over_limit(message: str) -> RequestFailure:
+    return RequestFailure(p.ErrorCode.LIMIT_EXCEEDED, message)
+
+
+def client_id(cid: bytes, required: bool = True) -> bytes:
+    """A client id is 16 bytes (clients pick random ones); only a PING may go without."""
+    if not cid and not required:
+        return cid
+    if len(cid) != p.CLIENT_ID_BYTES:
+        raise invalid(f"client_id must be {p.CLIENT_ID_BYTES} bytes, got {len(cid)}")
+    return cid
+
+
+def world_size(n: int) -> int:
+    if not 1 <= n <= p.MAX_WORLD_SIZE:
+        if n > p.MAX_WORLD_SIZE:
+            raise over_limit(f"world_size {n} is over the limit of {p.MAX_WORLD_SIZE}")
+        raise invalid(f"world_size must be in [1, {p.MAX_WORLD_SIZE}], got {n}")
+    return n
+
+
+def names(model: str, salt: bytes = b"") -> None:
+    if not model or len(model.encode()) > p.MAX_NAME_BYTES:
+        raise invalid(f"model must be a non-empty name of at most {p.MAX_NAME_BYTES} bytes")
+    if len(salt) > p.MAX_SALT_BYTES:
+        raise invalid(f"salt must be at most {p.MAX_SALT_BYTES} bytes")
+
+
+def digests(hashes: bytes) -> list[bytes]:
     if len(hashes) % DIGEST_BYTES:
         raise invalid(f"hashes must be packed {DIGEST_BYTES}-byte digests, got {len(hashes)} bytes")
     n = len(hashes) // DIGEST_BYTES
-    if n > MAX_CHUNKS_PER_REQUEST:
-        raise invalid(f"too many chunks in one request ({n} > {MAX_CHUNKS_PER_REQUEST})")
-    if len(salt) > 256:
-        raise invalid("salt must be at most 256 bytes")
+    if n > p.MAX_CHUNKS:
+        raise over_limit(f"{n} chunks in one request, over the limit of {p.MAX_CHUNKS}")
+    return [hashes[i:i + DIGEST_BYTES] for i in range(0, len(hashes), DIGEST_BYTES)]
+
+
+def lookup_digests(msg: p.Lookup) -> list[bytes]:
+    """The digests of a lookup, every field checked; its cost is hashes x world size."""
+    client_id(msg.client_id)
+    world_size(msg.world_size)
+    names(msg.model, msg.salt)
+    found = digests(msg.hashes)
+    if len(found) * msg.world_size > p.MAX_LOOKUP_KEYS:
+        raise over_limit(f"a lookup of {len(found)} chunks x world size {msg.world_size} is over the limit of "
+                         f"{p.MAX_LOOKUP_KEYS} keys")
+    return found
+
+
+def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: bytes):
+    """The object keys and the `[chunks, blocks per chunk]` block ids of a store or retrieve,
+    every field checked against the registration."""
+    found = digests(hashes)
+    n = len(found)
+    if len(salt) > p.MAX_SALT_BYTES:
+        raise invalid(f"salt must be at most {p.MAX_SALT_BYTES} bytes")
     try:
         ids = p.unpack_block_ids(block_ids)
     except ValueError as e:
@@ -43,16 +91,5 @@ def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: byte
         bad = int(ids[(ids < 0) | (ids >= reg.spec.num_blocks)][0])
         raise invalid(f"block id {bad} is out of range [0, {reg.spec.num_blocks})")
     rank = SHARED_RANK if reg.shared else reg.rank
-    keys = [ObjectKey(reg.model, reg.world_size, rank, hashes[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES], salt)
-            for i in range(n)]
+    keys = [ObjectKey(reg.model, reg.world_size, rank, d, salt) for d in found]
     return keys, ids.astype(np.int64).reshape(n, reg.blocks_per_chunk)
-
-
-def lookup_digests(msg) -> list[bytes]:
-    """The digests of a lookup or release, with its world size checked."""
-    if len(msg.hashes) % DIGEST_BYTES:
-        raise invalid(f"hashes must be packed {DIGEST_BYTES}-byte digests, got {len(msg.hashes)} bytes")
-    if not 1 <= msg.world_size <= 4096:
-        raise invalid(f"world_size must be in [1, 4096], got {msg.world_size}")
-    h = msg.hashes
-    return [h[i:i + DIGEST_BYTES] for i in range(0, len(h), DIGEST_BYTES)]

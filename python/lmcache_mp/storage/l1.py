@@ -17,17 +17,16 @@ the price is memory held idle as free slots, less than one slab per size (see `s
 Segregated slabs were chosen over one extent or buddy allocator because those need contiguous
 holes, which LRU order does not produce without evicting hot neighbours.
 
-Leases: lookup(lock=True) leases the objects of the found prefix, one *use* per rank that will
-read the object (a shared MLA object gets world_size uses). A retrieve consumes one use of each
-object it reads; release() drops the leases a client took; a lease also ends when its client is
-gone or its TTL passes.
+Leases (storage/leases.py): lookup(lock=True) opens a named lease on the found prefix; only
+retrieves that name it consume it.
 
-All methods are thread-safe (one lock; every operation is short, object moves run without it).
+All methods are thread-safe under one lock, which no call holds for long: requests are worked
+through in slices of at most SLICE keys with the lock released between them, and object moves
+copy without it.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import threading
@@ -36,9 +35,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
+from lmcache_mp.storage.leases import Lease, LeaseTable
+
 logger = logging.getLogger(__name__)
 
 SHARED_RANK = -1  # rank of objects shared by every rank (MLA)
+SLICE = 256  # keys (lookups: key visits x ranks) per hold of the lock
+_MAX_MOVES = 3  # slab moves one allocation may try (a move is abandoned when a reader arrives)
 
 
 class ObjectKey(NamedTuple):
@@ -47,14 +50,6 @@ class ObjectKey(NamedTuple):
     rank: int  # SHARED_RANK for objects every rank reads
     digest: bytes
     salt: bytes
-
-
-@dataclass
-class Lease:
-    owner: bytes
-    uses: int
-    expires: float
-    serial: int
 
 
 @dataclass(eq=False)
@@ -68,7 +63,7 @@ class L1Object:
     aborted: bool = False
     moving: bool = False  # being copied to another slot (its slab is changing size)
     readers: int = 0
-    leases: list[Lease] = field(default_factory=list)
+    leases: int = 0  # leases holding it
     waiters: list = field(default_factory=list)  # called with True/False once written/abandoned
 
 
@@ -93,9 +88,6 @@ class _SlabMove:
     nbytes: int
 
 
-_MAX_MOVES = 3  # slab moves one allocation may try (a move is abandoned when a reader arrives)
-
-
 class L1Store:
     def __init__(self, arena, clock: Callable[[], float] = time.monotonic):
         self.arena = arena
@@ -105,12 +97,17 @@ class L1Store:
         self._spaces: dict[tuple, dict[bytes, L1Object]] = {}
         self._lru: OrderedDict[ObjectKey, L1Object] = OrderedDict()  # every size, least recently used first
         self._at: dict[int, L1Object] = {}  # arena offset -> object
-        self._expiry: list[tuple[float, int, L1Object, Lease]] = []  # heap of lease deadlines
-        self._serial = itertools.count()
+        self._leases = LeaseTable(on_unheld=self._park)
         self._classes: dict[int, int] = {}  # object bytes -> size class
         self._evicted: dict[int, int] = {}  # size class -> objects evicted
-        self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "leases_expired": 0,
-                         "moved": 0, "slab_moves": 0}
+        self._committed = 0
+        self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "moved": 0, "slab_moves": 0}
+
+    def _pause(self) -> None:
+        """Between slices of one request: let a waiting thread take the lock (and the GIL)."""
+        self._lock.release()
+        time.sleep(0)
+        self._lock.acquire()
 
     # ---- helpers (lock held) -------------------------------------------------------------------
 
@@ -125,10 +122,6 @@ class L1Store:
     def _put(self, obj: L1Object) -> None:
         self._spaces.setdefault(self._space_of(obj.key), {})[obj.key.digest] = obj
         self._at[obj.offset] = obj
-
-    def _objects(self):
-        for space in self._spaces.values():
-            yield from space.values()
 
     @staticmethod
     def _parkable(obj: L1Object) -> bool:
@@ -153,16 +146,10 @@ class L1Store:
             del space[obj.key.digest]
             if not space:
                 del self._spaces[self._space_of(obj.key)]
+        if obj.committed:
+            self._committed -= 1
         del self._at[obj.offset]
         self.arena.free(obj.offset)
-
-    def _expire_leases(self, now: float) -> None:
-        while self._expiry and self._expiry[0][0] <= now:
-            _, _, obj, lease = heapq.heappop(self._expiry)
-            if lease in obj.leases:
-                obj.leases.remove(lease)
-                self.counters["leases_expired"] += 1
-                self._park(obj)
 
     def _allocate(self, cls: int, may_move: bool) -> int | _SlabMove:
         """A slot of class cls: its offset, -1 when nothing evictable is left, or a slab move
@@ -170,7 +157,6 @@ class L1Store:
         off = self.arena.allocate(cls)
         if off >= 0:
             return off
-        self._expire_leases(self._clock())
         donors = [c for c in range(self.arena.num_classes) if c != cls]
         while True:
             off = self.arena.allocate(cls)
@@ -241,8 +227,11 @@ class L1Store:
         plan = StorePlan(indices=[], objects=[], present=0, skipped=0)
         with self._lock:
             cls = self._size_class(object_bytes)
+            slot_bytes = self.arena.slot_bytes(cls)
             i = moves = 0
             while i < len(keys):
+                if i and i % SLICE == 0:
+                    self._pause()
                 key = keys[i]
                 obj = self._get(key)
                 if obj is not None and obj.format_key != format_key:
@@ -267,8 +256,7 @@ class L1Store:
                 if got < 0:
                     plan.skipped = len(keys) - i
                     break
-                obj = L1Object(key=key, offset=got, size_class=cls, nbytes=self.arena.slot_bytes(cls),
-                               format_key=format_key)
+                obj = L1Object(key=key, offset=got, size_class=cls, nbytes=slot_bytes, format_key=format_key)
                 self._put(obj)
                 plan.indices.append(i)
                 plan.objects.append(obj)
@@ -289,8 +277,11 @@ class L1Store:
     def commit(self, plan: StorePlan) -> None:
         waiters = []
         with self._lock:
-            for obj in plan.objects:
+            for i, obj in enumerate(plan.objects):
+                if i and i % SLICE == 0:
+                    self._pause()
                 obj.committed = True
+                self._committed += 1
                 self._park(obj)
                 waiters += obj.waiters
                 obj.waiters = []
@@ -301,7 +292,9 @@ class L1Store:
     def abort(self, plan: StorePlan) -> None:
         waiters = []
         with self._lock:
-            for obj in plan.objects:
+            for i, obj in enumerate(plan.objects):
+                if i and i % SLICE == 0:
+                    self._pause()
                 obj.aborted = True
                 self._free(obj)
                 waiters += obj.waiters
@@ -314,7 +307,6 @@ class L1Store:
         store writing it (at once if they all are). A store that finds its chunks being written
         by another request answers only then, so its reply still means "the bytes are there"."""
         state = {"left": 0, "failed": 0}
-        done_now = False
         with self._lock:
             for obj in objs:
                 if obj.aborted:
@@ -337,35 +329,35 @@ class L1Store:
 
     # ---- read --------------------------------------------------------------------------------
 
-    def begin_read(self, keys: Sequence[ObjectKey], format_key: tuple) -> list[L1Object]:
-        """Pin the leading committed objects of this format and consume one lease use of each."""
+    def begin_read(self, keys: Sequence[ObjectKey], format_key: tuple, lease: int = 0) -> list[L1Object]:
+        """Pin the leading committed objects of this format; a read under `lease` consumes one
+        use of each object that lease holds (other leases on them are untouched)."""
         out: list[L1Object] = []
         with self._lock:
-            for key in keys:
+            held = self._leases.get(lease)
+            for i, key in enumerate(keys):
+                if i and i % SLICE == 0:
+                    self._pause()
+                    held = self._leases.get(lease)  # it may have expired meanwhile
                 obj = self._get(key)
                 if obj is None or not obj.committed or obj.format_key != format_key:
                     break
                 obj.readers += 1
-                if obj.leases:
-                    lease = obj.leases[0]
-                    lease.uses -= 1
-                    if lease.uses <= 0:
-                        obj.leases.pop(0)
                 self._unpark(obj)
+                if held is not None:
+                    self._leases.consume(held, obj)
                 out.append(obj)
         return out
 
     def end_read(self, objs: Sequence[L1Object]) -> None:
         with self._lock:
-            for obj in objs:
+            for i, obj in enumerate(objs):
+                if i and i % SLICE == 0:
+                    self._pause()
                 obj.readers -= 1
                 self._park(obj)
 
     # ---- lookup and leases -------------------------------------------------------------------
-
-    def _present(self, key: ObjectKey) -> L1Object | None:
-        obj = self._get(key)
-        return obj if obj is not None and obj.committed else None
 
     def lookup(
         self,
@@ -376,22 +368,32 @@ class L1Store:
         lock: bool = False,
         owner: bytes = b"",
         ttl: float = 30.0,
-    ) -> int:
-        """Leading chunks present for every rank (or as one shared object), leased if lock."""
+    ) -> tuple[int, int]:
+        """(leading chunks present for every rank or as one shared object, lease id). With lock
+        and at least one hit, the found prefix is leased under that id, else the id is 0.
+        Raises TooManyLeases when the owner holds too many leases."""
         hits = 0
         empty: dict = {}
         with self._lock:
-            now = self._clock()
-            self._expire_leases(now)
-            shared = self._spaces.get((model, world_size, SHARED_RANK, salt), empty)
-            ranks = [self._spaces.get((model, world_size, r, salt), empty) for r in range(world_size)]
+            lease = self._leases.open(owner, self._clock() + ttl) if lock else None
+            budget = SLICE
+            spaces = None
             for digest in digests:
+                if budget <= 0:  # objects already leased stay; unleased hits are advisory anyway
+                    self._pause()
+                    budget, spaces = SLICE, None
+                    if lease is not None and self._leases.get(lease.lease_id) is not lease:
+                        break  # it ended meanwhile (TTL, owner gone): report what it covered
+                if spaces is None:  # the dicts of a namespace come and go with its objects
+                    shared = self._spaces.get((model, world_size, SHARED_RANK, salt), empty)
+                    spaces = [self._spaces.get((model, world_size, r, salt), empty) for r in range(world_size)]
+                budget -= world_size
                 obj = shared.get(digest)
                 if obj is not None and obj.committed:
                     found = [(obj, world_size)]
                 else:
                     found = []
-                    for space in ranks:
+                    for space in spaces:
                         obj = space.get(digest)
                         if obj is None or not obj.committed:
                             break
@@ -399,84 +401,85 @@ class L1Store:
                     if len(found) != world_size:
                         break
                 hits += 1
-                if lock:
-                    for obj, uses in found:
-                        lease = Lease(owner=owner, uses=uses, expires=now + ttl, serial=next(self._serial))
-                        obj.leases.append(lease)
-                        heapq.heappush(self._expiry, (lease.expires, lease.serial, obj, lease))
+                if lease is not None:
+                    for obj, _ in found:
                         self._unpark(obj)
+                    self._leases.add(lease, digest, found)
                 else:
                     for obj, _ in found:
                         self._park(obj)  # a lookup hit is a use
             self.counters["lookups"] += 1
             self.counters["hits"] += hits
-        return hits
+            if lease is None:
+                return hits, 0
+            self._leases.close(lease)  # no-op unless it holds nothing
+            return hits, (lease.lease_id if hits else 0)
 
-    def release(self, owner: bytes, model: str, world_size: int, digests: Sequence[bytes], salt: bytes = b"") -> int:
-        """Drop one lease of `owner` on each object of these chunks; returns leases dropped."""
-        dropped = 0
+    def _unhold(self, objs: list) -> int:
+        """Let go of objects leases no longer hold, a slice at a time (lock held)."""
+        for i, obj in enumerate(objs):
+            if i and i % SLICE == 0:
+                self._pause()
+            self._leases.unhold(obj)
+        return len(objs)
+
+    def release(self, lease: int, digests: Sequence[bytes] | None = None) -> int:
+        """Drop what is left of a lease, on these chunks only or on all of them; returns the
+        objects let go (0 for an unknown or ended lease)."""
         with self._lock:
-            for digest in digests:
-                keys = [ObjectKey(model, world_size, SHARED_RANK, digest, salt)]
-                keys += [ObjectKey(model, world_size, r, digest, salt) for r in range(world_size)]
-                for key in keys:
-                    obj = self._get(key)
-                    if obj is None:
-                        continue
-                    for lease in obj.leases:
-                        if lease.owner == owner:
-                            obj.leases.remove(lease)
-                            dropped += 1
-                            self._park(obj)
-                            break
-        return dropped
+            held = self._leases.get(lease)
+            return self._unhold(self._leases.release(held, digests)) if held is not None else 0
+
+    def lease(self, lease: int) -> Lease | None:
+        """The live lease of this id (for tests and status)."""
+        with self._lock:
+            return self._leases.get(lease)
 
     def drop_owner(self, owner: bytes) -> int:
-        """Drop every lease of a client that went away."""
-        dropped = 0
+        """End every lease of a client that went away; returns how many."""
         with self._lock:
-            for obj in self._objects():
-                if obj.leases:
-                    keep = [ls for ls in obj.leases if ls.owner != owner]
-                    if len(keep) != len(obj.leases):
-                        dropped += len(obj.leases) - len(keep)
-                        obj.leases = keep
-                        self._park(obj)
-        return dropped
+            ended, objs = self._leases.drop_owner(owner)
+            self._unhold(objs)
+            return ended
 
     def expire(self) -> None:
         with self._lock:
-            self._expire_leases(self._clock())
+            self._unhold(self._leases.expire(self._clock()))
 
     def clear(self) -> int:
-        """Drop every lease and free every object nobody is reading, writing or moving."""
+        """End every lease and free every object nobody is reading, writing or moving."""
         removed = 0
         with self._lock:
-            for obj in list(self._objects()):
-                obj.leases.clear()
-                if obj.committed and obj.readers == 0 and not obj.moving:
+            self._unhold(self._leases.clear())
+            while True:
+                victims = list(itertools.islice((o for o in self._lru.values() if not o.moving), SLICE))
+                for obj in victims:
                     self._free(obj)
-                    removed += 1
-            self._expiry.clear()
+                removed += len(victims)
+                if len(victims) < SLICE:
+                    break
+                self._pause()
         return removed
 
     # ---- introspection -----------------------------------------------------------------------
 
     def contains(self, key: ObjectKey) -> bool:
         with self._lock:
-            return self._present(key) is not None
+            obj = self._get(key)
+            return obj is not None and obj.committed
 
     def stats(self) -> dict:
+        """Counts kept as things happen: O(1), never a walk over the objects."""
+        a = self.arena.stats()
         with self._lock:
-            objs = list(self._objects())
-            committed = sum(1 for o in objs if o.committed)
             return {
-                "objects": committed,
-                "writing": len(objs) - committed,
-                "leased_objects": sum(1 for o in objs if o.leases),
-                "leases": sum(len(o.leases) for o in objs),
-                "bytes_used": sum(o.nbytes for o in objs),
+                "objects": self._committed,
+                "writing": len(self._at) - self._committed,
+                "leased_objects": self._leases.leased_objects,
+                "leases": len(self._leases),
+                "bytes_used": a["bytes_allocated"],
                 "evictable": len(self._lru),
+                "leases_expired": self._leases.expired,
                 **self.counters,
             }
 
