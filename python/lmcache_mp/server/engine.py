@@ -389,26 +389,31 @@ class MPCacheEngine:
     # ---- lookup and leases -------------------------------------------------------------------
 
     def lookup(self, msg: p.Lookup, reply: Reply) -> None:
-        digests = check.lookup_digests(msg)
+        cost = check.lookup_cost(msg)
         self._touch(msg.client_id)
 
         def run() -> None:
             try:
-                hits, lease = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt, lock=msg.lock,
-                                             owner=msg.client_id, ttl=self.config.lease_ttl)
+                hits, lease = self.l1.lookup(msg.model, msg.world_size, check.digests(msg.hashes), msg.salt,
+                                             lock=msg.lock, owner=msg.client_id, ttl=self.config.lease_ttl)
             except TooManyLeases as e:
                 raise over_limit(str(e)) from None
             reply(p.LookupReply(hits=hits, lease=lease))
 
-        if len(digests) * msg.world_size <= INLINE_LOOKUP_KEYS:
+        if cost <= INLINE_LOOKUP_KEYS:
             run()
         else:
             self._bulk.submit(self._job(reply, run))
 
     def release(self, msg: p.Release, reply: Reply) -> None:
         self._touch(check.client_id(msg.client_id))
-        digests = check.digests(msg.hashes) if msg.hashes else None
-        self._bulk.submit(self._job(reply, lambda: reply(p.ReleaseReply(released=self.l1.release(msg.lease, digests)))))
+        check.count_digests(msg.hashes)
+
+        def run() -> None:
+            digests = check.digests(msg.hashes) if msg.hashes else None
+            reply(p.ReleaseReply(released=self.l1.release(msg.lease, digests)))
+
+        self._bulk.submit(self._job(reply, run))
 
     def clear(self) -> int:
         removed = self.l1.clear()

@@ -52,25 +52,30 @@ def names(model: str, salt: bytes = b"") -> None:
         raise invalid(f"salt must be at most {p.MAX_SALT_BYTES} bytes")
 
 
-def digests(hashes: bytes) -> list[bytes]:
+def count_digests(hashes: bytes) -> int:
     if len(hashes) % DIGEST_BYTES:
         raise invalid(f"hashes must be packed {DIGEST_BYTES}-byte digests, got {len(hashes)} bytes")
     n = len(hashes) // DIGEST_BYTES
     if n > p.MAX_CHUNKS:
         raise over_limit(f"{n} chunks in one request, over the limit of {p.MAX_CHUNKS}")
+    return n
+
+
+def digests(hashes: bytes) -> list[bytes]:
+    count_digests(hashes)
     return [hashes[i:i + DIGEST_BYTES] for i in range(0, len(hashes), DIGEST_BYTES)]
 
 
-def lookup_digests(msg: p.Lookup) -> list[bytes]:
-    """The digests of a lookup, every field checked; its cost is hashes x world size."""
+def lookup_cost(msg: p.Lookup) -> int:
+    """Every field of a lookup checked; its cost: keys it may visit (hashes x world size)."""
     client_id(msg.client_id)
     world_size(msg.world_size)
     names(msg.model, msg.salt)
-    found = digests(msg.hashes)
-    if len(found) * msg.world_size > p.MAX_LOOKUP_KEYS:
-        raise over_limit(f"a lookup of {len(found)} chunks x world size {msg.world_size} is over the limit of "
-                         f"{p.MAX_LOOKUP_KEYS} keys")
-    return found
+    cost = count_digests(msg.hashes) * msg.world_size
+    if cost > p.MAX_LOOKUP_KEYS:
+        raise over_limit(f"a lookup of {cost // msg.world_size} chunks x world size {msg.world_size} is over the "
+                         f"limit of {p.MAX_LOOKUP_KEYS} keys")
+    return cost
 
 
 def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: bytes):

@@ -52,7 +52,7 @@ class ObjectKey(NamedTuple):
     salt: bytes
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: one object for the garbage collector to walk, not two
 class L1Object:
     key: ObjectKey
     offset: int
@@ -64,7 +64,7 @@ class L1Object:
     moving: bool = False  # being copied to another slot (its slab is changing size)
     readers: int = 0
     leases: int = 0  # leases holding it
-    waiters: list = field(default_factory=list)  # called with True/False once written/abandoned
+    waiters: list | None = None  # called with True/False once written/abandoned
 
 
 @dataclass
@@ -283,8 +283,8 @@ class L1Store:
                 obj.committed = True
                 self._committed += 1
                 self._park(obj)
-                waiters += obj.waiters
-                obj.waiters = []
+                waiters += obj.waiters or ()
+                obj.waiters = None
             self.counters["stored"] += len(plan.objects)
         for fn in waiters:
             fn(True)
@@ -297,8 +297,8 @@ class L1Store:
                     self._pause()
                 obj.aborted = True
                 self._free(obj)
-                waiters += obj.waiters
-                obj.waiters = []
+                waiters += obj.waiters or ()
+                obj.waiters = None
         for fn in waiters:
             fn(False)
 
@@ -322,7 +322,7 @@ class L1Store:
                         if last:
                             fn(state["failed"])
 
-                    obj.waiters.append(settled)
+                    obj.waiters = (obj.waiters or []) + [settled]
             done_now = state["left"] == 0
         if done_now:
             fn(state["failed"])
