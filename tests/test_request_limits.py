@@ -200,7 +200,23 @@ class TimedLock:
         self.release()
 
 
-def test_no_l1_operation_holds_the_lock_for_long():
+@pytest.fixture
+def server_process_settings():
+    """The interpreter settings lmcache-mp-server runs with (cli.tune_process), undone afterwards."""
+    import gc
+    import sys
+
+    from lmcache_mp.server.cli import tune_process
+
+    interval, thresholds = sys.getswitchinterval(), gc.get_threshold()
+    tune_process()
+    yield
+    sys.setswitchinterval(interval)
+    gc.set_threshold(*thresholds)
+    gc.unfreeze()
+
+
+def test_no_l1_operation_holds_the_lock_for_long(server_process_settings):
     """The largest store, read, lookup (with and without lease), release, expiry, goodbye and
     clear, each holding the L1 lock for at most a few milliseconds at a time."""
     arena = HostArena(64 << 20, 1 << 20)

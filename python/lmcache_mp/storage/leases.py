@@ -96,8 +96,11 @@ class LeaseTable:
             self._on_unheld(obj)
 
     def _drop(self, lease: Lease, objs: list) -> list:
-        for obj in objs:
-            del lease.uses[obj]
+        if len(objs) == len(lease.uses):
+            lease.uses = {}  # all of it: O(1), whatever its size
+        else:
+            for obj in objs:
+                del lease.uses[obj]
         left = self._held_by_owner.get(lease.owner, 0) - len(objs)
         if left > 0:
             self._held_by_owner[lease.owner] = left

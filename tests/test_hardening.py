@@ -1,0 +1,184 @@
+"""What goes wrong on a bad day: state that belongs to nobody, leases taken by one engine used up by
+another, and a stalled server writing into blocks after the engine gave up on the load."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import cpu_workers as w
+from lmcache_mp import Client, RequestError, Server, ServerConfig, chunk_hashes
+from lmcache_mp import protocol as p
+from test_cli import ServerProcess
+from test_server_e2e import CHUNK, RawClient, blocks_of, register_mha, wait_until
+
+
+@pytest.fixture
+def server():
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="1MiB", chunk_size=CHUNK,
+                              heartbeat_timeout=1.0)).start()
+    yield srv
+    srv.stop()
+
+
+# ---- every registration and lease belongs to a live client ------------------------------------------
+
+
+def _mappings_of(name: str) -> int:
+    with open("/proc/self/maps") as f:
+        return sum(name in line for line in f)
+
+
+def test_state_without_a_live_owner_is_refused_or_reclaimed(shm_files, server):
+    owner = Client(server.url, heartbeat_interval=0.2)
+    kv, h = register_mha(owner)
+    hashes = chunk_hashes(w.prompt(1, 2), CHUNK)
+    owner.store(h, hashes, blocks_of(2)).result(10)
+    layer = h.described.layers[0]
+    raw = RawClient(server.url)
+    register = lambda cid: p.encode(p.RegisterKVCache(  # noqa: E731
+        client_id=cid, model="m", world_size=1, rank=0, device="cpu", device_uuid=b"", layout="auto",
+        layers=[layer] * len(kv)))
+    try:
+        # an empty or malformed client id owns nothing: refused
+        for cid in (b"", b"short", b"x" * 17):
+            raw.expect_error(register(cid), p.ErrorCode.INVALID_ARGUMENT)
+            raw.expect_error(p.encode(p.Lookup(client_id=cid, model="m", world_size=1, hashes=b"".join(hashes),
+                                               lock=True)), p.ErrorCode.INVALID_ARGUMENT)
+        # a client that registers and leases, then goes silent
+        region = layer.memory.name
+        mapped = _mappings_of(region)  # ours (the tensor) and the owner's registration
+        silent = os.urandom(16)
+        _, reply = raw.request(register(silent))
+        assert isinstance(reply, p.RegisterReply), reply
+        _, leased = raw.request(p.encode(p.Lookup(client_id=silent, model="m", world_size=1,
+                                                  hashes=b"".join(hashes), lock=True)))
+        assert leased.hits == 2 and leased.lease
+        thread = f"lmcache-kv-{reply.kv_id & 0xFFFF:04x}"
+        assert thread in {t.name for t in threading.enumerate()}
+        assert _mappings_of(region) == mapped + 1
+        assert len(server.engine.status()["registrations"]) == 2
+        # ... is forgotten after the heartbeat timeout: registration, mapping, thread and lease
+        wait_until(lambda: len(server.engine.status()["registrations"]) == 1, 5, "the registration to go")
+        wait_until(lambda: thread not in {t.name for t in threading.enumerate()}, 5, "its worker thread to end")
+        assert _mappings_of(region) == mapped
+        assert server.engine.l1.lease(leased.lease) is None
+        assert server.engine.status()["l1"]["leases"] == 0
+        # the owner, which kept sending heartbeats, keeps everything
+        assert owner.lookup(hashes, model="m") == 2 and server.engine.status()["registrations"][0]["kv_id"] == h.kv_id
+    finally:
+        raw.close()
+        owner.close()
+
+
+# ---- a lease protects the request that took it ---------------------------------------------------
+
+
+def test_a_lease_protects_its_engine_when_another_engine_used_up_its_own(shm_files, server):
+    """A and B both lease chunk x; B retrieves x and releases; C stores enough to evict everything
+    it may; A's retrieve still loads x (protocol 1 consumed A's protection with B's read)."""
+    a, b, c = (Client(server.url, heartbeat_interval=0.2) for _ in range(3))
+    try:
+        kv_a, ha = register_mha(a, model="shared")
+        kv_b, hb = register_mha(b, model="shared")
+        kv_c, hc = register_mha(c, model="shared", num_blocks=256)
+        x = chunk_hashes(w.prompt(1, 1), CHUNK)
+        ref = w.reference(1, "mha", CHUNK)
+        w.write_tokens(kv_a, "mha", blocks_of(1), ref)
+        assert a.store(ha, x, blocks_of(1)).result(10).stored == 1
+        lease_a = a.lookup(x, model="shared", lock=True)
+        lease_b = b.lookup(x, model="shared", lock=True)
+        assert lease_a == lease_b == 1 and lease_a.lease != lease_b.lease
+        assert b.retrieve(hb, x, blocks_of(1, start=8), lease=lease_b).result(10).loaded == 1
+        assert b.release(lease=lease_b) == 0  # B's lease ended with its read
+        capacity = server.engine.arena.capacity // server.engine.arena.slot_bytes(
+            server.engine.arena.size_class(hc.object_bytes))
+        filler = chunk_hashes(w.prompt(2, capacity + 4), CHUNK)
+        r = c.store(hc, filler, np.arange(len(filler) * 4) % 256).result(10)  # a store may reuse blocks
+        assert r.skipped > 0  # memory ran out: everything that could go went
+        dst = blocks_of(1, start=16)
+        assert a.retrieve(ha, x, dst, lease=lease_a).result(10).loaded == 1, "A's leased chunk was evicted"
+        assert np.array_equal(w.read_tokens(kv_a, "mha", dst), ref)
+        assert server.engine.status()["l1"]["leases"] == 0
+    finally:
+        for cl in (a, b, c):
+            cl.close()
+
+
+# ---- no write after the engine gave up on a load --------------------------------------------------
+
+
+def test_a_retrieve_past_its_deadline_writes_nothing(shm_files, server):
+    c = Client(server.url)
+    try:
+        kv, h = register_mha(c)
+        hashes = chunk_hashes(w.prompt(1, 2), CHUNK)
+        w.write_tokens(kv, "mha", blocks_of(2), w.reference(1, "mha", 2 * CHUNK))
+        c.store(h, hashes, blocks_of(2)).result(10)
+        with pytest.raises(RequestError) as info:
+            c.retrieve(h, hashes, blocks_of(2, start=8), deadline=time.monotonic() - 0.001).result(10)
+        assert info.value.code == p.ErrorCode.DEADLINE_EXCEEDED
+        assert w.blocks_equal(kv, "mha", blocks_of(2, start=8), 0)  # untouched
+        assert c.retrieve(h, hashes, blocks_of(2, start=8), deadline=time.monotonic() + 10).result(10).loaded == 2
+    finally:
+        c.close()
+
+
+def test_a_stalled_server_never_writes_into_blocks_after_the_engine_gave_up(shm_files):
+    """The server is stopped (SIGSTOP) while a load is in flight. The worker gives up at its
+    deadline and the engine recomputes, but the request keeps its blocks until the server has
+    answered; the server, resumed, starts no copy after the deadline; nothing lands late."""
+    from test_connector_core import CS, LAYERS, Engine, ScheduledRequest, block_view, prompt
+
+    srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "64MiB",
+                         "--chunk-size", str(CS), "--heartbeat-timeout", "60"])
+    url = srv.wait_for("ready").split("serving on ")[1].strip()
+    engines = []
+    try:
+        a = Engine(url)
+        engines.append(a)
+        toks = prompt(1, 300)
+        a.prefill("r1", toks)
+        a.finish("r1")
+        b = Engine(url, load_timeout=0.5)
+        engines.append(b)
+        ext = b.sched.num_new_matched_tokens("r1", toks, 0)
+        assert ext == 4 * CS
+        blocks = b.alloc(-(-len(toks) // 32))
+        b.sched.on_allocated("r1", blocks, ext)
+        plan = b.sched.build_plan([ScheduledRequest("r1", ext, len(toks) - ext, blocks)])
+        (load,) = plan.loads
+        worker = b.workers[0]
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            worker.start_loads(plan)
+            worker.wait_loads()
+            assert 0.4 < time.monotonic() - t0 < 5
+            assert worker.take_load_errors() == set(load.block_ids)  # the engine recomputes them
+            # The engine moves on: here it writes a pattern a late copy would overwrite.
+            for layer in range(LAYERS):
+                for blk in load.block_ids:
+                    block_view(b.caches[0][layer], blk, b.kind).fill_(7.0)
+            assert b.sched.request_finished("r1") is True  # it had a load: blocks held
+            for _ in range(10):
+                assert worker.finished({"r1"}) == set(), "blocks released while the server may still write"
+                time.sleep(0.05)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        wait_until(lambda: "r1" in worker.finished(set()), 10, "the server's answer to release the blocks")
+        for layer in range(LAYERS):
+            for blk in load.block_ids:
+                assert torch.all(block_view(b.caches[0][layer], blk, b.kind) == 7.0), "a copy landed late"
+        log = "\n".join(srv.lines)
+        assert "Traceback" not in log, log
+    finally:
+        for e in engines:
+            e.close()
+        srv.kill()
