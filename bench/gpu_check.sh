@@ -5,7 +5,8 @@
 #   bash bench/gpu_check.sh [LOG_DIR]        (default: $OUT, else ./gpu-check-logs)
 #
 # Environment: CMAKE_CUDA_ARCHITECTURES (default 90), GPU_CHECK_STEPS (default
-# "build tests sanitizer bench"; add "peer" for LMCache's self-test, "server" for bench_server).
+# "build tests sanitizer bench"; add "peer" for LMCache's self-test, "server" for bench_server,
+# "latency" for 1-chunk requests, "l1sizes" for L1 shared by two object sizes).
 set -uo pipefail
 LOG=${1:-${OUT:-$PWD/gpu-check-logs}}
 mkdir -p "$LOG"
@@ -30,6 +31,8 @@ for step in $STEPS; do
     build) run build 400 python3 -m pip install -v --no-build-isolation --no-deps . || break ;;
     latency) run latency 300 python3 bench/bench_server.py --chunks 1 --requests 50 --workers 1 --lookups 500 \
         --json "$LOG/bench_server_1chunk.json" ;;
+    l1sizes) run l1sizes 400 python3 bench/bench_l1_sizes.py --device cuda --l1-size 16GiB \
+        --json "$LOG/bench_l1_sizes.json" ;;
     servermla) run servermla 300 python3 bench/bench_server.py --layout mla --requests 1 --workers 1,2 \
         --json "$LOG/bench_server_mla.json" ;;
     tests) run tests 600 python3 -m pytest -m gpu -q -rfEs --tb=short -p no:cacheprovider tests \

@@ -34,7 +34,8 @@ def _worker(url: str, go, q) -> None:
         torch.cuda.set_device(0)
         kv = [torch.zeros((2, 256, 16, 8, 128), dtype=torch.bfloat16, device="cuda") for _ in range(16)]
         torch.cuda.synchronize()
-        go.wait(120)
+        q.put(("ready", None))
+        go.wait(300)
         t0 = time.monotonic()
         client = Client(url, connect_timeout=10, timeout=60)
         hello = time.monotonic() - t0
@@ -58,7 +59,10 @@ def test_engines_connect_and_register_at_once_while_a_large_l1_is_pinned(tmp_pat
     q, go = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_worker, args=(f"ipc://{tmp_path}/s.sock", go, q)) for _ in range(WORKERS)]
     for proc in procs:
-        proc.start()  # CUDA contexts and caches are made before the server exists
+        proc.start()
+    for _ in procs:  # CUDA contexts and caches exist before the server does
+        status, info = q.get(timeout=300)
+        assert status == "ready", info
     log_path = tmp_path / "server.log"
     log = open(log_path, "w")
     server = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", f"ipc://{tmp_path}/s.sock",
