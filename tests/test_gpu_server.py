@@ -26,7 +26,7 @@ def cuda_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("srv")
     url = f"ipc://{tmp}/server.sock"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=f"GPU-{torch.cuda.get_device_properties(0).uuid}",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", url, "--device", "cuda",
                              "--l1-size", "2GiB", "--chunk-size", str(CHUNK), "--log-level", "DEBUG"],
@@ -42,9 +42,10 @@ def cuda_server(tmp_path_factory):
             time.sleep(0.2)
     yield url
     proc.terminate()
-    assert proc.wait(60) == 0
+    code = proc.wait(60)
     log.close()
     text = (tmp / "server.log").read_text()
+    assert code == 0, f"the server exited with {code}:\n{text[-6000:]}"
     assert "Traceback" not in text, text
 
 
