@@ -80,6 +80,9 @@ class MPCacheEngine:
 
             self._uuids = {_C.cuda.device_uuid(i): i for i in range(_C.cuda.device_count())}
         self._bulk = SerialWorker("lmcache-housekeeping")
+        # Every registration's thread, until it ended: close() waits for them all, so that no
+        # context is torn down (driver calls, without the GIL) while the interpreter shuts down.
+        self._workers: set[SerialWorker] = set()
         self._close_hooks: list[Callable[[], None]] = []
         self._closed = False
         self.started = time.time()
@@ -168,6 +171,9 @@ class MPCacheEngine:
         self._touch(cid)
         kv_id = secrets.randbits(63)  # unguessable, never reused: a stale id cannot hit another cache
         worker = SerialWorker(f"lmcache-kv-{kv_id & 0xFFFF:04x}")
+        with self._lock:
+            self._workers = {w for w in self._workers if w.alive()}
+            self._workers.add(worker)
 
         def open_context() -> None:  # on the registration's own thread: the socket thread goes on
             ctx = None
@@ -185,8 +191,10 @@ class MPCacheEngine:
                                               choose_transfer_mode, self.config.staging_size, self.config.direct_ctas)
                 entry = _Entry(ctx, worker)
                 if self.device == "cuda":
-                    entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", ctx.engine.wait)
-                    entry.retrieve_done = CompletionWaiter(f"lmcache-load-{kv_id & 0xFFFF:04x}", ctx.engine.wait)
+                    # Through ctx, not a bound method: the engine must go when the context closes.
+                    wait = lambda ticket, ctx=ctx: ctx.engine.wait(ticket)  # noqa: E731
+                    entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", wait)
+                    entry.retrieve_done = CompletionWaiter(f"lmcache-load-{kv_id & 0xFFFF:04x}", wait)
                 with self._lock:  # a client forgotten meanwhile must not leave a registration behind
                     alive = cid in self._clients and not self._closed
                     if alive:
@@ -496,10 +504,11 @@ class MPCacheEngine:
         with self._lock:
             kv_ids = list(self._entries)
         for kv_id in kv_ids:
-            entry = self._entries.get(kv_id)
             self.unregister_kv_cache(p.UnregisterKVCache(kv_id=kv_id))
-            if entry is not None:
-                entry.worker.stop(timeout=30)
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:  # those unregistered before may still be closing their context
+            worker.stop(timeout=30)
         self._bulk.stop(timeout=30)
         if self._events is not None:
             self._events.close()

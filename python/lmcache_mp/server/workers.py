@@ -32,6 +32,9 @@ class SerialWorker:
             except Exception:  # a job answers its own errors; this is a last resort
                 logger.exception("unhandled error in %s", self._thread.name)
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self, timeout: float | None = None) -> None:
         """Finish the queued work, then end the thread."""
         self._q.put(None)
