@@ -19,10 +19,11 @@ WORKERS = 8
 
 
 def _l1_bytes() -> int:
-    """64 GiB where the host has room for it (the H200 hosts have 128 GiB), else half the memory."""
+    """64 GiB where the host has room for it and 32 GiB more (the H200 hosts have 128 GiB), else
+    half the memory."""
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) * 1024
-    return min(64 << 30, total // 2) // (1 << 30) << 30
+    return min(64 << 30, max(total - (32 << 30), total // 2)) // (1 << 30) << 30
 
 
 def _worker(url: str, go, q) -> None:
