@@ -14,7 +14,7 @@ last use and whether something holds it (readers, writers, leases). After every 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest

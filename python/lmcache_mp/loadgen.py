@@ -346,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lmcache-mp-bench: {e}", file=sys.stderr)
         return 1
     try:
-        return _bench(args, lay, client) if mix is None else _bench_mix(args, lay, mix, client)
+        if mix is None:
+            return _bench(args, lay, client)
+        from lmcache_mp.loadgen_mix import bench_mix
+
+        return bench_mix(args, lay, mix, client)
     finally:
         client.close()
 
@@ -412,51 +416,6 @@ def _bench(args, lay: dict, client) -> int:
             json.dump(result, f, indent=1, default=str)
         print(f"wrote {args.json}")
     return 0 if clean else 1
-
-
-def _bench_mix(args, lay: dict, mix: dict, client) -> int:
-    from lmcache_mp.config import format_size
-    from lmcache_mp.loadgen_mix import mix_rows, print_mix, run_mix
-
-    status = client.status()
-    chunk = client.chunk_size
-    args.device = args.device or status["device"]
-    if args.device != status["device"]:
-        print(f"lmcache-mp-bench: the server runs on device {status['device']}, not {args.device}", file=sys.stderr)
-        return 2
-    names = [f"{args.layout}" + (f":{lay['layers']}" if args.layers else ""), args.mix]
-    sizes = [object_bytes(g, chunk) for g in (lay, mix)]
-    capacity = status["l1"]["capacity"]
-    run = secrets.token_hex(4)
-    groups = [dict(url=args.url, device=args.device, geometry=g, model=f"bench-mix{i}-{run}", chunks=args.chunks,
-                   prompts=args.prompts, skew=args.skew, requests=args.requests, run=i, timeout=args.timeout)
-              for i, g in enumerate((lay, mix))]
-    print(f"mix: {names[0]} ({format_size(sizes[0])} per chunk) and {names[1]} ({format_size(sizes[1])} per "
-          f"chunk); {args.workers} worker(s) each, {args.requests} requests over {args.prompts} prompts of "
-          f"{args.chunks} chunks, skew {args.skew:g}; server L1 {format_size(capacity)}", flush=True)
-    evicted_by_size = lambda st: {s["object_bytes"]: s["evicted"] for s in st["l1"]["sizes"]}  # noqa: E731
-    before = evicted_by_size(status)
-    t0 = time.monotonic()
-    try:
-        results = run_mix(groups, args.workers, args.timeout)
-    except RuntimeError as e:
-        print(f"lmcache-mp-bench --mix: a worker failed:\n{e}", file=sys.stderr)
-        return 1
-    after = evicted_by_size(client.status())
-    evicted = [after.get(n, 0) - before.get(n, 0) for n in sizes]
-    rows = mix_rows(names, sizes, results, capacity, evicted)
-    print(f"run: {time.monotonic() - t0:.1f} s\n")
-    print_mix(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bench": "lmcache-mp-bench --mix", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                       "config": {**vars(args), "chunk_size": chunk}, "rows": rows,
-                       "l1_after": client.status()["l1"]}, f, indent=1, default=str)
-        print(f"wrote {args.json}")
-    bad = sum(r["mismatches"] + r["missing"] for r in rows)
-    if bad:
-        print(f"!! {bad} chunks were missing after a lease or came back with other bytes", file=sys.stderr)
-    return 1 if bad else 0
 
 
 if __name__ == "__main__":

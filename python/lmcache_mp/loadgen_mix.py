@@ -14,7 +14,10 @@ with the prompt number, so a chunk of another prompt or position never passes th
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
+import secrets
+import sys
 import time
 import traceback
 from collections import OrderedDict
@@ -188,3 +191,49 @@ def print_mix(rows: list[dict]) -> None:
     print("ideal LRU: the same requests replayed in time order on an LRU by bytes of the L1 capacity; evicted: "
           "chunks of that object size the server evicted during the run; missing: leased chunks a retrieve did "
           "not load; mismatch: loaded chunks whose bytes differ")
+
+
+def bench_mix(args, lay: dict, mix: dict, client) -> int:
+    """lmcache-mp-bench --mix: run both layouts, print the table, write --json; exit status."""
+    from lmcache_mp.config import format_size
+    from lmcache_mp.loadgen_worker import object_bytes
+
+    status = client.status()
+    chunk = client.chunk_size
+    args.device = args.device or status["device"]
+    if args.device != status["device"]:
+        print(f"lmcache-mp-bench: the server runs on device {status['device']}, not {args.device}", file=sys.stderr)
+        return 2
+    names = [f"{args.layout}" + (f":{lay['layers']}" if args.layers else ""), args.mix]
+    sizes = [object_bytes(g, chunk) for g in (lay, mix)]
+    capacity = status["l1"]["capacity"]
+    run = secrets.token_hex(4)
+    groups = [dict(url=args.url, device=args.device, geometry=g, model=f"bench-mix{i}-{run}", chunks=args.chunks,
+                   prompts=args.prompts, skew=args.skew, requests=args.requests, run=i, timeout=args.timeout)
+              for i, g in enumerate((lay, mix))]
+    print(f"mix: {names[0]} ({format_size(sizes[0])} per chunk) and {names[1]} ({format_size(sizes[1])} per "
+          f"chunk); {args.workers} worker(s) each, {args.requests} requests over {args.prompts} prompts of "
+          f"{args.chunks} chunks, skew {args.skew:g}; server L1 {format_size(capacity)}", flush=True)
+    evicted_by_size = lambda st: {s["object_bytes"]: s["evicted"] for s in st["l1"]["sizes"]}  # noqa: E731
+    before = evicted_by_size(status)
+    t0 = time.monotonic()
+    try:
+        results = run_mix(groups, args.workers, args.timeout)
+    except RuntimeError as e:
+        print(f"lmcache-mp-bench --mix: a worker failed:\n{e}", file=sys.stderr)
+        return 1
+    after = evicted_by_size(client.status())
+    evicted = [after.get(n, 0) - before.get(n, 0) for n in sizes]
+    rows = mix_rows(names, sizes, results, capacity, evicted)
+    print(f"run: {time.monotonic() - t0:.1f} s\n")
+    print_mix(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "lmcache-mp-bench --mix", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                       "config": {**vars(args), "chunk_size": chunk}, "rows": rows,
+                       "l1_after": client.status()["l1"]}, f, indent=1, default=str)
+        print(f"wrote {args.json}")
+    bad = sum(r["mismatches"] + r["missing"] for r in rows)
+    if bad:
+        print(f"!! {bad} chunks were missing after a lease or came back with other bytes", file=sys.stderr)
+    return 1 if bad else 0

@@ -1,0 +1,166 @@
+"""Registering and unregistering KV caches: a part of MPCacheEngine.
+
+A registration is checked on the socket thread (scalar fields only) and opened on a thread of
+its own (layouts, shared memory or CUDA IPC, the transfer engine), which then runs that cache's
+requests in order. It belongs to the client that made it: when the client goes away, so does the
+registration, its mappings and its thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Callable
+
+from lmcache_mp import protocol as p
+from lmcache_mp.config import format_size
+from lmcache_mp.native import pinning_paused
+from lmcache_mp.server import validation as check
+from lmcache_mp.server.contexts import (
+    CPUCacheContext,
+    GPUCacheContext,
+    Registration,
+    RegistrationError,
+    describe_layers,
+)
+from lmcache_mp.server.policy import choose_transfer_mode
+from lmcache_mp.server.validation import RequestFailure, invalid, over_limit
+from lmcache_mp.server.workers import CompletionWaiter, SerialWorker
+
+logger = logging.getLogger(__name__)
+
+Reply = Callable[[p._Msg], None]
+
+
+class Entry:
+    """A live registration: its context, its worker and, on the GPU, its completion threads."""
+
+    def __init__(self, ctx, worker: SerialWorker):
+        self.ctx = ctx
+        self.worker = worker
+        self.store_done: CompletionWaiter | None = None
+        self.retrieve_done: CompletionWaiter | None = None
+
+
+class RegistrationHandling:
+    """Expects MPCacheEngine's config, device, arena, _lock, _entries, _workers, _clients,
+    _closed, _uuids, _ipc, _events and _touch."""
+
+    def register_kv_cache(self, msg: p.RegisterKVCache, reply: Reply) -> None:
+        cid = check.client_id(msg.client_id)
+        check.world_size(msg.world_size)
+        if not 0 <= msg.rank < msg.world_size:
+            raise invalid(f"rank {msg.rank} / world_size {msg.world_size} is not a valid pair")
+        check.names(msg.model)
+        if len(msg.layers) > p.MAX_LAYERS:
+            raise over_limit(f"{len(msg.layers)} layers, over the limit of {p.MAX_LAYERS}")
+        if msg.device not in ("cpu", "cuda"):
+            raise invalid(f"device must be 'cpu' or 'cuda', got {msg.device!r}")
+        if msg.device != self.device:
+            raise RequestFailure(
+                p.ErrorCode.UNSUPPORTED,
+                f"this server runs on the {self.device} device; it cannot take a {msg.device} KV cache",
+            )
+        self._touch(cid)
+        kv_id = secrets.randbits(63)  # unguessable, never reused: a stale id cannot hit another cache
+        worker = SerialWorker(f"lmcache-kv-{kv_id & 0xFFFF:04x}")
+        with self._lock:
+            self._workers = {w for w in self._workers if w.alive()}
+            self._workers.add(worker)
+
+        def open_context() -> None:  # on the registration's own thread: the socket thread goes on
+            ctx = None
+            try:
+                reg = self._registration(kv_id, msg)
+                if self.device == "cpu":
+                    ctx = CPUCacheContext(reg, msg)
+                else:
+                    dev = self._uuids.get(msg.device_uuid)
+                    if dev is None:
+                        raise RegistrationError("the KV cache is on a GPU this server cannot see "
+                                                f"(uuid {msg.device_uuid.hex()}); check CUDA_VISIBLE_DEVICES")
+                    with pinning_paused(self.arena):  # pinning holds the driver; registering needs it
+                        ctx = GPUCacheContext(reg, msg, dev, self._ipc, self._events, self.config.transfer_mode,
+                                              choose_transfer_mode, self.config.staging_size, self.config.direct_ctas)
+                entry = Entry(ctx, worker)
+                if self.device == "cuda":
+                    # Through ctx, not a bound method: the engine must go when the context closes.
+                    wait = lambda ticket, ctx=ctx: ctx.engine.wait(ticket)  # noqa: E731
+                    entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", wait)
+                    entry.retrieve_done = CompletionWaiter(f"lmcache-load-{kv_id & 0xFFFF:04x}", wait)
+                with self._lock:  # a client forgotten meanwhile must not leave a registration behind
+                    alive = cid in self._clients and not self._closed
+                    if alive:
+                        self._entries[kv_id] = entry
+                if not alive:
+                    for waiter in (entry.store_done, entry.retrieve_done):
+                        if waiter is not None:
+                            waiter.stop()
+                    raise RegistrationError("the client went away while its KV cache was being registered")
+            except (RegistrationError, RequestFailure) as e:
+                self._abandon(ctx, worker)
+                code = e.code if isinstance(e, RequestFailure) else p.ErrorCode.INVALID_ARGUMENT
+                reply(p.Error(code=int(code), message=str(e)))
+                return
+            except Exception as e:  # every request gets a reply, even on a bug here
+                self._abandon(ctx, worker)
+                logger.exception("internal error registering a KV cache")
+                reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
+                return
+            spec = reg.spec
+            logger.info("registered %s KV cache: model %s rank %d/%d, %d layers x %d blocks of %d tokens, "
+                        "%s, %s per chunk, transfer mode %s", spec.kind, reg.model, reg.rank, reg.world_size,
+                        spec.num_layers, spec.num_blocks, spec.block_size, spec.dtype,
+                        format_size(reg.object_bytes), ctx.transfer_mode)
+            reply(p.RegisterReply(kv_id=kv_id, layout=spec.kind, object_bytes=reg.object_bytes,
+                                  transfer_mode=ctx.transfer_mode, shared=reg.shared, block_size=spec.block_size,
+                                  num_blocks=spec.num_blocks))
+
+        worker.submit(open_context)
+
+    def _registration(self, kv_id: int, msg: p.RegisterKVCache) -> Registration:
+        spec = describe_layers(msg)
+        if self.config.chunk_size % spec.block_size:
+            raise RegistrationError(f"block size {spec.block_size} does not divide the chunk size "
+                                    f"{self.config.chunk_size}")
+        reg = Registration(kv_id=kv_id, client_id=msg.client_id, model=msg.model, world_size=msg.world_size,
+                           rank=msg.rank, spec=spec, chunk_size=self.config.chunk_size)
+        if reg.object_bytes > self.arena.slab_bytes:
+            raise RegistrationError(f"one chunk of this cache is {format_size(reg.object_bytes)}, more than a slab "
+                                    f"({format_size(self.arena.slab_bytes)}): raise --slab-size or lower "
+                                    "--chunk-size")
+        return reg
+
+    @staticmethod
+    def _abandon(ctx, worker: SerialWorker) -> None:
+        if ctx is not None:
+            ctx.close()
+        worker.stop()
+
+    def _entry(self, kv_id: int) -> Entry:
+        with self._lock:
+            entry = self._entries.get(kv_id)
+        if entry is None:
+            raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION,
+                                 f"no KV cache is registered as {kv_id} (was the server restarted?)")
+        return entry
+
+    def unregister_kv_cache(self, msg: p.UnregisterKVCache, reply: Reply | None = None) -> None:
+        with self._lock:
+            entry = self._entries.pop(msg.kv_id, None)
+        if entry is None:
+            if reply is not None:
+                raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION, f"no KV cache is registered as {msg.kv_id}")
+            return
+
+        def close() -> None:  # runs after the registration's queued work
+            for waiter in (entry.store_done, entry.retrieve_done):
+                if waiter is not None:
+                    waiter.stop()
+            entry.ctx.close()
+            entry.worker.stop()
+            logger.info("unregistered KV cache of model %s rank %d", entry.ctx.reg.model, entry.ctx.reg.rank)
+            if reply is not None:
+                reply(p.UnregisterReply(kv_id=msg.kv_id))
+
+        entry.worker.submit(close)
