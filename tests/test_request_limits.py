@@ -14,27 +14,20 @@ import time
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from lmcache_mp import Client, protocol as p, shared_cpu_tensor
 from lmcache_mp.native import HostArena
 from lmcache_mp.storage.l1 import L1Store, ObjectKey
 from test_cli import ServerProcess
+from test_server_e2e import RawClient
 
 CHUNK = 16
 N = p.MAX_CHUNKS  # chunks in the largest store, retrieve, lookup and release
 PING_LIMIT_S = 0.025  # the longest another client's PING may wait (a few ms, plus a loaded 2-core VM)
 
 
-class Raw:
-    """A DEALER socket for hand-made requests."""
-
-    def __init__(self, url: str):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(url)
-        self.rid = 0
+class Raw(RawClient):
+    """RawClient, with replies collected by request id."""
 
     def send(self, msg) -> int:
         self.rid += 1
@@ -50,10 +43,6 @@ class Raw:
             rid, body = self.sock.recv_multipart()
             out[p.unpack_request_id(rid)] = p.decode_reply(body)
         return out
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +110,9 @@ def test_the_largest_request_of_every_op_never_stalls_another_clients_ping(big):
                                     p.ReleaseReply)
         for _ in range(3):
             client.lookup(hashes, model="big", lock=True)
-        report["bye"] = _during(Raw(url), pinger, [p.Bye(client_id=cid)], p.ByeReply)
+        other = Raw(url)
+        report["bye"] = _during(other, pinger, [p.Bye(client_id=cid)], p.ByeReply)
+        other.close()
         report["clear"] = _during(raw, pinger, [p.Clear()], p.ClearReply)
     finally:
         raw.close()

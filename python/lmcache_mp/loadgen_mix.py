@@ -24,7 +24,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from lmcache_mp.loadgen_worker import count_mismatches, kv_shape, request_ids, request_tokens
+from lmcache_mp.loadgen_worker import count_mismatches, random_kv, request_ids, request_tokens
 
 
 def _stamp(kv: list, kind: str, block_ids: np.ndarray, prompt: int) -> None:
@@ -49,7 +49,7 @@ def popularity(prompts: int, skew: float, requests: int, seed: int) -> np.ndarra
 def _mix_worker(cfg: dict, wid: int, barrier) -> dict:
     import torch
 
-    from lmcache_mp import Client, chunk_hashes, shared_cpu_tensor
+    from lmcache_mp import Client, chunk_hashes
 
     lay = cfg["geometry"]
     cuda = cfg["device"] == "cuda"
@@ -60,16 +60,8 @@ def _mix_worker(cfg: dict, wid: int, barrier) -> dict:
     bpc = chunk // lay["block_size"]
     n = cfg["chunks"]
     half = n * bpc
-    shape = kv_shape(lay, 2 * half)
     seed = 7919 * (wid + 1)
-    if cuda:
-        kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(lay["layers"])]
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-    else:
-        kv = [shared_cpu_tensor(shape, torch.bfloat16, fill=None) for _ in range(lay["layers"])]
-        gen = torch.Generator().manual_seed(seed)
-    for t in kv:
-        t.view(torch.uint8).random_(0, 256, generator=gen)
+    kv = random_kv(lay, 2 * half, cuda, seed)
     model = f"{cfg['model']}-w{wid}"
     handle = client.register_kv_cache(kv, model=model, world_size=1, rank=0, layout=lay["kind"])
     order = popularity(cfg["prompts"], cfg["skew"], cfg["requests"], seed)

@@ -46,6 +46,26 @@ def object_bytes(lay: dict, chunk: int) -> int:
     return lay["layers"] * chunk * lay["dim"] * DTYPE_BYTES
 
 
+def random_kv(lay: dict, num_blocks: int, cuda: bool, seed: int) -> list:
+    """One bfloat16 KV tensor per layer (CUDA, or CPU shared memory) full of random bits."""
+    import torch
+
+    from lmcache_mp import shared_cpu_tensor
+
+    shape = kv_shape(lay, num_blocks)
+    if cuda:
+        kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(lay["layers"])]
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+    else:
+        kv = [shared_cpu_tensor(shape, torch.bfloat16, fill=None) for _ in range(lay["layers"])]
+        gen = torch.Generator().manual_seed(seed)
+    for t in kv:
+        t.view(torch.uint8).random_(0, 256, generator=gen)
+    if cuda:
+        torch.cuda.synchronize()
+    return kv
+
+
 def request_ids(seed: tuple, half: int, offset: int) -> np.ndarray:
     """A permutation of the `half` blocks starting at `offset` (a request's block table)."""
     return (offset + np.random.default_rng(list(seed)).permutation(half)).astype(np.int64)
@@ -85,7 +105,7 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
     lookups, tp, workers, run, timeout, gpu_uuids (one per worker on cuda)."""
     import torch
 
-    from lmcache_mp import Client, chunk_hashes, shared_cpu_tensor
+    from lmcache_mp import Client, chunk_hashes
 
     lay = cfg["geometry"]
     cuda = cfg["device"] == "cuda"
@@ -114,17 +134,7 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
     shared = tp and lay["kind"] == "mla"
     data_seed = 1000 * cfg["run"] + (0 if shared else wid + 1)
 
-    shape = kv_shape(lay, nb)
-    if cuda:
-        kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(lay["layers"])]
-        gen = torch.Generator(device="cuda").manual_seed(data_seed)
-    else:
-        kv = [shared_cpu_tensor(shape, torch.bfloat16, fill=None) for _ in range(lay["layers"])]
-        gen = torch.Generator().manual_seed(data_seed)
-    for t in kv:
-        t.view(torch.uint8).random_(0, 256, generator=gen)
-    if cuda:
-        torch.cuda.synchronize()
+    kv = random_kv(lay, nb, cuda, data_seed)
     handle = client.register_kv_cache(kv, model=model, world_size=world, rank=rank, layout=lay["kind"])
     info.update(model=model, rank=rank, world_size=world, layout=handle.layout, shared=handle.shared,
                 object_bytes=handle.object_bytes, transfer_mode=handle.transfer_mode)
