@@ -114,8 +114,11 @@ class L1Store(SlabMoves):
 
     def _park(self, obj: L1Object) -> None:
         """Put obj at the most-recently-used end of the LRU list if nothing holds it."""
-        self._lru.pop(obj.key, None)
-        if self._parkable(obj):
+        if not self._parkable(obj):
+            self._lru.pop(obj.key, None)
+        elif obj.key in self._lru:
+            self._lru.move_to_end(obj.key)  # no delete and insert: the table is not rebuilt as often
+        else:
             self._lru[obj.key] = obj
 
     def _unpark(self, obj: L1Object) -> None:
