@@ -100,8 +100,9 @@ void init_cuda_bindings(py::module_& m) {
         return open_event(handle, d);
       },
       py::arg("handle"), py::arg("device"));
-  c.def("record_event", &record_event, py::arg("event"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
-  c.def("stream_wait_event", &stream_wait_event, py::arg("stream"), py::arg("event"), py::call_guard<py::gil_scoped_release>());
+  // Only enqueued on a stream, and on the client's hot path: these keep the GIL.
+  c.def("record_event", &record_event, py::arg("event"), py::arg("stream"));
+  c.def("stream_wait_event", &stream_wait_event, py::arg("stream"), py::arg("event"));
   c.def("event_synchronize", &event_synchronize, py::arg("event"), py::call_guard<py::gil_scoped_release>());
   c.def("event_query", &event_query, py::arg("event"));
   c.def("create_stream", &create_stream, py::arg("device"), py::arg("high_priority") = false, py::call_guard<py::gil_scoped_release>());

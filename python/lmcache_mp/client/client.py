@@ -27,7 +27,7 @@ from lmcache_mp.client.io_thread import IOThread
 from lmcache_mp.client.leases import HeldLeases, LookupResult
 from lmcache_mp.client.tensors import DescribedCache, describe_kv_caches
 from lmcache_mp.errors import ProtocolMismatch, RequestError, ServerUnavailable
-from lmcache_mp.keys import DIGEST_BYTES, pack_hashes
+from lmcache_mp.keys import DIGEST_BYTES, pack_hashes, unpack_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -196,9 +196,7 @@ class Client:
                        salt=salt)
         r = self._call(msg, p.LookupReply, timeout)
         if r.lease:
-            n = r.hits
-            self._leases.add(r.lease, model, world_size, salt,
-                             [packed[i:i + DIGEST_BYTES] for i in range(0, n * DIGEST_BYTES, DIGEST_BYTES)])
+            self._leases.add(r.lease, model, world_size, salt, unpack_hashes(packed[: r.hits * DIGEST_BYTES]))
         return LookupResult(r.hits, r.lease)
 
     def release(self, hashes: bytes | Iterable[bytes] | None = None, *, lease: int | None = None,
@@ -216,9 +214,8 @@ class Client:
             return self._release_one(lease, packed, timeout)
         if model is None:
             raise ValueError("release() needs a lease, or the model (and hashes) of this client's leases")
-        digests = [packed[i:i + DIGEST_BYTES] for i in range(0, len(packed), DIGEST_BYTES)]
         return sum(self._release_one(held, b"".join(mine), timeout)
-                   for held, mine in self._leases.matching(model, world_size, salt, digests))
+                   for held, mine in self._leases.matching(model, world_size, salt, unpack_hashes(packed)))
 
     def _release_one(self, lease: int, packed: bytes, timeout: float | None) -> int:
         if not lease:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from lmcache_mp import protocol as p
-from lmcache_mp.keys import DIGEST_BYTES
+from lmcache_mp.keys import DIGEST_BYTES, unpack_hashes
 from lmcache_mp.server.contexts import Registration
 from lmcache_mp.storage.l1 import SHARED_RANK, ObjectKey
 
@@ -63,7 +63,7 @@ def count_digests(hashes: bytes) -> int:
 
 def digests(hashes: bytes) -> list[bytes]:
     count_digests(hashes)
-    return [hashes[i:i + DIGEST_BYTES] for i in range(0, len(hashes), DIGEST_BYTES)]
+    return unpack_hashes(hashes)
 
 
 def lookup_cost(msg: p.Lookup) -> int:

@@ -41,9 +41,6 @@ class SlabMoves:
     def _allocate(self, cls: int, may_move: bool) -> int | SlabMove:
         """A slot of class cls: its offset, -1 when nothing evictable is left, or a slab move
         the caller runs without the lock (then asks again)."""
-        off = self.arena.allocate(cls)
-        if off >= 0:
-            return off
         donors = [c for c in range(self.arena.num_classes) if c != cls]
         while True:
             off = self.arena.allocate(cls)
