@@ -20,12 +20,7 @@ import time
 import numpy as np
 import zmq
 
-ECHO = """
-import sys, zmq
-ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.bind(sys.argv[1])
-while True:
-    s.send_multipart(s.recv_multipart())
-"""
+from lmcache_mp.loadgen_trace import ECHO
 
 
 def percentiles(xs: list[float]) -> dict:

@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from lmcache_mp import loadgen
+from lmcache_mp.loadgen_trace import echo_peer
 from lmcache_mp.loadgen_worker import LAYOUTS, object_bytes
 
 CHUNK = 256
@@ -228,6 +229,8 @@ def main() -> int:
     ap.add_argument("--transfer-mode", default="auto", choices=("auto", "direct", "staged", "dma"))
     ap.add_argument("--repeat", type=int, default=5, help="ceiling: timed copies (median)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a worker waits on a request or barrier")
+    ap.add_argument("--trace", action="store_true",
+                    help="time every request's stages on client and server and print the medians")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     args.workers = [int(w) for w in str(args.workers).split(",") if w.strip()]
@@ -277,6 +280,7 @@ def main() -> int:
     server = ServerProcess(args, l1, slab, env)
     rows, runs, exit_code = [], [], 0
     result: dict = {}
+    stack = contextlib.ExitStack()
     try:
         client = server.connect(120)
         t0 = time.monotonic()
@@ -297,8 +301,10 @@ def main() -> int:
                   f"{k} GPU(s) at once): D2H {c['d2h']:.2f} GB/s, H2D {c['h2d']:.2f} GB/s", flush=True)
 
         modes = "?"
+        echo = stack.enter_context(echo_peer())  # lookups are compared with a bare round trip to it
         for run, w in enumerate(args.workers):
             settings = loadgen.worker_settings(args, server.url, lay, f"bench-{args.layout}-run{run}", run)
+            settings["echo_url"] = echo
             row, record, clean = loadgen.run_once(client, settings, w, uuids, CHUNK, ceilings)
             rows.append(row)
             runs.append(record)
@@ -331,6 +337,7 @@ def main() -> int:
         print(f"--- server log (tail):\n{server.log_tail()}", file=sys.stderr)
         exit_code = 1
     finally:
+        stack.close()
         stopped = server.stop()
     if stopped["exit_code"] != 0 or stopped["tracebacks"]:
         print(f"!! server exited with {stopped['exit_code']}, {stopped['tracebacks']} traceback(s) in its log "

@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from lmcache_mp.loadgen_trace import echo_peer, print_traces
+from lmcache_mp.loadgen_trace import summarize as summarize_traces
 from lmcache_mp.loadgen_worker import DTYPE_BYTES, LAYOUTS, kv_shape, object_bytes, worker_main
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
@@ -73,7 +75,8 @@ def gpu_uuids(gpus: int) -> tuple[list[str], list[str]]:
 def worker_settings(args, url: str, lay: dict, model: str, run: int) -> dict:
     """What every worker of a run gets (args: device, chunks, requests, lookups, tp, timeout)."""
     return dict(url=url, device=args.device, geometry=lay, model=model, chunks=args.chunks,
-                requests=args.requests, lookups=args.lookups, tp=args.tp, run=run, timeout=args.timeout)
+                requests=args.requests, lookups=args.lookups, tp=args.tp, run=run, timeout=args.timeout,
+                trace=getattr(args, "trace", False), echo_url=getattr(args, "echo_url", None))
 
 
 def banner(args, obj: int, req_bytes: int, gpu_names: list[str]) -> str:
@@ -176,6 +179,7 @@ def summarize(infos: list[dict], workers: int, gpus_used: int, ceilings: dict | 
     s50, s99 = percentiles(cat("store_latency_s"), 1e3)
     r50, r99 = percentiles(cat("retrieve_latency_s"), 1e3)
     l50, l99 = percentiles(cat("lookup_latency_s"), 1e6)
+    bare = cat("bare_latency_s")
     row = {"workers": workers, "gpus": gpus_used, "store_GBps": store_gbps, "retrieve_GBps": retrieve_gbps}
     if ceilings is not None:
         ceil = ceilings["concurrent"][max(1, gpus_used)]
@@ -185,6 +189,7 @@ def summarize(infos: list[dict], workers: int, gpus_used: int, ceilings: dict | 
         **row,
         "store_ms_p50": s50, "store_ms_p99": s99, "retrieve_ms_p50": r50, "retrieve_ms_p99": r99,
         "lookup_us_p50": l50, "lookup_us_p99": l99,
+        **({"bare_rt_us_p50": percentiles(bare, 1e6)[0]} if bare else {}),
         "mismatches": sum(i["mismatches"] for i in infos),
         "missing": sum(i["missing"] for i in infos),
         "requested_chunks": sum(i["requested_chunks"] for i in infos),
@@ -235,6 +240,10 @@ def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
     row["evicted"] = after.get("evicted", 0) - evicted_before
     regs = next((i["status_registrations"] for i in infos if "status_registrations" in i), [])
     row["transfer_mode"] = modes = transfer_mode_label(lay, chunk, chunks, regs)
+    traces = {k: [t for i in infos for t in i.get("traces", {}).get(k, [])] for k in ("store", "lookup", "retrieve")}
+    if any(traces.values()):
+        print_traces(traces)
+        row["trace_us"] = {k: dict(summarize_traces(v)) for k, v in traces.items() if v}
     record = {"summary": row, "workers_detail": infos, "l1_after": after, "seconds": time.monotonic() - t_run}
     problems = []
     if row["mismatches"]:
@@ -281,6 +290,11 @@ def print_table(rows: list[dict], unit_note: str) -> None:
               f"{r['missing']:>7} | {r['mismatches']:>8}")
     print(unit_note + "; evicted: chunks the server evicted during the run (any run's); missing: chunks "
           "not loaded at verification; mismatch: loaded chunks whose bytes differ")
+    for r in rows:
+        if "bare_rt_us_p50" in r:
+            print(f"lookup p50 {r['lookup_us_p50']:.1f} us = {r['lookup_us_p50'] / r['bare_rt_us_p50']:.2f}x a bare "
+                  f"pyzmq round trip of the same size ({r['bare_rt_us_p50']:.1f} us, to an echo process, "
+                  f"measured alternately)")
 
 
 # ---- lmcache-mp-bench -------------------------------------------------------------------------
@@ -312,6 +326,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", type=int, default=32, help="--mix: distinct prompts per worker (default 32)")
     ap.add_argument("--skew", type=float, default=1.0,
                     help="--mix: prompt popularity ~ 1/rank**skew (0: uniform; default 1)")
+    ap.add_argument("--trace", action="store_true",
+                    help="time every request's stages on client and server and print the medians")
     ap.add_argument("--json", help="write the results here")
     return ap
 
@@ -393,8 +409,9 @@ def _bench(args, lay: dict, client) -> int:
     print(f"server {args.url}: device {server_device}, chunk {chunk} tokens, L1 {format_size(capacity)} "
           f"({format_size(status['l1'].get('bytes_used', 0))} in use)", flush=True)
     model = f"bench-{args.layout}-{secrets.token_hex(4)}"  # chunks of this run only
-    settings = worker_settings(args, args.url, lay, model, run=0)
-    row, record, clean = run_once(client, settings, args.workers, uuids, chunk, own_l1=False)
+    with echo_peer() as args.echo_url:
+        settings = worker_settings(args, args.url, lay, model, run=0)
+        row, record, clean = run_once(client, settings, args.workers, uuids, chunk, own_l1=False)
     print()
     print_table([row], TABLE_NOTE)
     if "error" not in row:

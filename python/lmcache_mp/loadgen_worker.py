@@ -120,7 +120,9 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
             raise RuntimeError(f"worker {wid} is on {uuid}, expected {cfg['gpu_uuids'][wid]}")
         info["gpu_uuid"] = uuid
     timeout = cfg["timeout"]
-    client = Client(cfg["url"], timeout=timeout, name=f"bench-w{wid}")
+    trace = bool(cfg.get("trace"))
+    client = Client(cfg["url"], timeout=timeout, name=f"bench-w{wid}", trace=trace)
+    traces: dict[str, list] = {"store": [], "lookup": [], "retrieve": []}
     chunk = client.chunk_size
     bpc = chunk // lay["block_size"]
     n = cfg["chunks"]
@@ -161,8 +163,11 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
     t_phase = time.perf_counter()
     for r in range(R):
         t0 = time.perf_counter()
-        res = client.store(handle, hashes[r], src[r]).result()
+        fut = client.store(handle, hashes[r], src[r])
+        res = fut.result()
         lat_store.append(time.perf_counter() - t0)
+        if trace:
+            traces["store"].append(fut.trace + [("returned", time.monotonic_ns())])
         stored, present, skipped = stored + res.stored, present + res.present, skipped + res.skipped
     store_wall = time.perf_counter() - t_phase
     barrier.wait(timeout)
@@ -175,12 +180,19 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
 
     # (b) lookup
     barrier.wait(timeout)
-    lat_lookup, lookup_short = [], 0
+    lat_lookup, lat_bare, lookup_short = [], [], 0
+    bare = BareRoundTrip(cfg["echo_url"], client, model, world, hashes[0]) if cfg.get("echo_url") else None
     for i in range(cfg["lookups"]):
+        if bare is not None:  # alternately, so that both see the same machine state
+            lat_bare.append(bare())
         t0 = time.perf_counter()
         hits = client.lookup(hashes[i % R], model=model, world_size=world)
         lat_lookup.append(time.perf_counter() - t0)
+        if trace:
+            traces["lookup"].append(client.last_trace() + [("returned", time.monotonic_ns())])
         lookup_short += hits != n
+    if bare is not None:
+        bare.close()
 
     # (c) retrieve
     barrier.wait(timeout)
@@ -188,8 +200,11 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
     t_phase = time.perf_counter()
     for r in range(R):
         t0 = time.perf_counter()
-        res = client.retrieve(handle, hashes[r], dst[r], wait="host").result()
+        fut = client.retrieve(handle, hashes[r], dst[r], wait="host")
+        res = fut.result()
         lat_retrieve.append(time.perf_counter() - t0)
+        if trace:
+            traces["retrieve"].append(fut.trace + [("returned", time.monotonic_ns())])
         loaded_per_request.append(res.loaded)
     retrieve_wall = time.perf_counter() - t_phase
     barrier.wait(timeout)  # nobody verifies while another worker is still timing
@@ -206,6 +221,7 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
     client.close()
     info.update(
         store_latency_s=lat_store, retrieve_latency_s=lat_retrieve, lookup_latency_s=lat_lookup,
+        bare_latency_s=lat_bare, traces=traces if trace else {},
         store_wall_s=store_wall, retrieve_wall_s=retrieve_wall,
         stored_chunks=stored, present_chunks=present, skipped_chunks=skipped,
         loaded_chunks=int(sum(loaded_per_request)), requested_chunks=R * n,
@@ -213,6 +229,34 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
         lookups_short=int(lookup_short), missing=missing, mismatches=mismatches,
     )
     return info
+
+
+class BareRoundTrip:
+    """A bare pyzmq DEALER round trip, to an echo peer in its own process, of a lookup's size:
+    the ceiling of a lookup."""
+
+    def __init__(self, url: str, client, model: str, world: int, hashes: list[bytes]):
+        import zmq
+
+        from lmcache_mp import protocol as p
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.connect(url)
+        self._frames = (p.pack_request_id(1), p.encode(p.Lookup(client_id=client.client_id, model=model,
+                                                               world_size=world, hashes=b"".join(hashes))))
+        for _ in range(20):
+            self()
+
+    def __call__(self) -> float:
+        t0 = time.perf_counter()
+        self._sock.send_multipart(self._frames)
+        self._sock.recv_multipart()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
 
 
 def worker_main(cfg: dict, wid: int, barrier, q) -> None:

@@ -3,6 +3,8 @@
 Transport: ZeroMQ DEALER (client) to ROUTER (server).
   request frames:  [request_id (8 bytes, little-endian), body]
   reply frames:    [request_id, body]            (the ROUTER adds/strips the peer identity)
+A request may add a third frame, TRACE_FRAME: its reply then has a third frame too, the server's
+timestamps of the request's stages (see encode_trace), for `lmcache-mp-bench --trace`.
 Body: one msgpack-encoded msgspec Struct, tagged by its op code, encoded as an array. Every
 request gets exactly one reply with the same request_id: the op's reply struct, or `Error`.
 Op codes and error codes are append-only; fields are only ever appended, with defaults.
@@ -290,6 +292,19 @@ def too_large(msg: msgspec.Struct, size: int) -> Exception:
 
     return RequestError(int(ErrorCode.LIMIT_EXCEEDED), f"a {type(msg).__name__} of {size} bytes is over the "
                                                        f"{MAX_MESSAGE_BYTES}-byte message limit")
+
+
+TRACE_FRAME = b"trace"
+_trace_decoder = msgspec.msgpack.Decoder(list[tuple[str, int]])
+
+
+def encode_trace(stamps: list[tuple[str, int]]) -> bytes:
+    """[(stage, time.monotonic_ns()), ...]: one clock for every process of the machine."""
+    return msgspec.msgpack.encode(stamps)
+
+
+def decode_trace(frame: bytes) -> list[tuple[str, int]]:
+    return _trace_decoder.decode(frame)
 
 
 def pack_request_id(request_id: int) -> bytes:

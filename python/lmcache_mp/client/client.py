@@ -23,7 +23,7 @@ import zmq
 
 from lmcache_mp import protocol as p
 from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_stream
-from lmcache_mp.client.io_thread import IOThread
+from lmcache_mp.client.io_thread import IOThread, add_trace
 from lmcache_mp.client.leases import HeldLeases, LookupResult
 from lmcache_mp.client.tensors import DescribedCache, describe_kv_caches
 from lmcache_mp.errors import ProtocolMismatch, RequestError, ServerUnavailable
@@ -102,8 +102,11 @@ class Client:
     connect_timeout, ProtocolMismatch on a version mismatch)."""
 
     def __init__(self, url: str, *, timeout: float = 10.0, connect_timeout: float = 5.0,
-                 heartbeat_interval: float = 1.0, name: str = ""):
+                 heartbeat_interval: float = 1.0, name: str = "", trace: bool = False):
         self.url = url
+        # Timing traces (lmcache-mp-bench --trace): the futures of store/retrieve get .trace, and
+        # last_trace() gives the calling thread's last synchronous call: [(stage, monotonic ns)].
+        self.trace = trace
         self.timeout = timeout
         self.name = name or f"pid{os.getpid()}"
         self.client_id = secrets.token_bytes(16)
@@ -162,13 +165,17 @@ class Client:
             sock.setsockopt(zmq.RCVTIMEO, ms)
             self._local.timeout_ms = ms
         deadline = time.monotonic() + timeout
+        stamps = [("call", time.monotonic_ns())] if self.trace else None
         body = p.encode(msg)
         if len(body) > p.MAX_MESSAGE_BYTES:
             raise p.too_large(msg, len(body))
         try:
-            sock.send_multipart((p.pack_request_id(rid), body))
+            sock.send_multipart((p.pack_request_id(rid), body) if stamps is None
+                                else (p.pack_request_id(rid), body, p.TRACE_FRAME))
         except zmq.Again:
             raise ServerUnavailable(f"no server reachable at {self.url} within {timeout:.3g} s") from None
+        if stamps is not None:
+            stamps.append(("client sent", time.monotonic_ns()))
         while True:
             try:
                 frames = sock.recv_multipart()
@@ -176,9 +183,16 @@ class Client:
                 frames = None
             if frames is None or time.monotonic() > deadline:
                 raise ServerUnavailable(f"no reply to {type(msg).__name__} from {self.url} within {timeout:.3g} s")
-            if len(frames) == 2 and len(frames[0]) == 8 and p.unpack_request_id(frames[0]) == rid:
+            if len(frames) in (2, 3) and len(frames[0]) == 8 and p.unpack_request_id(frames[0]) == rid:
+                if stamps is not None:
+                    add_trace(stamps, frames)
+                    self._local.trace = stamps
                 return _check(p.decode_reply(frames[1]), expected)
             # a late reply to a request that timed out earlier: skip it
+
+    def last_trace(self) -> list[tuple[str, int]] | None:
+        """The stages of this thread's last synchronous call (lookup, ...) when tracing."""
+        return getattr(self._local, "trace", None)
 
     def _hello(self, timeout: float) -> p.HelloReply:
         msg = p.Hello(version=p.PROTOCOL_VERSION, client_id=self.client_id, client_name=self.name, pid=os.getpid(),
@@ -350,7 +364,8 @@ class Client:
     def _async(self, msg: p._Msg, timeout: float | None, convert, settled, expires: bool = True) -> Future:
         if self._closed or self._io is None:
             raise ServerUnavailable("the client is closed")
-        return self._io.request(msg, self.timeout if timeout is None else timeout, convert, settled, expires)
+        stamps = [("call", time.monotonic_ns())] if self.trace else None
+        return self._io.request(msg, self.timeout if timeout is None else timeout, convert, settled, expires, stamps)
 
     def _checked(self, reply: Any, expected: type) -> Any:
         if isinstance(reply, p.Error) and reply.code == p.ErrorCode.UNKNOWN_REGISTRATION:

@@ -28,11 +28,23 @@ logger = logging.getLogger(__name__)
 Converter = Callable[[Any], Any]
 
 
-class _Pending:
-    __slots__ = ("future", "convert", "deadline", "what", "on_settled", "expires")
+def add_trace(stamps: list, frames: list) -> None:
+    """Append the server's stages of a traced reply, then its arrival here."""
+    if len(frames) == 3:
+        try:
+            stamps.extend(p.decode_trace(frames[2]))
+        except Exception:
+            logger.debug("ignored a malformed trace frame")
+    stamps.append(("client received", time.monotonic_ns()))
 
-    def __init__(self, future: Future, convert: Converter, deadline: float, what: str, on_settled, expires: bool):
+
+class _Pending:
+    __slots__ = ("future", "convert", "deadline", "what", "on_settled", "expires", "stamps")
+
+    def __init__(self, future: Future, convert: Converter, deadline: float, what: str, on_settled, expires: bool,
+                 stamps: list | None = None):
         self.future = future
+        self.stamps = stamps  # a traced request's timestamps (also future.trace)
         self.convert = convert
         self.deadline = deadline  # to be sent by then; once sent, answered by then if `expires`
         self.what = what
@@ -64,12 +76,15 @@ class IOThread:
         self._thread.start()
 
     def request(self, msg: p._Msg, timeout: float, convert: Converter,
-                on_settled: Callable[[], None] | None = None, expires: bool = True) -> Future:
+                on_settled: Callable[[], None] | None = None, expires: bool = True,
+                stamps: list | None = None) -> Future:
         """Queue msg; the future gets convert(reply), or an error. on_settled runs once the
         request is answered, failed or timed out (e.g. to return a pooled event). expires=False:
         once sent, the request waits for its reply however long it takes (it still fails when
-        it cannot be sent within `timeout`, when the client closes, or on fail_all)."""
+        it cannot be sent within `timeout`, when the client closes, or on fail_all). stamps: a
+        list to trace the request in (the server's stages included), also set as future.trace."""
         fut: Future = Future()
+        fut.trace = stamps
         if self._stop:
             fut.set_exception(ServerUnavailable("the client is closed"))
             return fut
@@ -79,7 +94,7 @@ class IOThread:
             return fut
         rid = next(self._ids)
         self._inbox.append((rid, body, _Pending(fut, convert, time.monotonic() + timeout, type(msg).__name__,
-                                                on_settled, expires)))
+                                                on_settled, expires, stamps)))
         self._wakeup()
         return fut
 
@@ -103,6 +118,8 @@ class IOThread:
                 logger.exception("error returning resources of a %s request", pend.what)
         if pend.future.done():
             return
+        if pend.stamps is not None:
+            pend.stamps.append(("client resolved", time.monotonic_ns()))
         if error is not None:
             pend.future.set_exception(error)
         else:
@@ -122,8 +139,10 @@ class IOThread:
             self._unsent.append(item)
         while self._unsent:
             rid, body, pend = self._unsent[0]
+            frames = (p.pack_request_id(rid), body) if pend.stamps is None else (p.pack_request_id(rid), body,
+                                                                                  p.TRACE_FRAME)
             try:
-                self._sock.send_multipart((p.pack_request_id(rid), body), flags=zmq.NOBLOCK, copy=False)
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return  # not connected (yet): wait for the socket to become writable, or the deadline
             except zmq.ZMQError as e:
@@ -132,6 +151,8 @@ class IOThread:
                 continue
             self._unsent.popleft()
             self._pending[rid] = pend
+            if pend.stamps is not None:
+                pend.stamps.append(("client sent", time.monotonic_ns()))
             if pend.expires:
                 heapq.heappush(self._deadlines, (pend.deadline, rid))
 
@@ -141,12 +162,14 @@ class IOThread:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 2 or len(frames[0]) != 8:
+            if len(frames) not in (2, 3) or len(frames[0]) != 8:
                 logger.warning("ignored a malformed reply from the server")
                 continue
             pend = self._pending.pop(p.unpack_request_id(frames[0]), None)
             if pend is None:
                 continue  # answered after its timeout
+            if pend.stamps is not None:
+                add_trace(pend.stamps, frames)
             try:
                 result = pend.convert(p.decode_reply(frames[1]))
             except BaseException as e:

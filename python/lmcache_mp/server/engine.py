@@ -29,7 +29,8 @@ from lmcache_mp.server.contexts import IpcEventCache, IpcMemoryCache
 from lmcache_mp.server.devices import gpu_numa_node, resolve_device
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.validation import RequestFailure, chunk_request, invalid, over_limit
-from lmcache_mp.server.registrations import Entry, RegistrationHandling, Reply
+from lmcache_mp.server.registrations import Entry, RegistrationHandling
+from lmcache_mp.server.replies import Reply, mark
 from lmcache_mp.server.workers import SerialWorker
 from lmcache_mp.storage.l1 import L1Store
 from lmcache_mp.storage.leases import TooManyLeases
@@ -142,6 +143,7 @@ class MPCacheEngine(RegistrationHandling):
         entry.worker.submit(self._job(reply, lambda: self._run_store(entry, msg, reply)))
 
     def _run_store(self, entry: Entry, msg: p.Store, reply: Reply) -> None:
+        mark(reply, "started")
         reg = entry.ctx.reg
         keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
         self._touch(reg.client_id)
@@ -171,10 +173,13 @@ class MPCacheEngine(RegistrationHandling):
         try:
             if entry.store_done is None:
                 entry.ctx.copy("gather", block_ids, ptrs, capacity)
+                mark(reply, "copied")
             else:
                 ticket = entry.ctx.submit("gather", block_ids, ptrs, capacity, msg.event)
+                mark(reply, "submitted")
 
                 def done(err: BaseException | None) -> None:
+                    mark(reply, "copied")
                     if err is not None:
                         fail(err, p.ErrorCode.DEVICE_ERROR)
                         return
@@ -206,6 +211,7 @@ class MPCacheEngine(RegistrationHandling):
                                  "nothing was written")
 
     def _run_retrieve(self, entry: Entry, msg: p.Retrieve, reply: Reply) -> None:
+        mark(reply, "started")
         reg = entry.ctx.reg
         keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
         flat = ids.reshape(-1)
@@ -223,13 +229,16 @@ class MPCacheEngine(RegistrationHandling):
             self._check_deadline(msg)  # the last moment before a byte may move
             if entry.retrieve_done is None:
                 entry.ctx.copy("scatter", block_ids, ptrs, objs[0].nbytes)
+                mark(reply, "copied")
             else:
                 ticket = entry.ctx.submit("scatter", block_ids, ptrs, objs[0].nbytes, msg.event)
+                mark(reply, "submitted")
                 early = msg.reply_on_submit
                 if early:
                     reply(p.RetrieveReply(loaded=len(objs), event=entry.ctx.engine.completion_handle(ticket)))
 
                 def done(err: BaseException | None) -> None:
+                    mark(reply, "copied")
                     self.l1.end_read(objs)
                     if err is not None:
                         logger.error("retrieve on model %s rank %d failed: %s", reg.model, reg.rank, err)

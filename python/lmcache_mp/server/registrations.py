@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Callable
-
 from lmcache_mp import protocol as p
 from lmcache_mp.config import format_size
 from lmcache_mp.native import pinning_paused
@@ -24,13 +22,11 @@ from lmcache_mp.server.contexts import (
     describe_layers,
 )
 from lmcache_mp.server.policy import choose_transfer_mode
+from lmcache_mp.server.replies import Reply
 from lmcache_mp.server.validation import RequestFailure, invalid, over_limit
 from lmcache_mp.server.workers import CompletionWaiter, SerialWorker
 
 logger = logging.getLogger(__name__)
-
-Reply = Callable[[p._Msg], None]
-
 
 class Entry:
     """A live registration: its context, its worker and, on the GPU, its completion threads."""

@@ -1,16 +1,16 @@
 """The socket thread: owns the ZMQ ROUTER, decodes requests, sends every reply.
 
-Replies produced on other threads (registration workers, GPU completion threads) are handed over
-through a queue and an eventfd the socket thread polls with the socket, so nothing sleeps and a
-reply leaves as soon as it exists. Malformed input of any kind is answered with an error and the
-loop goes on.
+Replies leave from whichever thread produces them (the socket thread, a registration's worker, a
+GPU completion thread): the socket is used under a lock, and the loop polls only its fd, so a
+reply costs no hand-off to another thread. Malformed input of any kind is answered with an error
+and the loop goes on.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
+import select
 import threading
 import time
 
@@ -22,6 +22,23 @@ logger = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.5
 _ZERO_ID = p.pack_request_id(0)
+
+
+class Responder:
+    """The `Reply` of one request (see server/replies.py)."""
+
+    __slots__ = ("_transport", "_identity", "_req_id", "stamps")
+
+    def __init__(self, transport: "Transport", identity: bytes, req_id: bytes, stamps: list | None):
+        self._transport = transport
+        self._identity = identity
+        self._req_id = req_id
+        self.stamps = stamps
+
+    def __call__(self, msg: p._Msg) -> None:
+        if self.stamps is not None:
+            self.stamps.append(("replied", time.monotonic_ns()))
+        self._transport._responded(self._identity, self._req_id, p.encode(msg), self.stamps)
 
 
 class Transport:
@@ -37,7 +54,8 @@ class Transport:
         self._sock.bind(url)
         self.url = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ipc_path = self.url[len("ipc://"):] if self.url.startswith("ipc://") else None
-        self._outbox: collections.deque = collections.deque()
+        self._sock_lock = threading.Lock()  # every use of the socket, from any thread
+        self._open = True
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # Writes after the fd is closed would land in whatever reuses its number (e.g. a ZMQ
         # mailbox eventfd, which then aborts the process): close and write under one lock.
@@ -52,75 +70,89 @@ class Transport:
 
     # ---- replies -----------------------------------------------------------------------------
 
-    def _responder(self, identity: bytes, req_id: bytes):
-        def reply(msg: p._Msg) -> None:
-            body = p.encode(msg)
-            if threading.get_ident() == self._ident:
-                self._send(identity, req_id, body)
-            else:
-                self._outbox.append((identity, req_id, body))
-                self._wakeup()  # after stop the reply has nowhere to go
+    def _responded(self, identity: bytes, req_id: bytes, body: bytes, stamps: list | None) -> None:
+        """A reply, sent at once from whichever thread has it (after stop it has nowhere to go)."""
+        self._send(identity, req_id, body, stamps)
+        if threading.get_ident() != self._ident and self._readable():
+            self._wakeup()  # our send took the socket's signal of a request the loop must read
 
-        return reply
+    def _send(self, identity: bytes, req_id: bytes, body: bytes, stamps: list | None = None) -> None:
+        frames = (identity, req_id, body)
+        if stamps is not None:
+            stamps.append(("sent", time.monotonic_ns()))
+            frames += (p.encode_trace(stamps),)
+        with self._sock_lock:
+            if not self._open:
+                return
+            try:
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as e:  # the client is gone (EHOSTUNREACH) or not reading (EAGAIN)
+                logger.debug("dropped a reply to %s: %s", identity.hex()[:8], e)
 
-    def _send(self, identity: bytes, req_id: bytes, body: bytes) -> None:
-        try:
-            self._sock.send_multipart((identity, req_id, body), flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as e:  # the client is gone (EHOSTUNREACH) or not reading (EAGAIN)
-            logger.debug("dropped a reply to %s: %s", identity.hex()[:8], e)
+    def _readable(self) -> bool:
+        with self._sock_lock:
+            return self._open and bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
+
+    def _recv(self) -> list | None:
+        with self._sock_lock:
+            try:
+                return self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
 
     # ---- the loop ----------------------------------------------------------------------------
 
     def _handle(self, frames: list[bytes]) -> None:
         identity = frames[0]
-        if len(frames) != 3 or len(frames[1]) != 8:
+        traced = len(frames) == 4 and frames[3] == p.TRACE_FRAME
+        if not (len(frames) == 3 or traced) or len(frames[1]) != 8:
             req_id = frames[1] if len(frames) >= 2 and len(frames[1]) == 8 else _ZERO_ID
-            msg = "a request is two frames: an 8-byte request id and a body"
+            msg = "a request is two frames: an 8-byte request id and a body (and optionally a trace frame)"
             self._send(identity, req_id, p.encode(p.Error(code=int(p.ErrorCode.BAD_REQUEST), message=msg)))
             return
-        reply = self._responder(identity, frames[1])
+        reply = Responder(self, identity, frames[1], [("received", time.monotonic_ns())] if traced else None)
         try:
             msg = p.decode_request(frames[2])
         except p.FrameError as e:
             reply(p.Error(code=int(e.code), message=str(e)))
             return
+        if reply.stamps is not None:
+            reply.stamps.append(("decoded", time.monotonic_ns()))
         self.engine.handle(msg, reply)
 
     def _run(self) -> None:
         self._ident = threading.get_ident()
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake, zmq.POLLIN)
+        # The socket's own fd, not the socket: a ZMQ socket is used by one thread at a time (under
+        # _sock_lock), and only its fd may be polled meanwhile. It signals edges: whoever touched
+        # the socket last may have taken the signal, so the loop asks the socket before it sleeps.
+        poller = select.poll()
+        poller.register(self._sock.get(zmq.FD), select.POLLIN)
+        poller.register(self._wake, select.POLLIN)
         next_tick = time.monotonic() + TICK_SECONDS
         while not self._stop:
-            timeout_ms = max(0.0, next_tick - time.monotonic()) * 1000
-            ready = dict(poller.poll(timeout_ms))
-            if self._sock in ready:
-                for _ in range(256):  # take a batch, then give the outbox its turn
-                    try:
-                        self._handle(self._sock.recv_multipart(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    except Exception:
-                        logger.exception("error handling a request")
-                    if not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
-                        break  # cheaper than the exception of another non-blocking recv
-            if self._wake in ready:
+            if not self._readable():
+                poller.poll(max(0.0, next_tick - time.monotonic()) * 1000)
                 try:
                     os.eventfd_read(self._wake)
                 except BlockingIOError:
                     pass
-            while self._outbox:
-                self._send(*self._outbox.popleft())
+            for _ in range(256):  # a batch, then the tick gets its turn
+                frames = self._recv()
+                if frames is None:
+                    break
+                try:
+                    self._handle(frames)
+                except Exception:
+                    logger.exception("error handling a request")
             if time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + TICK_SECONDS
                 try:
                     self.engine.tick()
                 except Exception:
                     logger.exception("error in periodic housekeeping")
-        while self._outbox:  # last replies of the drain
-            self._send(*self._outbox.popleft())
-        self._sock.close(linger=0)
+        with self._sock_lock:
+            self._open = False
+            self._sock.close(linger=0)
         with self._wake_lock:
             self._wake_open = False
             os.close(self._wake)
@@ -131,7 +163,8 @@ class Transport:
                 pass
 
     def stop(self, drain: float = 5.0) -> None:
-        """Stop reading requests; replies queued within `drain` seconds still go out."""
+        """Stop reading requests and close the socket (waiting up to `drain` seconds for the
+        request being handled); later replies are dropped."""
         if not self._thread.is_alive():
             return
         self._stop = True

@@ -1,0 +1,66 @@
+"""Where a request's time goes: the stage timestamps of traced requests (`Client(trace=True)`,
+`lmcache-mp-bench --trace`) turned into a per-stage table.
+
+A trace is [(stage, time.monotonic_ns()), ...] from the client and the server (one clock for
+every process of a machine): call, client sent, received, decoded, started, submitted, copied,
+replied, sent, client received, client resolved, returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Iterator
+
+ECHO = """
+import sys, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.bind(sys.argv[1])
+while True:
+    s.send_multipart(s.recv_multipart())
+"""
+
+
+@contextlib.contextmanager
+def echo_peer() -> Iterator[str]:
+    """A bare pyzmq ROUTER echo in its own process (the ceiling of a lookup); yields its URL."""
+    with tempfile.TemporaryDirectory(prefix="lmcache-echo-") as tmp:
+        url = f"ipc://{os.path.join(tmp, 'echo')}"
+        proc = subprocess.Popen([sys.executable, "-c", ECHO, url])
+        try:
+            yield url
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def segments(trace: list[tuple[str, int]]) -> list[tuple[str, float]]:
+    """(stage -> next stage, microseconds) of one trace, in time order."""
+    stamps = sorted(trace, key=lambda s: s[1])
+    return [(f"{a} -> {b}", (tb - ta) / 1e3) for (a, ta), (b, tb) in zip(stamps, stamps[1:])]
+
+
+def summarize(traces: list[list[tuple[str, int]]]) -> list[tuple[str, float]]:
+    """Median microseconds of every segment over the traces, in the order they occur; the last
+    row is the whole request."""
+    by_segment: dict[str, list[float]] = {}
+    for t in traces:
+        for name, us in segments(t):
+            by_segment.setdefault(name, []).append(us)
+    rows = [(name, statistics.median(v)) for name, v in by_segment.items()]
+    total = [(max(s for _, s in t) - min(s for _, s in t)) / 1e3 for t in traces if t]
+    if total:
+        rows.append(("whole request", statistics.median(total)))
+    return rows
+
+
+def print_traces(by_kind: dict[str, list]) -> None:
+    for kind, traces in by_kind.items():
+        if not traces:
+            continue
+        print(f"trace of {kind} ({len(traces)} requests, median us per stage):")
+        for name, us in summarize(traces):
+            print(f"  {name:40s} {us:9.1f}")
