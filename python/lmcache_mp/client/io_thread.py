@@ -1,8 +1,12 @@
-"""The client's I/O thread: owns the asynchronous DEALER socket, matches replies to futures,
-enforces per-request timeouts, and sends heartbeats.
+"""The client's asynchronous requests: one DEALER socket, replies matched to futures, per-request
+timeouts, heartbeats.
 
-Other threads hand requests over through a deque and an eventfd that the thread polls together
-with the socket: no sleeps, and a request leaves as soon as it is queued.
+A request leaves from the calling thread. Its reply is read by whoever gets to it first: the
+thread that waits on the future (`result()` reads the socket itself, so a request that is waited
+for costs no hand-off between threads) or the I/O thread, which serves futures nobody waits on
+(callbacks, `concurrent.futures.wait`, polling), timeouts and heartbeats. The socket is used under
+a lock; threads sleep on its fd (never on the socket), which signals edges, so each asks the
+socket before it sleeps.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ import collections
 import heapq
 import itertools
 import logging
+import math
 import os
+import select
 import threading
 import time
 from concurrent.futures import Future
@@ -24,8 +30,9 @@ from lmcache_mp.errors import ServerUnavailable
 
 logger = logging.getLogger(__name__)
 
-# Called on the I/O thread with the decoded reply; returns the future's result or raises.
+# Called with the decoded reply; returns the future's result or raises.
 Converter = Callable[[Any], Any]
+WAITER_BACKOFF = 0.001  # while a caller reads the socket, the I/O thread looks only this often
 
 
 def add_trace(stamps: list, frames: list) -> None:
@@ -44,12 +51,42 @@ class _Pending:
     def __init__(self, future: Future, convert: Converter, deadline: float, what: str, on_settled, expires: bool,
                  stamps: list | None = None):
         self.future = future
-        self.stamps = stamps  # a traced request's timestamps (also future.trace)
         self.convert = convert
         self.deadline = deadline  # to be sent by then; once sent, answered by then if `expires`
         self.what = what
         self.on_settled = on_settled
         self.expires = expires
+        self.stamps = stamps  # a traced request's timestamps (also future.trace)
+
+
+class _Waker:
+    """A thread's eventfd, written when another thread settles a future it waits on."""
+
+    def __init__(self):
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def __del__(self):
+        os.close(self.fd)
+
+
+class ReplyFuture(Future):
+    """A request's future; result() and exception() read the reply on the calling thread."""
+
+    def __init__(self, io: "IOThread"):
+        super().__init__()
+        self._io = io
+        self.waker: _Waker | None = None
+        self.trace: list | None = None
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._io.wait(self, timeout):
+            return super().result(0)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self._io.wait(self, timeout):
+            return super().exception(0)
+        return super().exception(timeout)
 
 
 class IOThread:
@@ -59,15 +96,22 @@ class IOThread:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a server that is not there
         self._sock.connect(url)
+        self._fd = self._sock.get(zmq.FD)
+        # The socket, _pending, _deadlines, _waiters and _wake_at: under _lock, from any thread.
+        self._lock = threading.Lock()
+        self._open = True
+        self._pending: dict[int, _Pending] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._waiters = 0  # threads reading the socket for a future of theirs
+        self._wake_at = 0.0  # when the I/O thread looks at deadlines next
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # Writes after the fd is closed would land in whatever reuses its number (e.g. a ZMQ
         # mailbox eventfd, which then aborts the process): close and write under one lock.
         self._wake_lock = threading.Lock()
         self._wake_open = True
-        self._inbox: collections.deque = collections.deque()
-        self._unsent: collections.deque = collections.deque()  # queued until the socket connects
-        self._pending: dict[int, _Pending] = {}
-        self._deadlines: list[tuple[float, int]] = []
+        self._inbox: collections.deque = collections.deque()  # for the I/O thread: unsent requests, fail_all
+        self._unsent: collections.deque = collections.deque()  # I/O thread: queued until the socket connects
+        self._local = threading.local()
         self._ids = itertools.count(1 << 62)  # apart from the sync sockets' ids
         self._heartbeat = heartbeat
         self._interval = heartbeat_interval
@@ -78,12 +122,12 @@ class IOThread:
     def request(self, msg: p._Msg, timeout: float, convert: Converter,
                 on_settled: Callable[[], None] | None = None, expires: bool = True,
                 stamps: list | None = None) -> Future:
-        """Queue msg; the future gets convert(reply), or an error. on_settled runs once the
+        """Send msg; the future gets convert(reply), or an error. on_settled runs once the
         request is answered, failed or timed out (e.g. to return a pooled event). expires=False:
         once sent, the request waits for its reply however long it takes (it still fails when
         it cannot be sent within `timeout`, when the client closes, or on fail_all). stamps: a
         list to trace the request in (the server's stages included), also set as future.trace."""
-        fut: Future = Future()
+        fut = ReplyFuture(self)
         fut.trace = stamps
         if self._stop:
             fut.set_exception(ServerUnavailable("the client is closed"))
@@ -93,10 +137,47 @@ class IOThread:
             fut.set_exception(p.too_large(msg, len(body)))
             return fut
         rid = next(self._ids)
-        self._inbox.append((rid, body, _Pending(fut, convert, time.monotonic() + timeout, type(msg).__name__,
-                                                on_settled, expires, stamps)))
-        self._wakeup()
+        pend = _Pending(fut, convert, time.monotonic() + timeout, type(msg).__name__, on_settled, expires, stamps)
+        if not self._send_now(rid, body, pend):
+            self._inbox.append((rid, body, pend))  # not connected yet: the I/O thread sends it once it can
+            self._wakeup()
         return fut
+
+    def _frames(self, rid: int, body: bytes, pend: _Pending) -> tuple:
+        if pend.stamps is None:
+            return (p.pack_request_id(rid), body)
+        return (p.pack_request_id(rid), body, p.TRACE_FRAME)
+
+    def _send_now(self, rid: int, body: bytes, pend: _Pending) -> bool:
+        """Send from this thread; False when it must wait for a connection (or for requests queued
+        before it, to keep their order)."""
+        error = None
+        with self._lock:
+            if self._unsent or self._inbox or not self._open:
+                return False
+            self._pending[rid] = pend  # before the send: the reply may come at once
+            try:
+                self._sock.send_multipart(self._frames(rid, body, pend), flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                del self._pending[rid]
+                return False
+            except zmq.ZMQError as e:
+                del self._pending[rid]
+                error = e
+            else:
+                if pend.stamps is not None:
+                    pend.stamps.append(("client sent", time.monotonic_ns()))
+                wake = False
+                if pend.expires:
+                    heapq.heappush(self._deadlines, (pend.deadline, rid))
+                    wake = pend.deadline < self._wake_at
+                # The send may have taken the fd's signal of a reply someone should read.
+                wake = wake or bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
+        if error is not None:
+            self._settle(pend, error=ServerUnavailable(f"cannot send {pend.what}: {error}"))
+        elif wake:
+            self._wakeup()
+        return True
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every request in flight (e.g. the server restarted and will never answer)."""
@@ -108,64 +189,54 @@ class IOThread:
             if self._wake_open:
                 os.eventfd_write(self._wake, 1)
 
-    # ---- on the I/O thread --------------------------------------------------------------------
+    # ---- any thread ---------------------------------------------------------------------------
 
-    def _settle(self, pend: _Pending, result: Any = None, error: BaseException | None = None) -> None:
-        if pend.on_settled is not None:
-            try:
-                pend.on_settled()
-            except Exception:
-                logger.exception("error returning resources of a %s request", pend.what)
-        if pend.future.done():
-            return
-        if pend.stamps is not None:
-            pend.stamps.append(("client resolved", time.monotonic_ns()))
-        if error is not None:
-            pend.future.set_exception(error)
-        else:
-            pend.future.set_result(result)
-
-    def _send_queued(self) -> None:
-        while self._inbox:
-            item = self._inbox.popleft()
-            if item[0] is None:  # fail_all marker
-                error = item[2]
-                for r, pd in list(self._pending.items()):
-                    del self._pending[r]
-                    self._settle(pd, error=error)
-                while self._unsent:
-                    self._settle(self._unsent.popleft()[2], error=error)
-                continue
-            self._unsent.append(item)
-        while self._unsent:
-            rid, body, pend = self._unsent[0]
-            frames = (p.pack_request_id(rid), body) if pend.stamps is None else (p.pack_request_id(rid), body,
-                                                                                  p.TRACE_FRAME)
-            try:
-                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return  # not connected (yet): wait for the socket to become writable, or the deadline
-            except zmq.ZMQError as e:
-                self._unsent.popleft()
-                self._settle(pend, error=ServerUnavailable(f"cannot send {pend.what}: {e}"))
-                continue
-            self._unsent.popleft()
-            self._pending[rid] = pend
-            if pend.stamps is not None:
-                pend.stamps.append(("client sent", time.monotonic_ns()))
-            if pend.expires:
-                heapq.heappush(self._deadlines, (pend.deadline, rid))
+    def wait(self, fut: ReplyFuture, timeout: float | None) -> bool:
+        """Read replies on this thread until fut is settled or `timeout` passes; True if settled.
+        The I/O thread keeps away from the socket meanwhile (it would only hand the reply over)."""
+        if fut.done():
+            return True
+        if threading.current_thread() is self._thread:
+            return False  # a callback on the I/O thread: the plain future wait applies
+        waker = getattr(self._local, "waker", None)
+        if waker is None:
+            waker = self._local.waker = _Waker()
+            self._local.poller = select.poll()
+            self._local.poller.register(self._fd, select.POLLIN)
+            self._local.poller.register(waker.fd, select.POLLIN)
+        end = math.inf if timeout is None else time.monotonic() + timeout
+        fut.waker = waker
+        with self._lock:
+            self._waiters += 1
+        try:
+            while True:
+                self._receive()
+                if fut.done():
+                    return True
+                left = end - time.monotonic()
+                if left <= 0 or self._stop:
+                    return fut.done()
+                self._local.poller.poll(min(left, 1.0) * 1000)
+                try:
+                    os.eventfd_read(waker.fd)
+                except BlockingIOError:
+                    pass
+        finally:
+            fut.waker = None
+            with self._lock:
+                self._waiters -= 1
 
     def _receive(self) -> None:
+        """Read every reply there is and settle its future (outside the lock: callbacks run)."""
         while True:
-            try:
+            with self._lock:
+                if not self._open or not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    return
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) not in (2, 3) or len(frames[0]) != 8:
-                logger.warning("ignored a malformed reply from the server")
-                continue
-            pend = self._pending.pop(p.unpack_request_id(frames[0]), None)
+                if len(frames) not in (2, 3) or len(frames[0]) != 8:
+                    logger.warning("ignored a malformed reply from the server")
+                    continue
+                pend = self._pending.pop(p.unpack_request_id(frames[0]), None)
             if pend is None:
                 continue  # answered after its timeout
             if pend.stamps is not None:
@@ -177,12 +248,78 @@ class IOThread:
             else:
                 self._settle(pend, result=result)
 
+    def _settle(self, pend: _Pending, result: Any = None, error: BaseException | None = None) -> None:
+        if pend.on_settled is not None:
+            try:
+                pend.on_settled()
+            except Exception:
+                logger.exception("error returning resources of a %s request", pend.what)
+        fut = pend.future
+        if fut.done():
+            return
+        if pend.stamps is not None:
+            pend.stamps.append(("client resolved", time.monotonic_ns()))
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+        waker = getattr(fut, "waker", None)
+        if waker is not None:  # a thread waits on it, reading the socket: it may sleep on its fd
+            os.eventfd_write(waker.fd, 1)
+
+    # ---- on the I/O thread --------------------------------------------------------------------
+
+    def _send_queued(self) -> None:
+        while self._inbox:
+            item = self._inbox.popleft()
+            if item[0] is None:  # fail_all marker
+                error = item[2]
+                with self._lock:
+                    failed = list(self._pending.values())
+                    self._pending.clear()
+                for pd in failed:
+                    self._settle(pd, error=error)
+                while self._unsent:
+                    self._settle(self._unsent.popleft()[2], error=error)
+                continue
+            self._unsent.append(item)
+        while self._unsent:
+            rid, body, pend = self._unsent[0]
+            if not self._unsent_send(rid, body, pend):
+                return  # not connected (yet): wait for the socket to become writable, or the deadline
+
+    def _unsent_send(self, rid: int, body: bytes, pend: _Pending) -> bool:
+        error = None
+        with self._lock:
+            self._pending[rid] = pend
+            try:
+                self._sock.send_multipart(self._frames(rid, body, pend), flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                del self._pending[rid]
+                return False
+            except zmq.ZMQError as e:
+                del self._pending[rid]
+                error = e
+            else:
+                if pend.stamps is not None:
+                    pend.stamps.append(("client sent", time.monotonic_ns()))
+                if pend.expires:
+                    heapq.heappush(self._deadlines, (pend.deadline, rid))
+            self._unsent.popleft()
+        if error is not None:
+            self._settle(pend, error=ServerUnavailable(f"cannot send {pend.what}: {error}"))
+        return True
+
     def _expire(self, now: float) -> None:
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, rid = heapq.heappop(self._deadlines)
-            pend = self._pending.pop(rid, None)
-            if pend is not None:
-                self._settle(pend, error=ServerUnavailable(f"no reply to {pend.what} within its timeout"))
+        expired = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, rid = heapq.heappop(self._deadlines)
+                pend = self._pending.pop(rid, None)
+                if pend is not None:
+                    expired.append(pend)
+        for pend in expired:
+            self._settle(pend, error=ServerUnavailable(f"no reply to {pend.what} within its timeout"))
         if self._unsent and any(item[2].deadline <= now for item in self._unsent):
             keep = collections.deque()
             for item in self._unsent:
@@ -192,30 +329,40 @@ class IOThread:
                     keep.append(item)
             self._unsent = keep
 
-    def _next_deadline(self, default: float) -> float:
-        t = min(default, self._deadlines[0][0]) if self._deadlines else default
-        return min([t] + [item[2].deadline for item in self._unsent])
-
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake, zmq.POLLIN)
+        poller = select.poll()
+        poller.register(self._wake, select.POLLIN)
+        watching = False
         next_beat = time.monotonic() + self._interval
-        writable_wanted = False
         while not self._stop:
-            if bool(self._unsent) != writable_wanted:  # wait for a connection only while needed
-                writable_wanted = bool(self._unsent)
-                poller.modify(self._sock, zmq.POLLIN | (zmq.POLLOUT if writable_wanted else 0))
             now = time.monotonic()
-            wake_at = self._next_deadline(next_beat)
-            ready = dict(poller.poll(max(0.0, wake_at - now) * 1000))
-            if self._wake in ready:
-                try:
-                    os.eventfd_read(self._wake)
-                except BlockingIOError:
-                    pass
+            with self._lock:
+                wake_at = min(next_beat, self._deadlines[0][0]) if self._deadlines else next_beat
+                if self._unsent:
+                    wake_at = min([wake_at] + [item[2].deadline for item in self._unsent])
+                self._wake_at = wake_at
+                # While a caller reads the socket, look only every WAITER_BACKOFF: waking on its
+                # replies would only slow it. Else sleep on the socket's fd, unless it has news.
+                watch = self._waiters == 0
+                events = self._sock.get(zmq.EVENTS) if watch else 0
+            if not watch:
+                wake_at = min(wake_at, now + WAITER_BACKOFF)
+            elif events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):
+                wake_at = now
+            if watch != watching:
+                watching = watch
+                if watch:
+                    poller.register(self._fd, select.POLLIN)
+                else:
+                    poller.unregister(self._fd)
+            if wake_at > now:
+                poller.poll((wake_at - now) * 1000)
+            try:
+                os.eventfd_read(self._wake)
+            except BlockingIOError:
+                pass
             self._send_queued()
-            if ready.get(self._sock, 0) & zmq.POLLIN:
+            if self._waiters == 0:
                 self._receive()
             now = time.monotonic()
             self._expire(now)
@@ -225,12 +372,16 @@ class IOThread:
                 if beat is not None:
                     self.request(beat[0], self._interval * 2, beat[1])
         err = ServerUnavailable("the client is closed")
-        for pend in list(self._pending.values()):
+        with self._lock:
+            self._open = False
+            left = list(self._pending.values())
+            self._pending.clear()
+            self._sock.close(linger=0)
+        for pend in left:
             self._settle(pend, error=err)
         for _rid, _body, pend in list(self._unsent) + list(self._inbox):
             if isinstance(pend, _Pending):
                 self._settle(pend, error=err)
-        self._sock.close(linger=0)
         with self._wake_lock:
             self._wake_open = False
             os.close(self._wake)

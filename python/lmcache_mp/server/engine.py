@@ -1,10 +1,12 @@
 """MPCacheEngine: registrations, store, retrieve, lookup and leases over the L1 host arena.
 
 Requests arrive from the transport with a `reply` callable. The socket thread only does what is
-cheap and bounded: handshakes, pings, status, small lookups, and the checks of scalar fields.
-Work on a registration (opening it, store, retrieve, unregister) runs on that registration's
-worker thread; on the GPU the worker only validates and enqueues the copy, and a completion
-thread replies once the bytes have landed, so one registration keeps several requests in flight.
+cheap and bounded: handshakes, pings, status, small lookups, the checks of scalar fields, and
+small stores and retrieves of an idle registration (on the GPU these only enqueue the copy).
+Other work on a registration (opening it, larger requests, unregister) runs on that
+registration's worker thread, in order. On the GPU a completion thread replies once the bytes
+have landed, so one registration keeps several requests in flight; replies leave from the
+thread that has them.
 Everything else that grows with its input (large lookups, releases, clear, lease expiry,
 forgetting a client) runs on one housekeeping thread, a slice at a time (see storage/l1.py), so
 no request keeps the socket thread or the L1 lock for more than a few milliseconds.
@@ -23,6 +25,7 @@ import numpy as np
 
 from lmcache_mp import protocol as p
 from lmcache_mp._version import __version__
+from lmcache_mp.keys import DIGEST_BYTES
 from lmcache_mp.config import ServerConfig, format_size
 from lmcache_mp.native import HostArena, set_cpu_threads
 from lmcache_mp.server.contexts import IpcEventCache, IpcMemoryCache
@@ -38,6 +41,8 @@ from lmcache_mp.storage.leases import TooManyLeases
 logger = logging.getLogger(__name__)
 
 INLINE_LOOKUP_KEYS = 2048  # lookups of at most this many keys (hashes x ranks) run on the socket thread
+INLINE_CHUNKS = 64  # stores and retrieves of at most this many chunks may run on the socket thread
+INLINE_CPU_BYTES = 256 << 10  # ... and on the CPU device, of at most this many bytes
 
 
 class MPCacheEngine(RegistrationHandling):
@@ -62,6 +67,7 @@ class MPCacheEngine(RegistrationHandling):
 
             self._uuids = {_C.cuda.device_uuid(i): i for i in range(_C.cuda.device_count())}
         self._bulk = SerialWorker("lmcache-housekeeping")
+        self._pinned = False  # the arena's background pinning has finished
         # Every registration's thread, until it ended: close() waits for them all, so that no
         # context is torn down (driver calls, without the GIL) while the interpreter shuts down.
         self._workers: set[SerialWorker] = set()
@@ -140,10 +146,28 @@ class MPCacheEngine(RegistrationHandling):
 
     def store(self, msg: p.Store, reply: Reply) -> None:
         entry = self._entry(msg.kv_id)
-        entry.worker.submit(self._job(reply, lambda: self._run_store(entry, msg, reply)))
+        entry.run(self._job(reply, lambda: self._run_store(entry, msg, reply)), self._cheap(entry, msg.hashes))
+
+    def _cheap(self, entry: Entry, hashes: bytes) -> bool:
+        """Whether a store or retrieve may run on the socket thread (when its registration is idle):
+        on the GPU it only enqueues the copy; on the CPU device it copies, so only small ones."""
+        chunks = len(hashes) // DIGEST_BYTES
+        if chunks > INLINE_CHUNKS:
+            return False
+        if self.device == "cpu":
+            return chunks * entry.ctx.reg.object_bytes <= INLINE_CPU_BYTES
+        if not self._pinned:  # pinning holds the driver for a slab at a time: not on the socket thread
+            self._pinned = bool(self.arena.pin_status()["done"])
+        return self._pinned
+
+    @staticmethod
+    def _check_open(entry: Entry) -> None:
+        if entry.closed:
+            raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION, "the KV cache was unregistered")
 
     def _run_store(self, entry: Entry, msg: p.Store, reply: Reply) -> None:
         mark(reply, "started")
+        self._check_open(entry)
         reg = entry.ctx.reg
         keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
         self._touch(reg.client_id)
@@ -199,7 +223,7 @@ class MPCacheEngine(RegistrationHandling):
 
     def retrieve(self, msg: p.Retrieve, reply: Reply) -> None:
         entry = self._entry(msg.kv_id)
-        entry.worker.submit(self._job(reply, lambda: self._run_retrieve(entry, msg, reply)))
+        entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply)), self._cheap(entry, msg.hashes))
 
     @staticmethod
     def _check_deadline(msg: p.Retrieve) -> None:
@@ -212,6 +236,7 @@ class MPCacheEngine(RegistrationHandling):
 
     def _run_retrieve(self, entry: Entry, msg: p.Retrieve, reply: Reply) -> None:
         mark(reply, "started")
+        self._check_open(entry)
         reg = entry.ctx.reg
         keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
         flat = ids.reshape(-1)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
+from typing import Callable
 from lmcache_mp import protocol as p
 from lmcache_mp.config import format_size
 from lmcache_mp.native import pinning_paused
@@ -28,14 +30,40 @@ from lmcache_mp.server.workers import CompletionWaiter, SerialWorker
 
 logger = logging.getLogger(__name__)
 
+
 class Entry:
-    """A live registration: its context, its worker and, on the GPU, its completion threads."""
+    """A live registration: its context, its worker and, on the GPU, its completion threads.
+
+    Its jobs run one at a time, in the order they were given. A cheap job given while nothing of
+    the registration is queued or running runs at once on the caller's thread (the socket
+    thread: no hand-off); any other job waits its turn on the worker."""
 
     def __init__(self, ctx, worker: SerialWorker):
         self.ctx = ctx
         self.worker = worker
         self.store_done: CompletionWaiter | None = None
         self.retrieve_done: CompletionWaiter | None = None
+        self.closed = False  # set by the job that closes it; later jobs fail
+        self._count_lock = threading.Lock()
+        self._jobs = 0  # given and not finished
+        self._running = threading.Lock()  # held by the job that runs
+
+    def run(self, job: Callable[[], None], inline: bool = False) -> None:
+        with self._count_lock:
+            inline = inline and self._jobs == 0
+            self._jobs += 1
+        if inline:
+            self._execute(job)
+        else:
+            self.worker.submit(lambda: self._execute(job))
+
+    def _execute(self, job: Callable[[], None]) -> None:
+        try:
+            with self._running:
+                job()
+        finally:
+            with self._count_lock:
+                self._jobs -= 1
 
 
 class RegistrationHandling:
@@ -150,6 +178,7 @@ class RegistrationHandling:
             return
 
         def close() -> None:  # runs after the registration's queued work
+            entry.closed = True
             for waiter in (entry.store_done, entry.retrieve_done):
                 if waiter is not None:
                     waiter.stop()
@@ -159,4 +188,4 @@ class RegistrationHandling:
             if reply is not None:
                 reply(p.UnregisterReply(kv_id=msg.kv_id))
 
-        entry.worker.submit(close)
+        entry.run(close)

@@ -94,11 +94,11 @@ class Transport:
             return self._open and bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
 
     def _recv(self) -> list | None:
+        """The next request, or None when there is none (then the fd will signal the next one)."""
         with self._sock_lock:
-            try:
-                return self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            if not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
                 return None
+            return self._sock.recv_multipart(zmq.NOBLOCK)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -130,20 +130,16 @@ class Transport:
         poller.register(self._wake, select.POLLIN)
         next_tick = time.monotonic() + TICK_SECONDS
         while not self._stop:
-            if not self._readable():
-                poller.poll(max(0.0, next_tick - time.monotonic()) * 1000)
-                try:
-                    os.eventfd_read(self._wake)
-                except BlockingIOError:
-                    pass
-            for _ in range(256):  # a batch, then the tick gets its turn
-                frames = self._recv()
-                if frames is None:
-                    break
+            frames = self._recv()
+            if frames is not None:
                 try:
                     self._handle(frames)
                 except Exception:
                     logger.exception("error handling a request")
+            else:
+                for fd, _ in poller.poll(max(0.0, next_tick - time.monotonic()) * 1000):
+                    if fd == self._wake:
+                        os.eventfd_read(self._wake)
             if time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + TICK_SECONDS
                 try:
