@@ -223,6 +223,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4, help="requests stored and retrieved per worker")
     ap.add_argument("--lookups", type=int, default=200)
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="llama3-8b")
+    ap.add_argument("--layers", type=int, help="override the layout's layer count")
     ap.add_argument("--tp", action="store_true",
                     help="the workers are TP ranks of one model (default: separate models)")
     ap.add_argument("--l1-size", default=None, help="server L1 (default: enough for every stored chunk)")
@@ -241,7 +242,7 @@ def main() -> int:
     from lmcache_mp.native import build_info
 
     loadgen.worker_env_defaults()
-    lay = LAYOUTS[args.layout]
+    lay = loadgen.geometry(args.layout, args.layers)
     obj = object_bytes(lay, CHUNK)
     req_bytes = args.chunks * obj
     l1, slab, objects = l1_plan(args, obj)

@@ -29,8 +29,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pc
 for step in $STEPS; do
   case $step in
     build) run build 400 python3 -m pip install -v --no-build-isolation --no-deps . || break ;;
-    latency) run latency 300 python3 bench/bench_server.py --chunks 1 --requests 50 --workers 1 --lookups 500 \
-        --json "$LOG/bench_server_1chunk.json" ;;
+    latency)  # small requests: 200 each, traced, next to the raw copy and a bare round trip
+      for spec in "llama1 --chunks 1" "llama1direct --chunks 1 --transfer-mode direct" \
+          "mla8 --layout mla --layers 8 --chunks 1" "llama4 --chunks 4"; do
+        set -- $spec
+        name=$1; shift
+        run "latency_$name" 300 python3 bench/bench_server.py "$@" --requests 200 --workers 1 --lookups 500 \
+          --repeat 50 --trace --json "$LOG/bench_server_latency_$name.json"
+      done ;;
     l1sizes) run l1sizes 400 python3 bench/bench_l1_sizes.py --device cuda --l1-size 16GiB \
         --json "$LOG/bench_l1_sizes.json" ;;
     servermla) run servermla 300 python3 bench/bench_server.py --layout mla --requests 1 --workers 1,2 \

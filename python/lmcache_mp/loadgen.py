@@ -185,6 +185,9 @@ def summarize(infos: list[dict], workers: int, gpus_used: int, ceilings: dict | 
         ceil = ceilings["concurrent"][max(1, gpus_used)]
         row.update(store_ratio=store_gbps / ceil["d2h"], retrieve_ratio=retrieve_gbps / ceil["h2d"],
                    ceiling_d2h_GBps=ceil["d2h"], ceiling_h2d_GBps=ceil["h2d"])
+        if "bytes_per_gpu" in ceilings:  # one request's bytes: its copy time at the ceiling
+            row.update(raw_d2h_ms=ceilings["bytes_per_gpu"] / ceil["d2h"] / 1e6,
+                       raw_h2d_ms=ceilings["bytes_per_gpu"] / ceil["h2d"] / 1e6)
     return {
         **row,
         "store_ms_p50": s50, "store_ms_p99": s99, "retrieve_ms_p50": r50, "retrieve_ms_p99": r99,
@@ -291,6 +294,10 @@ def print_table(rows: list[dict], unit_note: str) -> None:
     print(unit_note + "; evicted: chunks the server evicted during the run (any run's); missing: chunks "
           "not loaded at verification; mismatch: loaded chunks whose bytes differ")
     for r in rows:
+        if "raw_d2h_ms" in r:
+            print(f"{r['workers']} worker(s), one request's raw copy: D2H {r['raw_d2h_ms']:.3f} ms, H2D "
+                  f"{r['raw_h2d_ms']:.3f} ms; p50 above it: store {r['store_ms_p50'] - r['raw_d2h_ms']:+.3f} ms, "
+                  f"retrieve {r['retrieve_ms_p50'] - r['raw_h2d_ms']:+.3f} ms")
         if "bare_rt_us_p50" in r:
             print(f"lookup p50 {r['lookup_us_p50']:.1f} us = {r['lookup_us_p50'] / r['bare_rt_us_p50']:.2f}x a bare "
                   f"pyzmq round trip of the same size ({r['bare_rt_us_p50']:.1f} us, to an echo process, "
