@@ -9,6 +9,7 @@
 #include "kv_layout.h"
 #include "pinned_memory.h"
 #include "py_batch.h"
+#include "spin_poll.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -193,6 +194,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_cpu_threads", &set_cpu_threads, py::arg("n"), "Threads for CPU copies (<= 0: one per core)");
   m.def("cpu_threads", [] { return cpu_pool()->size(); });
   m.def("pinning_available", &pinning_available);
+  m.def("spin_poll", &spin_poll, py::arg("fds"), py::arg("spin_us"), py::arg("timeout_ms"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Index of the first readable fd: spin for spin_us, then sleep up to timeout_ms (< 0: no limit); -1 on timeout");
 
 #ifdef LMC_WITH_CUDA
   init_cuda_bindings(m);

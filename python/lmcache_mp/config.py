@@ -70,6 +70,10 @@ class ServerConfig:
     heartbeat_timeout: float = _setting(
         10.0, "seconds of client silence after which its leases and registrations are dropped")
     cpu_threads: int = _setting(0, "threads for CPU copies (0: one per core, at most 16)")
+    spin_us: int = _setting(
+        -1, "microseconds the socket thread polls without sleeping after a request, so that the next one "
+            "finds it awake (a sleeping thread takes tens of microseconds to wake; 0: always sleep; "
+            "-1: 2000 on machines of at least 8 cores, else 0)")
     numa_node: int = _setting(-1, "NUMA node of the arena (-1: the first GPU's node where known)")
     metrics_port: int = _setting(0, "serve Prometheus metrics on this port (0: off)")
     log_level: str = _setting("INFO", "DEBUG, INFO, WARNING or ERROR")
@@ -97,6 +101,12 @@ class ServerConfig:
         self.slab_size = min(self.slab_size, max(4096, (self.l1_size // 16) // 4096 * 4096))
         if self.l1_size < self.slab_size:
             raise ValueError(f"l1_size ({format_size(self.l1_size)}) must hold at least one slab")
+        if self.spin_us < 0:
+            from lmcache_mp.native import default_spin_us
+
+            self.spin_us = default_spin_us()
+        if self.spin_us > 1_000_000:
+            raise ValueError(f"spin_us must be at most 1000000, got {self.spin_us}")
         if self.lease_ttl <= 0 or self.heartbeat_timeout <= 0:
             raise ValueError("lease_ttl and heartbeat_timeout must be positive")
         if self.direct_ctas <= 0:

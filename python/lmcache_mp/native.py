@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -10,6 +11,13 @@ import numpy as np
 from lmcache_mp import _C
 
 HostArena = _C.HostArena
+spin_poll = _C.spin_poll  # (fds, spin_us, timeout_ms) -> index of the first readable fd, or -1
+
+
+def default_spin_us() -> int:
+    """How long a thread that expects an answer soon polls before it sleeps: only where cores are
+    plentiful (on a small machine the spinning threads would take the cores the others need)."""
+    return 2000 if (os.cpu_count() or 1) >= 8 else 0
 
 
 @contextlib.contextmanager

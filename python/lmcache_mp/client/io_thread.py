@@ -27,6 +27,7 @@ import zmq
 
 from lmcache_mp import protocol as p
 from lmcache_mp.errors import ServerUnavailable
+from lmcache_mp.native import spin_poll
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ class ReplyFuture(Future):
 
 class IOThread:
     def __init__(self, ctx: zmq.Context, url: str, heartbeat: Callable[[], tuple[p._Msg, Converter]] | None,
-                 heartbeat_interval: float):
+                 heartbeat_interval: float, spin_us: int = 0):
+        self._spin = spin_us / 1e6  # a caller waiting on a reply polls without sleeping this long
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a server that is not there
@@ -201,10 +203,10 @@ class IOThread:
         waker = getattr(self._local, "waker", None)
         if waker is None:
             waker = self._local.waker = _Waker()
-            self._local.poller = select.poll()
-            self._local.poller.register(self._fd, select.POLLIN)
-            self._local.poller.register(waker.fd, select.POLLIN)
-        end = math.inf if timeout is None else time.monotonic() + timeout
+            self._local.fds = [self._fd, waker.fd]
+        start = time.monotonic()
+        end = math.inf if timeout is None else start + timeout
+        spin_until = start + self._spin
         fut.waker = waker
         with self._lock:
             self._waiters += 1
@@ -213,14 +215,13 @@ class IOThread:
                 self._receive()
                 if fut.done():
                     return True
-                left = end - time.monotonic()
-                if left <= 0 or self._stop:
+                now = time.monotonic()
+                if now >= end or self._stop:
                     return fut.done()
-                self._local.poller.poll(min(left, 1.0) * 1000)
-                try:
+                # Poll without sleeping while the reply may come soon: a sleeping thread wakes late.
+                spin_us = int(max(0.0, min(spin_until, end) - now) * 1e6)
+                if spin_poll(self._local.fds, spin_us, int(min(end - now, 1.0) * 1000) + 1) == 1:
                     os.eventfd_read(waker.fd)
-                except BlockingIOError:
-                    pass
         finally:
             fut.waker = None
             with self._lock:

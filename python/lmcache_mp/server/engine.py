@@ -194,6 +194,7 @@ class MPCacheEngine(RegistrationHandling):
         block_ids = ids[plan.indices].reshape(-1)
         ptrs = self._object_ptrs(plan.objects)
         capacity = plan.objects[0].nbytes
+        mark(reply, "planned")
         try:
             if entry.store_done is None:
                 entry.ctx.copy("gather", block_ids, ptrs, capacity)
@@ -250,6 +251,7 @@ class MPCacheEngine(RegistrationHandling):
             return
         block_ids = ids[: len(objs)].reshape(-1)
         ptrs = self._object_ptrs(objs)
+        mark(reply, "planned")
         try:
             self._check_deadline(msg)  # the last moment before a byte may move
             if entry.retrieve_done is None:

@@ -22,7 +22,7 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
     """
     engine = MPCacheEngine(config)
     try:
-        transport = Transport(config.url, engine)
+        transport = Transport(config.url, engine, spin_us=config.spin_us)
     except Exception:
         engine.close()
         raise

@@ -1,0 +1,15 @@
+// Waiting for file descriptors without paying a wake-up: a thread that expects an event soon
+// polls without sleeping for a while first. A sleeping thread (an idle core, or a halted vCPU)
+// takes tens to hundreds of microseconds to run again; a request's whole fixed cost is of that order.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace lmc {
+
+// Returns the index of the first readable fd: polls them without sleeping for up to spin_us, then
+// sleeps in poll(2) for up to timeout_ms more (negative: no limit). -1 on timeout.
+int spin_poll(const std::vector<int>& fds, int64_t spin_us, int timeout_ms);
+
+}  // namespace lmc
