@@ -1,0 +1,113 @@
+"""The short request path: a caller that waits reads its own reply, futures nobody waits on are
+served by the client's I/O thread, small requests run on the server's socket thread, waiting
+threads poll before they sleep, and traced requests report their stages."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import cpu_workers as w
+from lmcache_mp import Client, ServerUnavailable, chunk_hashes
+from lmcache_mp.native import spin_poll
+from test_cli import ServerProcess
+from test_hardening import server  # noqa: F401  (fixture)
+from test_server_e2e import CHUNK, blocks_of, register_mha
+
+
+def test_spin_poll_returns_the_ready_fd_or_times_out():
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    try:
+        t0 = time.monotonic()
+        assert spin_poll([r1, r2], 2000, 20) == -1  # spins 2 ms, then sleeps the rest
+        assert 0.015 < time.monotonic() - t0 < 1
+        os.write(w2, b"x")
+        assert spin_poll([r1, r2], 2000, 20) == 1
+        assert spin_poll([r1, r2], 0, -1) == 1  # no spin, no limit: returns at once when ready
+        threading.Timer(0.05, lambda: os.write(w1, b"x")).start()
+        assert spin_poll([r1], 0, 5000) == 0  # a sleeper is woken
+    finally:
+        for fd in (r1, w1, r2, w2):
+            os.close(fd)
+
+
+@pytest.mark.parametrize("spin_us", [0, 2000])
+def test_every_way_of_waiting_gets_the_bytes_back(shm_files, server, spin_us):  # noqa: F811
+    c = Client(server.url, spin_us=spin_us)
+    try:
+        kv, h = register_mha(c)
+        prompts = [chunk_hashes(w.prompt(i, 2), CHUNK) for i in range(4)]
+        src = [blocks_of(2, start=i * len(blocks_of(2))) for i in range(8)]  # 4 sources, 4 destinations
+        for i in range(4):
+            w.write_tokens(kv, "mha", src[i], w.reference(i, "mha", 2 * CHUNK))
+        # result() on the calling thread
+        assert c.store(h, prompts[0], src[0]).result(10).chunks == 2
+        # concurrent.futures.wait, with nobody calling result(): the I/O thread reads the replies
+        futs = [c.store(h, prompts[i], src[i]) for i in (1, 2)]
+        done, _ = cf.wait(futs, timeout=10)
+        assert len(done) == 2 and all(f.result(0).chunks == 2 for f in futs)
+        # a callback, and result() on another thread
+        called = threading.Event()
+        fut = c.store(h, prompts[3], src[3])
+        fut.add_done_callback(lambda f: called.set())
+        with cf.ThreadPoolExecutor(1) as pool:
+            assert pool.submit(fut.result, 10).result(10).chunks == 2
+        assert called.wait(10)
+        for i in range(4):  # byte-exact back, into other blocks
+            dst = src[4 + i]
+            assert c.retrieve(h, prompts[i], dst).result(10).loaded == 2
+            assert np.array_equal(w.read_tokens(kv, "mha", dst), w.reference(i, "mha", 2 * CHUNK))
+    finally:
+        c.close()
+
+
+def test_a_waiting_caller_gets_an_error_not_a_hang_when_the_server_stalls(shm_files):
+    srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB",
+                         "--chunk-size", str(CHUNK)])
+    url = srv.wait_for("ready").split("serving on ")[1].strip()
+    c = Client(url, spin_us=2000)
+    try:
+        kv, h = register_mha(c)
+        hashes = chunk_hashes(w.prompt(1, 2), CHUNK)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            fut = c.store(h, hashes, blocks_of(2), timeout=0.5)
+            t0 = time.monotonic()
+            with pytest.raises(ServerUnavailable):
+                fut.result(10)
+            assert 0.3 < time.monotonic() - t0 < 5
+            with pytest.raises(ServerUnavailable):
+                c.lookup(hashes, model="m", timeout=0.3)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert c.store(h, hashes, blocks_of(2)).result(10).chunks == 2  # and it goes on afterwards
+    finally:
+        c.close()
+        srv.kill()
+
+
+def test_a_traced_request_reports_its_stages_in_order(shm_files, server):  # noqa: F811
+    c = Client(server.url, trace=True)
+    try:
+        kv, h = register_mha(c)
+        hashes = chunk_hashes(w.prompt(1, 2), CHUNK)
+        fut = c.store(h, hashes, blocks_of(2))
+        fut.result(10)
+        stages = [s for s, _ in fut.trace]
+        assert stages == ["call", "client sent", "received", "decoded", "started", "planned", "copied", "replied",
+                          "sent", "client received", "client resolved"]
+        times = [t for _, t in fut.trace]
+        assert times[0] <= times[2] <= times[-1]  # one clock across both processes
+        assert times[2:9] == sorted(times[2:9])
+        c.lookup(hashes, model="m")
+        assert [s for s, _ in c.last_trace()] == ["call", "client sent", "received", "decoded", "replied", "sent",
+                                                  "client received"]
+    finally:
+        c.close()
