@@ -1,4 +1,8 @@
 // pybind11 bindings of the torch-free data plane. Everything takes raw addresses and sizes.
+#include <cstring>
+#include <string_view>
+#include <vector>
+
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -26,6 +30,32 @@ void cpu_copy(const KVLayout& layout, int64_t chunk_size, const IdArray& ids, co
   ChunkBatch b = make_batch(ids, ptrs, chunk_size, object_capacity);
   py::gil_scoped_release nogil;
   cpu_transfer(layout, b, dir);
+}
+
+// The block ids of a request (packed little-endian int32), checked and widened in one call: the
+// [chunks, per_chunk] int64 array, or InvalidArgument naming the first problem.
+py::array_t<int64_t> request_block_ids(const py::bytes& packed, int64_t chunks, int64_t per_chunk, int64_t num_blocks,
+                                       bool distinct) {
+  const std::string_view data = packed;
+  LMC_CHECK_ARG(data.size() % 4 == 0, "block ids must be packed int32, got ", data.size(), " bytes");
+  const int64_t n = static_cast<int64_t>(data.size() / 4);
+  LMC_CHECK_ARG(n == chunks * per_chunk, chunks, " chunks need ", chunks * per_chunk, " block ids, got ", n);
+  py::array_t<int64_t> out({chunks, per_chunk});
+  int64_t* ids = out.mutable_data();
+  std::vector<uint64_t> seen(distinct ? (num_blocks + 63) / 64 : 0);
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t v;
+    std::memcpy(&v, data.data() + 4 * i, 4);  // little-endian hosts only (x86-64, aarch64)
+    LMC_CHECK_ARG(v >= 0 && v < num_blocks, "block id ", v, " is out of range [0, ", num_blocks, ")");
+    if (distinct) {
+      uint64_t& word = seen[v / 64];
+      const uint64_t bit = uint64_t{1} << (v % 64);
+      LMC_CHECK_ARG(!(word & bit), "block id ", v, " appears twice (two chunks cannot fill one block)");
+      word |= bit;
+    }
+    ids[i] = v;
+  }
+  return out;
 }
 
 py::dict build_info() {
@@ -194,9 +224,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_cpu_threads", &set_cpu_threads, py::arg("n"), "Threads for CPU copies (<= 0: one per core)");
   m.def("cpu_threads", [] { return cpu_pool()->size(); });
   m.def("pinning_available", &pinning_available);
+  m.def("request_block_ids", &request_block_ids, py::arg("packed"), py::arg("chunks"), py::arg("per_chunk"),
+        py::arg("num_blocks"), py::arg("distinct"),
+        "Packed int32 block ids as a checked [chunks, per_chunk] int64 array (ValueError on a bad one)");
   m.def("spin_poll", &spin_poll, py::arg("fds"), py::arg("spin_us"), py::arg("timeout_ms"),
         py::call_guard<py::gil_scoped_release>(),
-        "Index of the first readable fd: spin for spin_us, then sleep up to timeout_ms (< 0: no limit); -1 on timeout");
+        "Indices of the readable fds: spin for spin_us, then sleep up to timeout_ms (< 0: no limit); [] on timeout");
 
 #ifdef LMC_WITH_CUDA
   init_cuda_bindings(m);

@@ -11,26 +11,27 @@ namespace lmc {
 
 namespace {
 
-int first_ready(const std::vector<pollfd>& p) {
+std::vector<int> ready(const std::vector<pollfd>& p) {
+  std::vector<int> out;
   for (size_t i = 0; i < p.size(); ++i)
-    if (p[i].revents) return static_cast<int>(i);
-  return -1;
+    if (p[i].revents) out.push_back(static_cast<int>(i));
+  return out;
 }
 
 }  // namespace
 
-int spin_poll(const std::vector<int>& fds, int64_t spin_us, int timeout_ms) {
+std::vector<int> spin_poll(const std::vector<int>& fds, int64_t spin_us, int timeout_ms) {
   std::vector<pollfd> p(fds.size());
   for (size_t i = 0; i < fds.size(); ++i) p[i] = pollfd{fds[i], POLLIN, 0};
   const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
   do {
     const int n = poll(p.data(), p.size(), 0);
-    if (n > 0) return first_ready(p);
+    if (n > 0) return ready(p);
     if (n < 0 && errno != EINTR) throw std::system_error(errno, std::generic_category(), "poll");
   } while (std::chrono::steady_clock::now() < until);
   for (;;) {
     const int n = poll(p.data(), p.size(), timeout_ms);
-    if (n >= 0) return n > 0 ? first_ready(p) : -1;
+    if (n >= 0) return ready(p);
     if (errno != EINTR) throw std::system_error(errno, std::generic_category(), "poll");
   }
 }

@@ -8,8 +8,8 @@
 
 namespace lmc {
 
-// Returns the index of the first readable fd: polls them without sleeping for up to spin_us, then
-// sleeps in poll(2) for up to timeout_ms more (negative: no limit). -1 on timeout.
-int spin_poll(const std::vector<int>& fds, int64_t spin_us, int timeout_ms);
+// Returns the indices of the fds that are readable (or closed): polls them without sleeping for up
+// to spin_us, then sleeps in poll(2) for up to timeout_ms more (negative: no limit). Empty on timeout.
+std::vector<int> spin_poll(const std::vector<int>& fds, int64_t spin_us, int timeout_ms);
 
 }  // namespace lmc

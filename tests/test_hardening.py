@@ -16,7 +16,7 @@ import cpu_workers as w
 from lmcache_mp import Client, RequestError, Server, ServerConfig, chunk_hashes
 from lmcache_mp import protocol as p
 from test_cli import ServerProcess
-from test_server_e2e import CHUNK, RawClient, blocks_of, register_mha, wait_until
+from test_server_e2e import CHUNK, RawClient, blocks_of, register_mha, stopped, wait_until
 
 
 @pytest.fixture
@@ -156,6 +156,7 @@ def test_a_stalled_server_never_writes_into_blocks_after_the_engine_gave_up(shm_
         (load,) = plan.loads
         worker = b.workers[0]
         os.kill(srv.proc.pid, signal.SIGSTOP)
+        wait_until(lambda: stopped(srv.proc.pid), 5, "the server to stop")  # SIGSTOP lands asynchronously
         try:
             t0 = time.monotonic()
             worker.start_loads(plan)

@@ -18,7 +18,7 @@ from lmcache_mp import Client, ServerUnavailable, chunk_hashes
 from lmcache_mp.native import spin_poll
 from test_cli import ServerProcess
 from test_hardening import server  # noqa: F401  (fixture)
-from test_server_e2e import CHUNK, blocks_of, register_mha
+from test_server_e2e import CHUNK, blocks_of, register_mha, stopped, wait_until
 
 
 def test_spin_poll_returns_the_ready_fd_or_times_out():
@@ -26,22 +26,24 @@ def test_spin_poll_returns_the_ready_fd_or_times_out():
     r2, w2 = os.pipe()
     try:
         t0 = time.monotonic()
-        assert spin_poll([r1, r2], 2000, 20) == -1  # spins 2 ms, then sleeps the rest
+        assert spin_poll([r1, r2], 2000, 20) == []  # spins 2 ms, then sleeps the rest
         assert 0.015 < time.monotonic() - t0 < 1
         os.write(w2, b"x")
-        assert spin_poll([r1, r2], 2000, 20) == 1
-        assert spin_poll([r1, r2], 0, -1) == 1  # no spin, no limit: returns at once when ready
+        assert spin_poll([r1, r2], 2000, 20) == [1]
+        assert spin_poll([r1, r2], 0, -1) == [1]  # no spin, no limit: returns at once when ready
         threading.Timer(0.05, lambda: os.write(w1, b"x")).start()
-        assert spin_poll([r1], 0, 5000) == 0  # a sleeper is woken
+        assert spin_poll([r1], 0, 5000) == [0]  # a sleeper is woken
+        assert spin_poll([r1, r2], 0, 0) == [0, 1]
     finally:
         for fd in (r1, w1, r2, w2):
             os.close(fd)
 
 
-@pytest.mark.parametrize("spin_us", [0, 2000])
-def test_every_way_of_waiting_gets_the_bytes_back(shm_files, server, spin_us):  # noqa: F811
-    c = Client(server.url, spin_us=spin_us)
+@pytest.mark.parametrize("spin_us,lane", [(0, True), (2000, True), (2000, False)])
+def test_every_way_of_waiting_gets_the_bytes_back(shm_files, server, spin_us, lane):  # noqa: F811
+    c = Client(server.url, spin_us=spin_us, local_lane=lane)
     try:
+        assert c._io.has_lane == lane
         kv, h = register_mha(c)
         prompts = [chunk_hashes(w.prompt(i, 2), CHUNK) for i in range(4)]
         src = [blocks_of(2, start=i * len(blocks_of(2))) for i in range(8)]  # 4 sources, 4 destinations
@@ -77,6 +79,7 @@ def test_a_waiting_caller_gets_an_error_not_a_hang_when_the_server_stalls(shm_fi
         kv, h = register_mha(c)
         hashes = chunk_hashes(w.prompt(1, 2), CHUNK)
         os.kill(srv.proc.pid, signal.SIGSTOP)
+        wait_until(lambda: stopped(srv.proc.pid), 5, "the server to stop")  # SIGSTOP lands asynchronously
         try:
             fut = c.store(h, hashes, blocks_of(2), timeout=0.5)
             t0 = time.monotonic()
@@ -93,8 +96,9 @@ def test_a_waiting_caller_gets_an_error_not_a_hang_when_the_server_stalls(shm_fi
         srv.kill()
 
 
-def test_a_traced_request_reports_its_stages_in_order(shm_files, server):  # noqa: F811
-    c = Client(server.url, trace=True)
+@pytest.mark.parametrize("lane", [True, False])
+def test_a_traced_request_reports_its_stages_in_order(shm_files, server, lane):  # noqa: F811
+    c = Client(server.url, trace=True, local_lane=lane)
     try:
         kv, h = register_mha(c)
         hashes = chunk_hashes(w.prompt(1, 2), CHUNK)
@@ -107,7 +111,62 @@ def test_a_traced_request_reports_its_stages_in_order(shm_files, server):  # noq
         assert times[0] <= times[2] <= times[-1]  # one clock across both processes
         assert times[2:9] == sorted(times[2:9])
         c.lookup(hashes, model="m")
+        resolved = ["client resolved"] if lane else []  # on the lane a lookup is a future read by its caller
         assert [s for s, _ in c.last_trace()] == ["call", "client sent", "received", "decoded", "replied", "sent",
-                                                  "client received"]
+                                                  "client received"] + resolved
     finally:
         c.close()
+
+
+def test_the_local_lane_is_used_when_reachable_and_comes_back_after_a_restart(shm_files, tmp_path):
+    url = f"ipc://{tmp_path}/srv.sock"
+    args = ["--url", url, "--device", "cpu", "--l1-size", "16MiB", "--chunk-size", str(CHUNK)]
+    srv = ServerProcess(args)
+    srv.wait_for("ready")
+    c = Client(url, heartbeat_interval=0.2)
+    try:
+        assert c.server_info["lane"] == f"{tmp_path}/srv.sock.lane" and c._io.has_lane
+        kv, h = register_mha(c)
+        hashes = chunk_hashes(w.prompt(1, 2), CHUNK)
+        w.write_tokens(kv, "mha", blocks_of(2), w.reference(1, "mha", 2 * CHUNK))
+        assert c.store(h, hashes, blocks_of(2)).result(10).chunks == 2
+        assert c.lookup(hashes, model="m") == 2
+        srv.kill()
+        deadline = time.monotonic() + 10
+        while c._io.has_lane:  # the client's I/O thread sees the lane close
+            assert time.monotonic() < deadline, "a dead server's lane was kept"
+            time.sleep(0.05)
+        with pytest.raises(ServerUnavailable):
+            c.lookup(hashes, model="m", timeout=0.5)
+        srv = ServerProcess(args)
+        srv.wait_for("ready")
+        deadline = time.monotonic() + 20
+        while not (c._io.has_lane and h.kv_id in {r["kv_id"] for r in c.status()["registrations"]}):
+            assert time.monotonic() < deadline, "the client did not come back on the lane"
+            time.sleep(0.1)
+        assert c.lookup(hashes, model="m") == 0  # a new server: an empty cache
+        assert c.store(h, hashes, blocks_of(2)).result(10).chunks == 2
+        dst = blocks_of(2, start=len(blocks_of(2)))
+        assert c.retrieve(h, hashes, dst).result(10).loaded == 2
+        assert np.array_equal(w.read_tokens(kv, "mha", dst), w.reference(1, "mha", 2 * CHUNK))
+    finally:
+        c.close()
+        srv.kill()
+
+
+def test_without_a_reachable_lane_the_client_uses_zeromq(shm_files):
+    srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB",
+                         "--chunk-size", str(CHUNK), "--local-lane", "false"])
+    url = srv.wait_for("ready").split("serving on ")[1].strip()
+    c = Client(url)
+    try:
+        assert c.server_info["lane"] == "" and not c._io.has_lane
+        c._connect_lane("@lmcache-mp-lane-that-does-not-exist")
+        assert not c._io.has_lane
+        kv, h = register_mha(c)
+        hashes = chunk_hashes(w.prompt(2, 1), CHUNK)
+        assert c.store(h, hashes, blocks_of(1)).result(10).chunks == 1
+        assert c.lookup(hashes, model="m") == 1
+    finally:
+        c.close()
+        srv.kill()

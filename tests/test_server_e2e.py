@@ -652,7 +652,7 @@ def test_requests_time_out_when_the_server_hangs(shm_files, ipc_url):
         hashes = chunk_hashes(w.prompt(1, 2), CHUNK)
         assert c.store(h, hashes, blocks_of(2)).result(10).stored == 2
         os.kill(proc.pid, signal.SIGSTOP)
-        wait_until(lambda: _stopped(proc.pid), 5, "the server to stop")  # SIGSTOP lands asynchronously
+        wait_until(lambda: stopped(proc.pid), 5, "the server to stop")  # SIGSTOP lands asynchronously
         t0 = time.monotonic()
         with pytest.raises(ServerUnavailable):
             c.lookup(hashes, model="m", timeout=0.4)
@@ -671,7 +671,7 @@ def test_requests_time_out_when_the_server_hangs(shm_files, ipc_url):
         assert proc.wait(20) == 0
 
 
-def _stopped(pid: int) -> bool:
+def stopped(pid: int) -> bool:
     """Every thread of pid is stopped (state T)."""
     states = []
     for task in Path(f"/proc/{pid}/task").iterdir():

@@ -70,6 +70,9 @@ class ServerConfig:
     heartbeat_timeout: float = _setting(
         10.0, "seconds of client silence after which its leases and registrations are dropped")
     cpu_threads: int = _setting(0, "threads for CPU copies (0: one per core, at most 16)")
+    local_lane: bool = _setting(
+        True, "also take small requests of clients on this machine on a unix datagram socket (no ZeroMQ "
+              "I/O threads on their way; clients that cannot reach it use ZeroMQ)")
     spin_us: int = _setting(
         -1, "microseconds the socket thread polls without sleeping after a request, so that the next one "
             "finds it awake (a sleeping thread takes tens of microseconds to wake; 0: always sleep; "

@@ -11,7 +11,8 @@ import numpy as np
 from lmcache_mp import _C
 
 HostArena = _C.HostArena
-spin_poll = _C.spin_poll  # (fds, spin_us, timeout_ms) -> index of the first readable fd, or -1
+request_block_ids = _C.request_block_ids  # (packed int32, chunks, per chunk, num_blocks, distinct) -> int64 ids
+spin_poll = _C.spin_poll  # (fds, spin_us, timeout_ms) -> indices of the readable fds ([] on timeout)
 
 
 def default_spin_us() -> int:

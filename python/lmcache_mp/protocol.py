@@ -5,6 +5,10 @@ Transport: ZeroMQ DEALER (client) to ROUTER (server).
   reply frames:    [request_id, body]            (the ROUTER adds/strips the peer identity)
 A request may add a third frame, TRACE_FRAME: its reply then has a third frame too, the server's
 timestamps of the request's stages (see encode_trace), for `lmcache-mp-bench --trace`.
+
+Local lane: a client on the server's machine may also send small requests as datagrams on a unix
+SOCK_SEQPACKET socket (HelloReply.lane); see pack_lane. Same bodies, same replies, no ZeroMQ I/O
+threads on the way.
 Body: one msgpack-encoded msgspec Struct, tagged by its op code, encoded as an array. Every
 request gets exactly one reply with the same request_id: the op's reply struct, or `Error`.
 Op codes and error codes are append-only; fields are only ever appended, with defaults.
@@ -201,6 +205,7 @@ class HelloReply(_Msg, tag=int(Op.HELLO)):
     device: str
     capabilities: list[str] = []
     lease_ttl: float = 0.0  # seconds a lookup lease lives unless retrieves or a release end it
+    lane: str = ""  # the local lane's address ("@name": abstract unix socket), "" without one
 
 
 class RegisterReply(_Msg, tag=int(Op.REGISTER_KV_CACHE)):
@@ -305,6 +310,40 @@ def encode_trace(stamps: list[tuple[str, int]]) -> bytes:
 
 def decode_trace(frame: bytes) -> list[tuple[str, int]]:
     return _trace_decoder.decode(frame)
+
+
+# Local lane datagrams: request id (8 bytes) | flags (1 byte) | body; with LANE_TRACED set, a
+# request asks for a trace, and its reply is id | flags | body length (4 bytes, LE) | body | trace.
+LANE_TRACED = 1
+LANE_MAX_BYTES = 64 << 10  # larger requests take ZeroMQ; replies are always smaller (no STATUS)
+_LANE_HEAD = struct.Struct("<QB")
+_LANE_LEN = struct.Struct("<I")
+
+
+def pack_lane(request_id: int, body: bytes, traced: bool = False, trace: bytes | None = None) -> bytes:
+    head = _LANE_HEAD.pack(request_id, LANE_TRACED if traced or trace is not None else 0)
+    if trace is None:
+        return head + body
+    return head + _LANE_LEN.pack(len(body)) + body + trace
+
+
+def unpack_lane(datagram: bytes) -> tuple[int, bool, bytes]:
+    """(request id, traced, body) of a request datagram; ValueError if it is not one."""
+    if len(datagram) < _LANE_HEAD.size:
+        raise ValueError(f"a lane datagram has at least {_LANE_HEAD.size} bytes, got {len(datagram)}")
+    rid, flags = _LANE_HEAD.unpack_from(datagram)
+    return rid, bool(flags & LANE_TRACED), datagram[_LANE_HEAD.size:]
+
+
+def unpack_lane_reply(datagram: bytes) -> tuple[int, bytes, bytes | None]:
+    """(request id, body, trace or None) of a reply datagram; ValueError if it is not one."""
+    rid, traced, rest = unpack_lane(datagram)
+    if not traced:
+        return rid, rest, None
+    if len(rest) < _LANE_LEN.size:
+        raise ValueError("a traced lane reply without its body length")
+    (n,) = _LANE_LEN.unpack_from(rest)
+    return rid, rest[_LANE_LEN.size:_LANE_LEN.size + n], rest[_LANE_LEN.size + n:]
 
 
 def pack_request_id(request_id: int) -> bytes:

@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 import weakref
@@ -98,14 +99,21 @@ def _check(reply: Any, expected: type) -> Any:
     return reply
 
 
+# Synchronous calls that take the local lane when there is one (small replies, quick on the server).
+_LANE_CALLS = (p.Lookup, p.Release, p.Ping, p.UnregisterKVCache, p.Clear)
+
+
 class Client:
     """Connects to a server (handshake first: raises ServerUnavailable if none answers within
     connect_timeout, ProtocolMismatch on a version mismatch). spin_us: how long a thread waiting
     on a store or retrieve polls for its reply before it sleeps (a sleeping thread wakes tens of
-    microseconds late; 0: sleep at once; default: 2000 on machines of at least 8 cores, else 0)."""
+    microseconds late; 0: sleep at once; default: 2000 on machines of at least 8 cores, else 0).
+    local_lane: send small requests on the server's local lane when it offers one and this
+    process can reach it (a unix datagram socket: no ZeroMQ I/O threads on the way)."""
 
     def __init__(self, url: str, *, timeout: float = 10.0, connect_timeout: float = 5.0,
-                 heartbeat_interval: float = 1.0, name: str = "", trace: bool = False, spin_us: int | None = None):
+                 heartbeat_interval: float = 1.0, name: str = "", trace: bool = False, spin_us: int | None = None,
+                 local_lane: bool = True):
         self.url = url
         # Timing traces (lmcache-mp-bench --trace): the futures of store/retrieve get .trace, and
         # last_trace() gives the calling thread's last synchronous call: [(stage, monotonic ns)].
@@ -142,6 +150,15 @@ class Client:
 
         self._io = IOThread(self._ctx, url, heartbeat, heartbeat_interval, spin_us)
         weakref.finalize(self, Client._finalize, self._io, self._ctx, self._sync_sockets)
+        self._use_lane = local_lane
+
+        def lane_lost() -> None:
+            client = ref()
+            if client is not None:
+                client._suspect_restart()
+
+        self._io.on_lane_lost = lane_lost
+        self._connect_lane(hello.lane)
 
     # ---- synchronous calls on the caller's socket ----------------------------------------------
 
@@ -161,8 +178,28 @@ class Client:
                 self._sync_sockets.append(sock)
         return sock
 
+    def _connect_lane(self, address: str) -> None:
+        if not (address and self._use_lane and self._io is not None):
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect("\0" + address[1:] if address.startswith("@") else address)
+        except OSError as e:  # e.g. another network namespace: ZeroMQ only
+            sock.close()
+            logger.debug("the server's local lane %s is out of reach (%s): using ZeroMQ only", address, e)
+            return
+        self._io.set_lane(sock)
+
     def _call(self, msg: p._Msg, expected: type, timeout: float | None = None) -> Any:
         timeout = self.timeout if timeout is None else timeout
+        if self._io is not None and self._io.has_lane and isinstance(msg, _LANE_CALLS):
+            stamps = [("call", time.monotonic_ns())] if self.trace else None
+            fut = self._io.request(msg, timeout, lambda r: _check(r, expected), stamps=stamps)
+            try:
+                return fut.result()
+            finally:
+                if stamps is not None:
+                    self._local.trace = fut.trace
         sock = self._socket()
         rid = next(self._ids)
         ms = max(1, int(timeout * 1000))
@@ -192,7 +229,7 @@ class Client:
             frames = sock.recv_multipart(zmq.NOBLOCK)
             if len(frames) in (2, 3) and len(frames[0]) == 8 and p.unpack_request_id(frames[0]) == rid:
                 if stamps is not None:
-                    add_trace(stamps, frames)
+                    add_trace(stamps, frames[2] if len(frames) == 3 else None)
                     self._local.trace = stamps
                 return _check(p.decode_reply(frames[1]), expected)
             # a late reply to a request that timed out earlier: skip it
@@ -409,6 +446,8 @@ class Client:
                     self._io.fail_all(ServerUnavailable("the server restarted; the request was lost"))
                 self.session_id = hello.session_id
                 self.chunk_size = hello.chunk_size
+            if self._io is not None and not self._io.has_lane:
+                self._connect_lane(hello.lane)
             known = {r["kv_id"] for r in self.status()["registrations"]}
             with self._lock:
                 lost = [h for h in self._handles if h.kv_id not in known]

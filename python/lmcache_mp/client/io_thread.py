@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import select
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -36,18 +37,18 @@ Converter = Callable[[Any], Any]
 WAITER_BACKOFF = 0.001  # while a caller reads the socket, the I/O thread looks only this often
 
 
-def add_trace(stamps: list, frames: list) -> None:
+def add_trace(stamps: list, trace: bytes | None) -> None:
     """Append the server's stages of a traced reply, then its arrival here."""
-    if len(frames) == 3:
+    if trace:
         try:
-            stamps.extend(p.decode_trace(frames[2]))
+            stamps.extend(p.decode_trace(trace))
         except Exception:
             logger.debug("ignored a malformed trace frame")
     stamps.append(("client received", time.monotonic_ns()))
 
 
 class _Pending:
-    __slots__ = ("future", "convert", "deadline", "what", "on_settled", "expires", "stamps")
+    __slots__ = ("future", "convert", "deadline", "what", "on_settled", "expires", "stamps", "lane")
 
     def __init__(self, future: Future, convert: Converter, deadline: float, what: str, on_settled, expires: bool,
                  stamps: list | None = None):
@@ -58,6 +59,7 @@ class _Pending:
         self.on_settled = on_settled
         self.expires = expires
         self.stamps = stamps  # a traced request's timestamps (also future.trace)
+        self.lane = None  # the local-lane socket it went out on, if it did
 
 
 class _Waker:
@@ -105,6 +107,9 @@ class IOThread:
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._waiters = 0  # threads reading the socket for a future of theirs
+        self._lane = None  # the server's local lane (a SOCK_SEQPACKET socket), when connected
+        self._lane_version = 0
+        self.on_lane_lost: Callable[[], None] | None = None
         self._wake_at = 0.0  # when the I/O thread looks at deadlines next
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # Writes after the fd is closed would land in whatever reuses its number (e.g. a ZMQ
@@ -140,6 +145,9 @@ class IOThread:
             return fut
         rid = next(self._ids)
         pend = _Pending(fut, convert, time.monotonic() + timeout, type(msg).__name__, on_settled, expires, stamps)
+        if (self._lane is not None and len(body) <= p.LANE_MAX_BYTES - 64 and not isinstance(msg, p.Status)
+                and self._send_lane(rid, body, pend)):
+            return fut
         if not self._send_now(rid, body, pend):
             self._inbox.append((rid, body, pend))  # not connected yet: the I/O thread sends it once it can
             self._wakeup()
@@ -181,6 +189,67 @@ class IOThread:
             self._wakeup()
         return True
 
+    # ---- the local lane ------------------------------------------------------------------------
+
+    @property
+    def has_lane(self) -> bool:
+        return self._lane is not None
+
+    def set_lane(self, sock) -> None:
+        """Send small requests on this connected local-lane socket from now on."""
+        with self._lock:
+            old, self._lane = self._lane, sock
+            self._lane_version += 1
+        if old is not None:
+            self._drop_lane(old, "replaced")
+        self._wakeup()  # the I/O thread watches the new one
+
+    def _send_lane(self, rid: int, body: bytes, pend: _Pending) -> bool:
+        broken = None
+        with self._lock:
+            lane = self._lane
+            if lane is None or not self._open:
+                return False
+            self._pending[rid] = pend  # before the send: the reply may come at once
+            try:
+                lane.send(p.pack_lane(rid, body, traced=pend.stamps is not None), socket.MSG_DONTWAIT)
+            except BlockingIOError:  # the server is not reading: ZeroMQ queues it instead
+                del self._pending[rid]
+                return False
+            except OSError as e:
+                del self._pending[rid]
+                broken = e
+            else:
+                pend.lane = lane
+                if pend.stamps is not None:
+                    pend.stamps.append(("client sent", time.monotonic_ns()))
+                wake = False
+                if pend.expires:
+                    heapq.heappush(self._deadlines, (pend.deadline, rid))
+                    wake = pend.deadline < self._wake_at
+        if broken is not None:
+            self._drop_lane(lane, str(broken))
+            return False
+        if wake:
+            self._wakeup()
+        return True
+
+    def _drop_lane(self, lane, why: str) -> None:
+        """The lane broke (the server went away) or was replaced: fail what went out on it."""
+        with self._lock:
+            if self._lane is lane:
+                self._lane = None
+                self._lane_version += 1
+            lost = [rid for rid, pd in self._pending.items() if pd.lane is lane]
+            pends = [self._pending.pop(rid) for rid in lost]
+            lane.close()
+        logger.debug("local lane closed (%s): %d requests in flight failed", why, len(pends))
+        for pend in pends:
+            self._settle(pend, error=ServerUnavailable(f"the server's local lane closed ({why}); "
+                                                       f"the {pend.what} was lost"))
+        if why != "replaced" and self.on_lane_lost is not None:
+            self.on_lane_lost()
+
     def fail_all(self, error: BaseException) -> None:
         """Fail every request in flight (e.g. the server restarted and will never answer)."""
         self._inbox.append((None, None, error))
@@ -203,7 +272,7 @@ class IOThread:
         waker = getattr(self._local, "waker", None)
         if waker is None:
             waker = self._local.waker = _Waker()
-            self._local.fds = [self._fd, waker.fd]
+        lane, fds = None, [self._fd, waker.fd]
         start = time.monotonic()
         end = math.inf if timeout is None else start + timeout
         spin_until = start + self._spin
@@ -218,9 +287,13 @@ class IOThread:
                 now = time.monotonic()
                 if now >= end or self._stop:
                     return fut.done()
+                if self._lane is not lane:  # (dis)connected meanwhile
+                    lane = self._lane
+                    fd = lane.fileno() if lane is not None else -1
+                    fds = [self._fd, waker.fd] + ([fd] if fd >= 0 else [])
                 # Poll without sleeping while the reply may come soon: a sleeping thread wakes late.
                 spin_us = int(max(0.0, min(spin_until, end) - now) * 1e6)
-                if spin_poll(self._local.fds, spin_us, int(min(end - now, 1.0) * 1000) + 1) == 1:
+                if 1 in spin_poll(fds, spin_us, int(min(end - now, 1.0) * 1000) + 1):
                     os.eventfd_read(waker.fd)
         finally:
             fut.waker = None
@@ -232,22 +305,48 @@ class IOThread:
         while True:
             with self._lock:
                 if not self._open or not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
-                    return
+                    break
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
                 if len(frames) not in (2, 3) or len(frames[0]) != 8:
                     logger.warning("ignored a malformed reply from the server")
                     continue
                 pend = self._pending.pop(p.unpack_request_id(frames[0]), None)
-            if pend is None:
-                continue  # answered after its timeout
-            if pend.stamps is not None:
-                add_trace(pend.stamps, frames)
-            try:
-                result = pend.convert(p.decode_reply(frames[1]))
-            except BaseException as e:
-                self._settle(pend, error=e)
-            else:
-                self._settle(pend, result=result)
+            self._deliver(pend, frames[1], frames[2] if len(frames) == 3 else None)
+        while self._lane is not None:
+            with self._lock:
+                lane = self._lane
+                if lane is None or not self._open:
+                    return
+                try:
+                    data = lane.recv(p.LANE_MAX_BYTES, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    data = b""
+                pend = None
+                if data:
+                    try:
+                        rid, body, trace = p.unpack_lane_reply(data)
+                    except ValueError:
+                        logger.warning("ignored a malformed lane reply from the server")
+                        continue
+                    pend = self._pending.pop(rid, None)
+            if not data:
+                self._drop_lane(lane, "the server closed it")
+                return
+            self._deliver(pend, body, trace)
+
+    def _deliver(self, pend: _Pending | None, body: bytes, trace: bytes | None) -> None:
+        if pend is None:
+            return  # answered after its timeout
+        if pend.stamps is not None:
+            add_trace(pend.stamps, trace)
+        try:
+            result = pend.convert(p.decode_reply(body))
+        except BaseException as e:
+            self._settle(pend, error=e)
+        else:
+            self._settle(pend, result=result)
 
     def _settle(self, pend: _Pending, result: Any = None, error: BaseException | None = None) -> None:
         if pend.on_settled is not None:
@@ -334,6 +433,7 @@ class IOThread:
         poller = select.poll()
         poller.register(self._wake, select.POLLIN)
         watching = False
+        lane_fd, lane_version = None, -1
         next_beat = time.monotonic() + self._interval
         while not self._stop:
             now = time.monotonic()
@@ -350,12 +450,18 @@ class IOThread:
                 wake_at = min(wake_at, now + WAITER_BACKOFF)
             elif events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):
                 wake_at = now
-            if watch != watching:
+            if watch != watching or lane_version != self._lane_version:
+                for fd in (self._fd, lane_fd):
+                    if watching and fd is not None:
+                        poller.unregister(fd)
+                lane = self._lane
+                lane_fd, lane_version = (lane.fileno() if lane is not None else -1), self._lane_version
+                lane_fd = lane_fd if lane_fd >= 0 else None
                 watching = watch
                 if watch:
-                    poller.register(self._fd, select.POLLIN)
-                else:
-                    poller.unregister(self._fd)
+                    for fd in (self._fd, lane_fd):
+                        if fd is not None:
+                            poller.register(fd, select.POLLIN)
             if wake_at > now:
                 poller.poll((wake_at - now) * 1000)
             try:
@@ -378,6 +484,9 @@ class IOThread:
             left = list(self._pending.values())
             self._pending.clear()
             self._sock.close(linger=0)
+            if self._lane is not None:
+                self._lane.close()
+                self._lane = None
         for pend in left:
             self._settle(pend, error=err)
         for _rid, _body, pend in list(self._unsent) + list(self._inbox):

@@ -31,7 +31,7 @@ from lmcache_mp.native import HostArena, set_cpu_threads
 from lmcache_mp.server.contexts import IpcEventCache, IpcMemoryCache
 from lmcache_mp.server.devices import gpu_numa_node, resolve_device
 from lmcache_mp.server import validation as check
-from lmcache_mp.server.validation import RequestFailure, chunk_request, invalid, over_limit
+from lmcache_mp.server.validation import RequestFailure, chunk_request, over_limit
 from lmcache_mp.server.registrations import Entry, RegistrationHandling
 from lmcache_mp.server.replies import Reply, mark
 from lmcache_mp.server.workers import SerialWorker
@@ -68,6 +68,7 @@ class MPCacheEngine(RegistrationHandling):
             self._uuids = {_C.cuda.device_uuid(i): i for i in range(_C.cuda.device_count())}
         self._bulk = SerialWorker("lmcache-housekeeping")
         self._pinned = False  # the arena's background pinning has finished
+        self.lane = ""  # the transport's local-lane address, told to clients in HELLO
         # Every registration's thread, until it ended: close() waits for them all, so that no
         # context is torn down (driver calls, without the GIL) while the interpreter shuts down.
         self._workers: set[SerialWorker] = set()
@@ -127,7 +128,7 @@ class MPCacheEngine(RegistrationHandling):
         reply(p.HelloReply(protocol_version=p.PROTOCOL_VERSION, server_version=__version__,
                            session_id=self.session_id, chunk_size=self.config.chunk_size, device=self.device,
                            capabilities=["lookup_lock", "reply_on_submit", "named_leases", "deadlines"],
-                           lease_ttl=self.config.lease_ttl))
+                           lease_ttl=self.config.lease_ttl, lane=self.lane))
 
     def _ping(self, msg: p.Ping, reply: Reply) -> None:
         self._touch(check.client_id(msg.client_id, required=False))
@@ -142,7 +143,8 @@ class MPCacheEngine(RegistrationHandling):
     # ---- store / retrieve --------------------------------------------------------------------
 
     def _object_ptrs(self, objs) -> np.ndarray:
-        return np.fromiter((self.arena.base + o.offset for o in objs), dtype=np.uint64, count=len(objs))
+        base = self.arena.base
+        return np.array([base + o.offset for o in objs], dtype=np.uint64)
 
     def store(self, msg: p.Store, reply: Reply) -> None:
         entry = self._entry(msg.kv_id)
@@ -239,10 +241,7 @@ class MPCacheEngine(RegistrationHandling):
         mark(reply, "started")
         self._check_open(entry)
         reg = entry.ctx.reg
-        keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
-        flat = ids.reshape(-1)
-        if len(np.unique(flat)) != len(flat):
-            raise invalid("block ids of a retrieve must be distinct (two chunks cannot fill one block)")
+        keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt, distinct=True)
         self._touch(reg.client_id)
         self._check_deadline(msg)
         objs = self.l1.begin_read(keys, reg.spec.format_key(), msg.lease)

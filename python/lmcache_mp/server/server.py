@@ -22,11 +22,12 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
     """
     engine = MPCacheEngine(config)
     try:
-        transport = Transport(config.url, engine, spin_us=config.spin_us)
+        transport = Transport(config.url, engine, spin_us=config.spin_us, lane=config.local_lane)
     except Exception:
         engine.close()
         raise
     engine.url = transport.url
+    engine.lane = transport.lane.address if transport.lane is not None else ""
     engine.add_close_hook(transport.stop)
     if config.metrics_port:
         from lmcache_mp.server.metrics import serve_metrics

@@ -1,4 +1,5 @@
-"""The socket thread: owns the ZMQ ROUTER, decodes requests, sends every reply.
+"""The socket thread: owns the ZMQ ROUTER and the local lane (server/lane.py), decodes requests,
+hands them to the engine.
 
 Replies leave from whichever thread produces them (the socket thread, a registration's worker, a
 GPU completion thread): the socket is used under a lock, and the loop polls only its fd, so a
@@ -17,6 +18,7 @@ import zmq
 
 from lmcache_mp import protocol as p
 from lmcache_mp.native import spin_poll
+from lmcache_mp.server.lane import Lane, LaneConn
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +43,34 @@ class Responder:
         self._transport._responded(self._identity, self._req_id, p.encode(msg), self.stamps)
 
 
+class LaneResponder:
+    """The `Reply` of one request that came on the local lane."""
+
+    __slots__ = ("_conn", "_req_id", "stamps")
+
+    def __init__(self, conn: LaneConn, req_id: int, stamps: list | None):
+        self._conn = conn
+        self._req_id = req_id
+        self.stamps = stamps
+
+    def __call__(self, msg: p._Msg) -> None:
+        body = p.encode(msg)
+        trace = None
+        if self.stamps is not None:
+            now = time.monotonic_ns()
+            self.stamps += [("replied", now), ("sent", now)]
+            trace = p.encode_trace(self.stamps)
+        datagram = p.pack_lane(self._req_id, body, trace=trace)
+        if len(datagram) > p.LANE_MAX_BYTES:  # only a reply the client should not have asked here for
+            err = p.Error(code=int(p.ErrorCode.LIMIT_EXCEEDED),
+                          message=f"a {type(msg).__name__} reply is too large for the local lane: use ZeroMQ")
+            datagram = p.pack_lane(self._req_id, p.encode(err))
+        self._conn.send(datagram)
+
+
 class Transport:
-    def __init__(self, url: str, engine, context: zmq.Context | None = None, spin_us: int = 0):
+    def __init__(self, url: str, engine, context: zmq.Context | None = None, spin_us: int = 0,
+                 lane: bool = True):
         self.engine = engine
         self._spin = spin_us / 1e6
         self._ctx = context or zmq.Context.instance()
@@ -62,6 +90,7 @@ class Transport:
         # mailbox eventfd, which then aborts the process): close and write under one lock.
         self._wake_lock = threading.Lock()
         self._wake_open = True
+        self.lane = Lane(self.url) if lane else None
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="lmcache-socket", daemon=True)
         self._ident: int | None = None
@@ -112,8 +141,19 @@ class Transport:
             self._send(identity, req_id, p.encode(p.Error(code=int(p.ErrorCode.BAD_REQUEST), message=msg)))
             return
         reply = Responder(self, identity, frames[1], [("received", time.monotonic_ns())] if traced else None)
+        self._dispatch(frames[2], reply)
+
+    def _handle_lane(self, conn: LaneConn, datagram: bytes) -> None:
         try:
-            msg = p.decode_request(frames[2])
+            req_id, traced, body = p.unpack_lane(datagram)
+        except ValueError:
+            logger.debug("ignored a malformed lane datagram")
+            return
+        self._dispatch(body, LaneResponder(conn, req_id, [("received", time.monotonic_ns())] if traced else None))
+
+    def _dispatch(self, body: bytes, reply) -> None:
+        try:
+            msg = p.decode_request(body)
         except p.FrameError as e:
             reply(p.Error(code=int(e.code), message=str(e)))
             return
@@ -128,22 +168,33 @@ class Transport:
         # the socket last may have taken the signal, so the loop asks the socket before it sleeps.
         # After a request it polls without sleeping for a while: the next request of a busy client
         # then finds it awake (waking a sleeping thread costs tens of microseconds).
-        fds = [self._sock.get(zmq.FD), self._wake]
+        base = [self._sock.get(zmq.FD), self._wake]
+        fds, fds_version = base, -1
         next_tick = time.monotonic() + TICK_SECONDS
         spin_until = 0.0
         while not self._stop:
+            if self.lane is not None and fds_version != self.lane.version:
+                fds, fds_version = base + self.lane.fds(), self.lane.version
             frames = self._recv()
             if frames is not None:
-                try:
-                    self._handle(frames)
-                except Exception:
-                    logger.exception("error handling a request")
+                self._guarded(self._handle, frames)
                 spin_until = time.monotonic() + self._spin
+                ready = spin_poll(fds, 0, 0) if self.lane is not None else ()  # the lane gets its turn
             else:
                 now = time.monotonic()
                 spin_us = int(max(0.0, spin_until - now) * 1e6)
-                if spin_poll(fds, spin_us, int(max(0.0, next_tick - now) * 1000) + 1) == 1:
-                    os.eventfd_read(self._wake)
+                ready = spin_poll(fds, spin_us, int(max(0.0, next_tick - now) * 1000) + 1)
+            if not ready:
+                continue
+            if 1 in ready:
+                os.eventfd_read(self._wake)
+            conns = [self.lane.conns[i - 3] for i in ready if i > 2]  # before reads drop closed ones
+            if 2 in ready:
+                self.lane.accept()
+            for conn in conns:
+                for datagram in self.lane.read(conn):
+                    self._guarded(self._handle_lane, conn, datagram)
+                spin_until = time.monotonic() + self._spin
             if time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + TICK_SECONDS
                 try:
@@ -153,6 +204,8 @@ class Transport:
         with self._sock_lock:
             self._open = False
             self._sock.close(linger=0)
+        if self.lane is not None:
+            self.lane.close()
         with self._wake_lock:
             self._wake_open = False
             os.close(self._wake)
@@ -161,6 +214,13 @@ class Transport:
                 os.unlink(self._ipc_path)
             except OSError:
                 pass
+
+    @staticmethod
+    def _guarded(handle, *args) -> None:
+        try:
+            handle(*args)
+        except Exception:
+            logger.exception("error handling a request")
 
     def stop(self, drain: float = 5.0) -> None:
         """Stop reading requests and close the socket (waiting up to `drain` seconds for the

@@ -6,10 +6,9 @@ answered with LIMIT_EXCEEDED before anything is done for it.
 
 from __future__ import annotations
 
-import numpy as np
-
 from lmcache_mp import protocol as p
 from lmcache_mp.keys import DIGEST_BYTES, unpack_hashes
+from lmcache_mp.native import request_block_ids
 from lmcache_mp.server.contexts import Registration
 from lmcache_mp.storage.l1 import SHARED_RANK, ObjectKey
 
@@ -78,23 +77,15 @@ def lookup_cost(msg: p.Lookup) -> int:
     return cost
 
 
-def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: bytes):
+def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: bytes, distinct: bool = False):
     """The object keys and the `[chunks, blocks per chunk]` block ids of a store or retrieve,
-    every field checked against the registration."""
+    every field checked against the registration (distinct: no block id twice)."""
     found = digests(hashes)
-    n = len(found)
     if len(salt) > p.MAX_SALT_BYTES:
         raise invalid(f"salt must be at most {p.MAX_SALT_BYTES} bytes")
-    try:
-        ids = p.unpack_block_ids(block_ids)
+    try:  # one call: on a small request the checks would cost more than the rest of its path
+        ids = request_block_ids(block_ids, len(found), reg.blocks_per_chunk, reg.spec.num_blocks, distinct)
     except ValueError as e:
-        raise invalid(str(e)) from None
-    if len(ids) != n * reg.blocks_per_chunk:
-        raise invalid(f"{n} chunks of {reg.chunk_size} tokens need {n * reg.blocks_per_chunk} block ids "
-                      f"(blocks of {reg.spec.block_size}), got {len(ids)}")
-    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= reg.spec.num_blocks):
-        bad = int(ids[(ids < 0) | (ids >= reg.spec.num_blocks)][0])
-        raise invalid(f"block id {bad} is out of range [0, {reg.spec.num_blocks})")
+        raise invalid(f"{e} (chunks of {reg.chunk_size} tokens, blocks of {reg.spec.block_size})") from None
     rank = SHARED_RANK if reg.shared else reg.rank
-    keys = [ObjectKey(reg.model, reg.world_size, rank, d, salt) for d in found]
-    return keys, ids.astype(np.int64).reshape(n, reg.blocks_per_chunk)
+    return [ObjectKey(reg.model, reg.world_size, rank, d, salt) for d in found], ids

@@ -1,0 +1,121 @@
+"""The local lane: small requests of clients on this machine as datagrams on a unix SOCK_SEQPACKET
+socket, read by the socket thread and answered from whichever thread has the reply.
+
+ZeroMQ moves every message through an I/O thread in each process; a sleeping thread takes tens of
+microseconds to wake, so a small request paid that four times. On the lane the client's thread
+writes the datagram and the server's socket thread (polling, see transport.py) reads it. Same
+bodies and replies as on the ZeroMQ socket (protocol.pack_lane); a client that cannot connect
+(another network namespace) keeps using ZeroMQ.
+
+Address: next to an ipc:// endpoint (PATH.lane, same directory and mode), else an abstract
+socket (reachable from this network namespace, like a loopback TCP port).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+
+from lmcache_mp import protocol as p
+
+logger = logging.getLogger(__name__)
+
+READ_BATCH = 64  # datagrams read from one connection before the others get their turn
+
+
+class LaneConn:
+    """One client's connection. Sends come from any thread; the lock keeps a send off a closed fd."""
+
+    __slots__ = ("sock", "fd", "_lock", "_open")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.fd = sock.fileno()
+        self._lock = threading.Lock()
+        self._open = True
+
+    def send(self, datagram: bytes) -> None:
+        with self._lock:
+            if not self._open:
+                return
+            try:
+                self.sock.send(datagram, socket.MSG_DONTWAIT)
+            except OSError as e:  # gone, or not reading (a full buffer): like a dropped ZeroMQ reply
+                logger.debug("dropped a lane reply: %s", e)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._open:
+                self._open = False
+                self.sock.close()
+
+
+class Lane:
+    def __init__(self, zmq_url: str):
+        self._path = None
+        if zmq_url.startswith("ipc://"):
+            self._path = zmq_url[len("ipc://"):] + ".lane"
+            try:
+                os.unlink(self._path)  # a previous server's
+            except FileNotFoundError:
+                pass
+            bind_to = self._path
+            self.address = self._path
+        else:
+            name = f"lmcache-mp-lane-{os.getpid()}-{secrets.token_hex(8)}"
+            bind_to = "\0" + name
+            self.address = "@" + name
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK
+                                       | socket.SOCK_CLOEXEC)
+        self._listener.bind(bind_to)
+        self._listener.listen(256)
+        self.conns: list[LaneConn] = []
+        self.version = 0  # changes whenever the set of fds does
+
+    def fds(self) -> list[int]:
+        return [self._listener.fileno()] + [c.fd for c in self.conns]
+
+    def accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:  # e.g. out of fds: the client keeps ZeroMQ
+                logger.warning("could not accept a local-lane connection: %s", e)
+                return
+            sock.setblocking(False)
+            self.conns.append(LaneConn(sock))
+            self.version += 1
+
+    def read(self, conn: LaneConn) -> list[bytes]:
+        """The datagrams waiting on conn (a batch); a closed connection is dropped."""
+        out = []
+        for _ in range(READ_BATCH):
+            try:
+                data = conn.sock.recv(p.LANE_MAX_BYTES)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:  # the client went away
+                self.conns.remove(conn)
+                self.version += 1
+                conn.close()
+                break
+            out.append(data)
+        return out
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.close()
+        self.conns.clear()
+        self._listener.close()
+        if self._path:
+            try:
+                os.unlink(self._path)
+            except OSError:
+                pass
