@@ -76,7 +76,7 @@ class ServerConfig:
     spin_us: int = _setting(
         -1, "microseconds the socket thread polls without sleeping after a request, so that the next one "
             "finds it awake (a sleeping thread takes tens of microseconds to wake; 0: always sleep; "
-            "-1: 2000 on machines of at least 8 cores, else 0)")
+            "-1: 5000 on machines of at least 8 cores, else 0)")
     numa_node: int = _setting(-1, "NUMA node of the arena (-1: the first GPU's node where known)")
     metrics_port: int = _setting(0, "serve Prometheus metrics on this port (0: off)")
     log_level: str = _setting("INFO", "DEBUG, INFO, WARNING or ERROR")

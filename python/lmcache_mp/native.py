@@ -18,7 +18,7 @@ spin_poll = _C.spin_poll  # (fds, spin_us, timeout_ms) -> indices of the readabl
 def default_spin_us() -> int:
     """How long a thread that expects an answer soon polls before it sleeps: only where cores are
     plentiful (on a small machine the spinning threads would take the cores the others need)."""
-    return 2000 if (os.cpu_count() or 1) >= 8 else 0
+    return 5000 if (os.cpu_count() or 1) >= 8 else 0
 
 
 @contextlib.contextmanager

@@ -107,7 +107,7 @@ class Client:
     """Connects to a server (handshake first: raises ServerUnavailable if none answers within
     connect_timeout, ProtocolMismatch on a version mismatch). spin_us: how long a thread waiting
     on a store or retrieve polls for its reply before it sleeps (a sleeping thread wakes tens of
-    microseconds late; 0: sleep at once; default: 2000 on machines of at least 8 cores, else 0).
+    microseconds late; 0: sleep at once; default: 5000 on machines of at least 8 cores, else 0).
     local_lane: send small requests on the server's local lane when it offers one and this
     process can reach it (a unix datagram socket: no ZeroMQ I/O threads on the way)."""
 
