@@ -30,6 +30,10 @@ from lmcache_mp.server.workers import CompletionWaiter, SerialWorker
 
 logger = logging.getLogger(__name__)
 
+# A registration's completion threads poll this long for the next ticket before they sleep: back
+# to back requests keep them awake, an idle registration costs nothing after a millisecond.
+COMPLETION_SPIN_US = 1000
+
 
 class Entry:
     """A live registration: its context, its worker and, on the GPU, its completion threads.
@@ -110,8 +114,9 @@ class RegistrationHandling:
                 if self.device == "cuda":
                     # Through ctx, not a bound method: the engine must go when the context closes.
                     wait = lambda ticket, ctx=ctx: ctx.engine.wait(ticket)  # noqa: E731
-                    entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", wait)
-                    entry.retrieve_done = CompletionWaiter(f"lmcache-load-{kv_id & 0xFFFF:04x}", wait)
+                    spin = min(self.config.spin_us, COMPLETION_SPIN_US)
+                    entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", wait, spin)
+                    entry.retrieve_done = CompletionWaiter(f"lmcache-load-{kv_id & 0xFFFF:04x}", wait, spin)
                 with self._lock:  # a client forgotten meanwhile must not leave a registration behind
                     alive = cid in self._clients and not self._closed
                     if alive:
