@@ -133,16 +133,24 @@ class Runner:
         result = json.loads(out.read_text())
         result["wall_s"] = wall
         self.times[name] = {k: round(result[k], 2) for k in ("wall_s", "engine_start_s", "generate_s", "shutdown_s")}
+        stats = result.get("connector") or {}
+        if stats.get("lookups"):  # what the scheduler loop spent waiting on lookups
+            self.times[name].update(lookups=stats["lookups"],
+                                    lookup_ms_mean=round(stats["lookup_us_total"] / stats["lookups"] / 1e3, 3),
+                                    lookup_ms_max=round(stats["lookup_us_max"] / 1e3, 3))
         return result
 
 
 @pytest.fixture(scope="module")
-def run(workdir, model_dir):
+def run(workdir, model_dir, request):
     runner = Runner(workdir, model_dir)
     yield runner
-    print("\nengine wall times (s):")
+    out = request.config.pluginmanager.get_plugin("terminalreporter")  # shown even with output captured
+    write = out.write_line if out is not None else print
+    write("")
+    write("engine wall times (s), and the scheduler's lookups (one round trip each):")
     for name, t in runner.times.items():
-        print(f"  {name:<12} " + "  ".join(f"{k}={v}" for k, v in t.items()))
+        write(f"  {name:<12} " + "  ".join(f"{k}={v}" for k, v in t.items()))
 
 
 @pytest.fixture(scope="module")

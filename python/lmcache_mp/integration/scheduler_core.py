@@ -60,7 +60,8 @@ class SchedulerCore:
         self._error_logged = False
         # Releases must not block the scheduler; one thread keeps them in order.
         self._releaser = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-mp-release")
-        self.stats = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0, "load_tokens": 0, "store_chunks": 0}
+        self.stats = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0, "load_tokens": 0, "store_chunks": 0,
+                      "lookup_us_total": 0, "lookup_us_max": 0}  # time the scheduler loop spent in lookups
         self._hits_logged: tuple[float, int, int] | None = None
         self._first_hit_logged = False
 
@@ -173,7 +174,8 @@ class SchedulerCore:
             return
         hashes = self._hashes(tr, max_chunks, cs)
         self.stats["lookups"] += 1
-        try:
+        t0 = time.perf_counter()
+        try:  # one round trip, once per request: the scheduler loop waits for nothing else here
             found = client.lookup(
                 hashes,
                 model=self.cfg.model,
@@ -191,6 +193,10 @@ class SchedulerCore:
                 logger.warning("lmcache-mp: lookup rejected (%s); treating as a miss", exc)
                 self._error_logged = True
             return
+        finally:
+            us = int((time.perf_counter() - t0) * 1e6)
+            self.stats["lookup_us_total"] += us
+            self.stats["lookup_us_max"] = max(self.stats["lookup_us_max"], us)
         self.link.report_success()
         n = max(0, min(int(found), max_chunks))
         self.stats["hit_tokens"] += n * cs
