@@ -1,9 +1,11 @@
 """Client: the library engine workers use to talk to an lmcache-mp server.
 
-Thread-safe. Store and retrieve return futures, served by one background I/O thread; quick
-synchronous calls (lookup, release, status, ...) go out on a socket of the calling thread, so
-they cost one round trip and no thread hand-offs. A heartbeat notices a restarted server: the
-client then fails what was in flight and registers its KV caches again.
+Thread-safe. Store and retrieve return futures (client/io_thread.py): a request leaves from the
+calling thread, and a caller that waits on its future reads the reply itself. Small requests take
+the server's local lane when this process can reach it (a unix datagram socket, no ZeroMQ I/O
+threads on the way); synchronous calls without it go out on a ZeroMQ socket of the calling thread.
+Either way a request costs one round trip and no thread hand-offs. A heartbeat notices a restarted
+server: the client then fails what was in flight and registers its KV caches again.
 """
 
 from __future__ import annotations
