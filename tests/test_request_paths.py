@@ -186,3 +186,27 @@ def test_a_spinning_worker_runs_jobs_in_order_and_stops():
     worker.submit(lambda: out.append(100))
     worker.stop(5)
     assert out[-1] == 100 and not worker.alive()
+
+
+def test_a_refused_lane_leaves_the_client_on_zeromq_without_reconnecting(shm_files, monkeypatch):
+    from lmcache_mp import Server, ServerConfig
+    from lmcache_mp.server import lane
+
+    monkeypatch.setattr(lane, "MAX_CONNECTIONS", 0)  # every lane connection is closed at once
+    connects = []
+    connect = Client._connect_lane
+    monkeypatch.setattr(Client, "_connect_lane", lambda self, address: (connects.append(address),
+                                                                          connect(self, address)))
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="16MiB", chunk_size=CHUNK)).start()
+    c = Client(srv.url, heartbeat_interval=0.2)
+    try:
+        wait_until(lambda: not c._io.has_lane, 5, "the client to see its lane closed")
+        kv, h = register_mha(c)
+        hashes = chunk_hashes(w.prompt(3, 1), CHUNK)
+        time.sleep(0.5)  # heartbeats and the recovery check run meanwhile
+        assert not c._io.has_lane and len(connects) == 1  # the same server refused it: no retries
+        assert c.store(h, hashes, blocks_of(1)).result(10).chunks == 1
+        assert c.lookup(hashes, model="m") == 1
+    finally:
+        c.close()
+        srv.stop()

@@ -448,8 +448,8 @@ class Client:
                     self._io.fail_all(ServerUnavailable("the server restarted; the request was lost"))
                 self.session_id = hello.session_id
                 self.chunk_size = hello.chunk_size
-            if self._io is not None and not self._io.has_lane:
-                self._connect_lane(hello.lane)
+                if self._io is not None and not self._io.has_lane:  # the same server closing it: stay off
+                    self._connect_lane(hello.lane)
             known = {r["kv_id"] for r in self.status()["registrations"]}
             with self._lock:
                 lost = [h for h in self._handles if h.kv_id not in known]

@@ -78,7 +78,7 @@ class ReplyFuture(Future):
     def __init__(self, io: "IOThread"):
         super().__init__()
         self._io = io
-        self.waker: _Waker | None = None
+        self.wakers: list[_Waker] = []  # of the threads waiting on it, reading the socket
         self.trace: list | None = None
 
     def result(self, timeout: float | None = None) -> Any:
@@ -276,7 +276,7 @@ class IOThread:
         start = time.monotonic()
         end = math.inf if timeout is None else start + timeout
         spin_until = start + self._spin
-        fut.waker = waker
+        fut.wakers.append(waker)
         with self._lock:
             self._waiters += 1
         try:
@@ -296,7 +296,7 @@ class IOThread:
                 if 1 in spin_poll(fds, spin_us, int(min(end - now, 1.0) * 1000) + 1):
                     os.eventfd_read(waker.fd)
         finally:
-            fut.waker = None
+            fut.wakers.remove(waker)
             with self._lock:
                 self._waiters -= 1
 
@@ -363,8 +363,7 @@ class IOThread:
             fut.set_exception(error)
         else:
             fut.set_result(result)
-        waker = getattr(fut, "waker", None)
-        if waker is not None:  # a thread waits on it, reading the socket: it may sleep on its fd
+        for waker in list(getattr(fut, "wakers", ())):  # threads reading the socket for it may sleep
             os.eventfd_write(waker.fd, 1)
 
     # ---- on the I/O thread --------------------------------------------------------------------

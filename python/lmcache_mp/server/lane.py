@@ -24,6 +24,7 @@ from lmcache_mp import protocol as p
 logger = logging.getLogger(__name__)
 
 READ_BATCH = 64  # datagrams read from one connection before the others get their turn
+MAX_CONNECTIONS = 4096  # beyond this, new connections are closed at once (those clients use ZeroMQ)
 
 
 class LaneConn:
@@ -73,6 +74,7 @@ class Lane:
         self._listener.bind(bind_to)
         self._listener.listen(256)
         self.conns: list[LaneConn] = []
+        self._full_logged = False
         self.version = 0  # changes whenever the set of fds does
 
     def fds(self) -> list[int]:
@@ -87,6 +89,13 @@ class Lane:
             except OSError as e:  # e.g. out of fds: the client keeps ZeroMQ
                 logger.warning("could not accept a local-lane connection: %s", e)
                 return
+            if len(self.conns) >= MAX_CONNECTIONS:
+                sock.close()
+                if not self._full_logged:
+                    logger.warning("local lane: %d connections, refusing more (those clients use ZeroMQ)",
+                                   MAX_CONNECTIONS)
+                    self._full_logged = True
+                continue
             sock.setblocking(False)
             self.conns.append(LaneConn(sock))
             self.version += 1
