@@ -145,12 +145,11 @@ class Runner:
 def run(workdir, model_dir, request):
     runner = Runner(workdir, model_dir)
     yield runner
-    out = request.config.pluginmanager.get_plugin("terminalreporter")  # shown even with output captured
-    write = out.write_line if out is not None else print
-    write("")
-    write("engine wall times (s), and the scheduler's lookups (one round trip each):")
-    for name, t in runner.times.items():
-        write(f"  {name:<12} " + "  ".join(f"{k}={v}" for k, v in t.items()))
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # shown in CI's log, not only on failure
+        print("\nengine wall times (s), and the scheduler's lookups (one round trip each):")
+        for name, t in runner.times.items():
+            print(f"  {name:<12} " + "  ".join(f"{k}={v}" for k, v in t.items()))
 
 
 @pytest.fixture(scope="module")
