@@ -210,3 +210,20 @@ def test_a_refused_lane_leaves_the_client_on_zeromq_without_reconnecting(shm_fil
     finally:
         c.close()
         srv.stop()
+
+
+def test_an_idle_server_keeps_its_housekeeping_tick_and_sleeps(monkeypatch):
+    from lmcache_mp import Server, ServerConfig
+    from lmcache_mp.server import engine, transport
+
+    ticks, polls = [], []
+    tick, poll = engine.MPCacheEngine.tick, transport.spin_poll
+    monkeypatch.setattr(engine.MPCacheEngine, "tick", lambda self: (ticks.append(1), tick(self)))
+    monkeypatch.setattr(transport, "spin_poll", lambda *a: (polls.append(1), poll(*a))[1])
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="16MiB")).start()
+    try:
+        time.sleep(1.3)
+    finally:
+        srv.stop()
+    assert len(ticks) >= 2  # every TICK_SECONDS (0.5 s), requests or not
+    assert len(polls) < 50  # and between ticks it sleeps

@@ -184,17 +184,10 @@ class Transport:
                 now = time.monotonic()
                 spin_us = int(max(0.0, spin_until - now) * 1e6)
                 ready = spin_poll(fds, spin_us, int(max(0.0, next_tick - now) * 1000) + 1)
-            if not ready:
-                continue
-            if 1 in ready:
-                os.eventfd_read(self._wake)
-            conns = [self.lane.conns[i - 3] for i in ready if i > 2]  # before reads drop closed ones
-            if 2 in ready:
-                self.lane.accept()
-            for conn in conns:
-                for datagram in self.lane.read(conn):
-                    self._guarded(self._handle_lane, conn, datagram)
-                spin_until = time.monotonic() + self._spin
+            if ready:
+                self._serve_ready(ready)
+                if any(i > 2 for i in ready):
+                    spin_until = time.monotonic() + self._spin
             if time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + TICK_SECONDS
                 try:
@@ -214,6 +207,17 @@ class Transport:
                 os.unlink(self._ipc_path)
             except OSError:
                 pass
+
+    def _serve_ready(self, ready: list[int]) -> None:
+        """The wake eventfd (1), the lane's listener (2) and lane connections (3...) that are ready."""
+        if 1 in ready:
+            os.eventfd_read(self._wake)
+        conns = [self.lane.conns[i - 3] for i in ready if i > 2]  # before reads drop closed ones
+        if 2 in ready:
+            self.lane.accept()
+        for conn in conns:
+            for datagram in self.lane.read(conn):
+                self._guarded(self._handle_lane, conn, datagram)
 
     @staticmethod
     def _guarded(handle, *args) -> None:
