@@ -48,7 +48,7 @@ def add_trace(stamps: list, trace: bytes | None) -> None:
 
 
 class _Pending:
-    __slots__ = ("future", "convert", "deadline", "what", "on_settled", "expires", "stamps", "lane")
+    __slots__ = ("future", "convert", "deadline", "what", "on_settled", "expires", "stamps", "lane", "settled")
 
     def __init__(self, future: Future, convert: Converter, deadline: float, what: str, on_settled, expires: bool,
                  stamps: list | None = None):
@@ -60,6 +60,7 @@ class _Pending:
         self.expires = expires
         self.stamps = stamps  # a traced request's timestamps (also future.trace)
         self.lane = None  # the local-lane socket it went out on, if it did
+        self.settled = False
 
 
 class _Waker:
@@ -151,6 +152,8 @@ class IOThread:
         if not self._send_now(rid, body, pend):
             self._inbox.append((rid, body, pend))  # not connected yet: the I/O thread sends it once it can
             self._wakeup()
+            if self._stop:  # the I/O thread may have ended before it saw the request
+                self._settle(pend, error=ServerUnavailable("the client is closed"))
         return fut
 
     def _frames(self, rid: int, body: bytes, pend: _Pending) -> tuple:
@@ -349,6 +352,9 @@ class IOThread:
             self._settle(pend, result=result)
 
     def _settle(self, pend: _Pending, result: Any = None, error: BaseException | None = None) -> None:
+        if pend.settled:  # e.g. failed by close() and by the sender at once
+            return
+        pend.settled = True
         if pend.on_settled is not None:
             try:
                 pend.on_settled()
