@@ -179,3 +179,60 @@ def test_a_live_server_answers_every_fuzzed_frame_and_keeps_serving(shm_files):
         real.close()
         target.close()
         srv.kill()
+
+
+def test_the_local_lane_answers_every_fuzzed_datagram_and_keeps_serving(shm_files):
+    """The same on the local lane: datagrams with a request header get one reply each (too short
+    for a header: ignored), oversized ones are cut and rejected, an empty one ends that connection
+    only, and a real client stays exact."""
+    import socket
+
+    srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB", "--chunk-size", "32"])
+    url = srv.wait_for("ready").split("serving on ")[1].strip()
+    real = Client(url, timeout=20)
+    assert real._io.has_lane
+    lane = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    lane.connect("\0" + real.server_info["lane"][1:])
+    lane.settimeout(30)
+    rng = random.Random(4321)
+    sent = replies = 0
+    try:
+        kv, h = register_mha(real, model="real", num_blocks=64)
+        pool = valid_requests(h.kv_id + 1)
+        for batch in range(40):
+            rids = set()
+            for _ in range(50):
+                body = rng.choice(pool) if rng.random() < 0.1 else mutate(rng.choice(pool), rng, pool)
+                kind = rng.random()
+                if kind < 0.05:
+                    lane.send(os.urandom(rng.randrange(1, 9)))  # no header: nothing to answer
+                    continue
+                sent += 1
+                rids.add(sent)
+                if kind < 0.08:
+                    body += b"\0" * p.LANE_MAX_BYTES  # cut by the server, then undecodable
+                lane.send(p.pack_lane(sent, body, traced=rng.random() < 0.1))
+            while rids:
+                rid, body, _trace = p.unpack_lane_reply(lane.recv(p.LANE_MAX_BYTES))
+                assert rid in rids, "a reply to a request never sent, or a second reply"
+                rids.discard(rid)
+                reply = p.decode_reply(body)
+                replies += 1
+                if isinstance(reply, p.Error):
+                    assert reply.code != p.ErrorCode.INTERNAL, reply.message
+            hashes = chunk_hashes(w.prompt(60_000 + batch, 2), 32)
+            ref = w.reference(60_000 + batch, "mha", 64)
+            w.write_tokens(kv, "mha", blocks_of(2), ref)
+            assert real.store(h, hashes, blocks_of(2)).result(20).chunks == 2
+            assert real.retrieve(h, hashes, blocks_of(2, start=8)).result(20).loaded == 2
+            assert np.array_equal(w.read_tokens(kv, "mha", blocks_of(2, start=8)), ref)
+        assert replies == sent
+        lane.send(b"")  # reads as the end of the connection: the server closes it, and only it
+        assert lane.recv(16) == b""
+        assert real.lookup(hashes, model="real") == 2 and real._io.has_lane
+        log = "\n".join(srv.lines)
+        assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+    finally:
+        lane.close()
+        real.close()
+        srv.kill()
