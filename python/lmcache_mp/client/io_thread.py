@@ -149,7 +149,7 @@ class IOThread:
         if (self._lane is not None and len(body) <= p.LANE_MAX_BYTES - 64 and not isinstance(msg, p.Status)
                 and self._send_lane(rid, body, pend)):
             return fut
-        if not self._send_now(rid, body, pend):
+        if not self._send_zmq(rid, body, pend):
             self._inbox.append((rid, body, pend))  # not connected yet: the I/O thread sends it once it can
             self._wakeup()
             if self._stop:  # the I/O thread may have ended before it saw the request
@@ -161,12 +161,13 @@ class IOThread:
             return (p.pack_request_id(rid), body)
         return (p.pack_request_id(rid), body, p.TRACE_FRAME)
 
-    def _send_now(self, rid: int, body: bytes, pend: _Pending) -> bool:
-        """Send from this thread; False when it must wait for a connection (or for requests queued
-        before it, to keep their order)."""
+    def _send_zmq(self, rid: int, body: bytes, pend: _Pending, queued: bool = False) -> bool:
+        """Send on the ZeroMQ socket; False when not connected (yet). queued: the head of _unsent,
+        sent by the I/O thread; else a caller's request, which waits behind queued ones to keep
+        their order."""
         error = None
         with self._lock:
-            if self._unsent or self._inbox or not self._open:
+            if not queued and (self._unsent or self._inbox or not self._open):
                 return False
             self._pending[rid] = pend  # before the send: the reply may come at once
             try:
@@ -178,19 +179,25 @@ class IOThread:
                 del self._pending[rid]
                 error = e
             else:
-                if pend.stamps is not None:
-                    pend.stamps.append(("client sent", time.monotonic_ns()))
-                wake = False
-                if pend.expires:
-                    heapq.heappush(self._deadlines, (pend.deadline, rid))
-                    wake = pend.deadline < self._wake_at
                 # The send may have taken the fd's signal of a reply someone should read.
-                wake = wake or bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
+                wake = self._track(rid, pend) or bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
+            if queued:
+                self._unsent.popleft()
         if error is not None:
             self._settle(pend, error=ServerUnavailable(f"cannot send {pend.what}: {error}"))
-        elif wake:
+        elif wake and not queued:
             self._wakeup()
         return True
+
+    def _track(self, rid: int, pend: _Pending) -> bool:
+        """After a send, under the lock: stamp it and arm its deadline; True when the I/O thread
+        must wake up earlier than it planned to expire it."""
+        if pend.stamps is not None:
+            pend.stamps.append(("client sent", time.monotonic_ns()))
+        if not pend.expires:
+            return False
+        heapq.heappush(self._deadlines, (pend.deadline, rid))
+        return pend.deadline < self._wake_at
 
     # ---- the local lane ------------------------------------------------------------------------
 
@@ -224,12 +231,7 @@ class IOThread:
                 broken = e
             else:
                 pend.lane = lane
-                if pend.stamps is not None:
-                    pend.stamps.append(("client sent", time.monotonic_ns()))
-                wake = False
-                if pend.expires:
-                    heapq.heappush(self._deadlines, (pend.deadline, rid))
-                    wake = pend.deadline < self._wake_at
+                wake = self._track(rid, pend)
         if broken is not None:
             self._drop_lane(lane, str(broken))
             return False
@@ -390,30 +392,8 @@ class IOThread:
             self._unsent.append(item)
         while self._unsent:
             rid, body, pend = self._unsent[0]
-            if not self._unsent_send(rid, body, pend):
+            if not self._send_zmq(rid, body, pend, queued=True):
                 return  # not connected (yet): wait for the socket to become writable, or the deadline
-
-    def _unsent_send(self, rid: int, body: bytes, pend: _Pending) -> bool:
-        error = None
-        with self._lock:
-            self._pending[rid] = pend
-            try:
-                self._sock.send_multipart(self._frames(rid, body, pend), flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                del self._pending[rid]
-                return False
-            except zmq.ZMQError as e:
-                del self._pending[rid]
-                error = e
-            else:
-                if pend.stamps is not None:
-                    pend.stamps.append(("client sent", time.monotonic_ns()))
-                if pend.expires:
-                    heapq.heappush(self._deadlines, (pend.deadline, rid))
-            self._unsent.popleft()
-        if error is not None:
-            self._settle(pend, error=ServerUnavailable(f"cannot send {pend.what}: {error}"))
-        return True
 
     def _expire(self, now: float) -> None:
         expired = []
