@@ -280,7 +280,7 @@ class L1Machine(RuleBasedStateMachine):
     @rule(owner=st.sampled_from(OWNERS))
     def drop_owner(self, owner):
         dropped = self.l1.drop_owner(owner)
-        mine = sorted(i for i, ls in self.model.leases.items() if ls.owner == owner)
+        mine = [i for i, ls in self.model.leases.items() if ls.owner == owner]  # oldest first
         for lease_id in mine:
             self.model.let_go(lease_id, list(self.model.leases[lease_id].uses))
         assert dropped == len(mine)
@@ -299,7 +299,7 @@ class L1Machine(RuleBasedStateMachine):
     def clear(self):
         removed = self.l1.clear()
         want = 0
-        for lease_id in sorted(self.model.leases):
+        for lease_id in list(self.model.leases):  # oldest first, as the store ends them
             self.model.let_go(lease_id, list(self.model.leases[lease_id].uses))
         for i, o in list(self.model.objs.items()):
             if o.committed and o.readers == 0:

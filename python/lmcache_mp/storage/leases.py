@@ -43,7 +43,7 @@ class LeaseTable:
     def __init__(self, on_unheld: Callable[[object], None]):
         self._on_unheld = on_unheld
         self._leases: dict[int, Lease] = {}
-        self._by_owner: dict[bytes, set[int]] = {}
+        self._by_owner: dict[bytes, dict[int, None]] = {}  # owner -> its lease ids, oldest first
         self._held_by_owner: dict[bytes, int] = {}
         self._expiry: list[tuple[float, int]] = []
         self.leased_objects = 0  # objects held by at least one lease
@@ -53,7 +53,7 @@ class LeaseTable:
         return len(self._leases)
 
     def open(self, owner: bytes, expires: float) -> Lease:
-        mine = self._by_owner.setdefault(owner, set())
+        mine = self._by_owner.setdefault(owner, {})
         if len(mine) >= MAX_LEASES_PER_CLIENT or self._held_by_owner.get(owner, 0) >= MAX_LEASED_PER_CLIENT:
             if not mine:
                 del self._by_owner[owner]
@@ -63,7 +63,7 @@ class LeaseTable:
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
         lease = self._leases[lease_id] = Lease(lease_id, owner, expires)
-        mine.add(lease_id)
+        mine[lease_id] = None
         if len(self._expiry) > 2 * len(self._leases) + 1024:  # most entries are of leases long gone
             self._expiry = [(ls.expires, i) for i, ls in self._leases.items()]
             heapq.heapify(self._expiry)
@@ -109,7 +109,7 @@ class LeaseTable:
         if not lease.uses and self._leases.pop(lease.lease_id, None) is not None:
             mine = self._by_owner.get(lease.owner)
             if mine is not None:
-                mine.discard(lease.lease_id)
+                mine.pop(lease.lease_id, None)
                 if not mine:
                     del self._by_owner[lease.owner]
         return objs
@@ -148,7 +148,8 @@ class LeaseTable:
         return objs
 
     def drop_owner(self, owner: bytes) -> tuple[int, list]:
-        """(leases ended, objects to unhold) for a client that went away."""
+        """(leases ended, objects to unhold) for a client that went away; its leases end oldest
+        first, so the objects they held go back to the LRU list in a set order."""
         ids = list(self._by_owner.get(owner, ()))
         objs: list = []
         for lease_id in ids:
