@@ -6,7 +6,8 @@
 #
 # Environment: CMAKE_CUDA_ARCHITECTURES (default 90), GPU_CHECK_STEPS (default
 # "build tests sanitizer bench"; add "peer" for LMCache's self-test, "server" for bench_server,
-# "latency" for 1-chunk requests, "l1sizes" for L1 shared by two object sizes).
+# "latency" for 1-chunk requests, "crossproc" for them while the engine process uses the GPU,
+# "l1sizes" for L1 shared by two object sizes).
 set -uo pipefail
 LOG=${1:-${OUT:-$PWD/gpu-check-logs}}
 mkdir -p "$LOG"
@@ -37,6 +38,10 @@ for step in $STEPS; do
         run "latency_$name" 300 python3 bench/bench_server.py "$@" --requests 200 --workers 1 --lookups 500 \
           --repeat 50 --trace --json "$LOG/bench_server_latency_$name.json"
       done ;;
+    crossproc)  # a small request while the engine's process uses the GPU (other CUDA context)
+      run crossproc_mla 300 python3 bench/bench_cross_process.py --json "$LOG/bench_cross_process_mla.json"
+      run crossproc_mha 300 python3 bench/bench_cross_process.py --layout mha --layers 32 \
+        --json "$LOG/bench_cross_process_mha.json" ;;
     l1sizes) run l1sizes 400 python3 bench/bench_l1_sizes.py --device cuda --l1-size 16GiB \
         --json "$LOG/bench_l1_sizes.json" ;;
     servermla) run servermla 300 python3 bench/bench_server.py --layout mla --requests 1 --workers 1,2 \

@@ -1,9 +1,6 @@
 #include "spin_poll.h"
 
 #include <poll.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include <cerrno>
 #include <chrono>
@@ -13,17 +10,6 @@
 namespace lmc {
 
 namespace {
-
-// A few hundred cycles between polls: fewer system calls, and a hyperthread sibling keeps its core.
-void relax() {
-  for (int i = 0; i < 16; ++i) {
-#if defined(__x86_64__) || defined(__i386__)
-    _mm_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
-  }
-}
 
 std::vector<int> ready(const std::vector<pollfd>& p) {
   std::vector<int> out;
@@ -42,7 +28,7 @@ std::vector<int> spin_poll(const std::vector<int>& fds, int64_t spin_us, int tim
     const int n = poll(p.data(), p.size(), 0);
     if (n > 0) return ready(p);
     if (n < 0 && errno != EINTR) throw std::system_error(errno, std::generic_category(), "poll");
-    relax();
+    cpu_relax();
   } while (std::chrono::steady_clock::now() < until);
   for (;;) {
     const int n = poll(p.data(), p.size(), timeout_ms);

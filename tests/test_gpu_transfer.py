@@ -275,3 +275,60 @@ def test_store_and_retrieve_streams_run_at_once(arena):
     finally:
         for o in a_offs + b_offs:
             arena.free(o)
+
+
+def test_wait_next_answers_each_direction_in_order_then_stops(arena):
+    """A completion thread takes its direction's transfers oldest first without being told the
+    tickets, sees them done after they were submitted, and ends once told to stop and drained."""
+    import time
+
+    import torch
+    from gpu_kv import make_cuda_kv
+
+    kv = make_cuda_kv("mha", torch.bfloat16, blocks=256)
+    chunk_size = 4 * kv.spec.block_size
+    obj = kv.spec.object_bytes(chunk_size)
+    offs, views, ptrs, cap = _objects(arena, obj, 4)
+    try:
+        eng = _engine(kv, chunk_size)
+        t0 = time.monotonic_ns()
+        gathers = [eng.submit("gather", "staged", np.arange(4 * i, 4 * i + 4, dtype=np.int64), ptrs[i:i + 1],
+                              chunk_size, cap) for i in range(3)]
+        ticket, handle = eng.submit("scatter", "dma", np.arange(128, 132, dtype=np.int64), ptrs[3:4], chunk_size,
+                                    cap, with_handle=True)
+        assert len(handle) == 64
+        seen = [eng.wait_next("gather", 1000) for _ in gathers]
+        assert [s[0] for s in seen] == gathers
+        assert all(s[2] == "" and s[1] >= t0 for s in seen)
+        assert [s[1] for s in seen] == sorted(s[1] for s in seen)
+        with pytest.raises(ValueError, match="already completed"):
+            eng.wait(gathers[0])
+        assert eng.wait_next("scatter", 0)[0] == ticket
+        eng.stop_waiting()
+        assert eng.wait_next("gather", 0) == (0, 0, "")  # nothing left: returns at once
+        want = gather_reference(kv.layer_bytes(), kv.spec, chunk_size, np.arange(12, dtype=np.int64))
+        assert all(np.array_equal(views[i][:obj], want[i]) for i in range(3))
+    finally:
+        for o in offs:
+            arena.free(o)
+
+
+def test_client_events_only_for_streams_with_work_pending():
+    """An idle stream gives the server nothing to wait for; a busy one gives an event that is
+    due only when the stream's work is done."""
+    import torch
+
+    from lmcache_mp import _C
+    from lmcache_mp.client.cuda_events import EventPool
+
+    pool = EventPool(0)
+    s = torch.cuda.Stream()
+    s.synchronize()
+    assert pool.record(s.cuda_stream) == (None, b"")
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(100_000_000)
+    ev, handle = pool.record(s.cuda_stream)
+    assert ev is not None and len(handle) == 64
+    assert not _C.cuda.event_query(ev[0])
+    s.synchronize()
+    assert _C.cuda.event_query(ev[0])

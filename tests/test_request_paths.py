@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 import cpu_workers as w
-from lmcache_mp import Client, ServerUnavailable, chunk_hashes
+from lmcache_mp import Client, Server, ServerConfig, ServerUnavailable, chunk_hashes
+from lmcache_mp import protocol as p
 from lmcache_mp.native import spin_poll
+from lmcache_mp.server.engine import MPCacheEngine
 from test_cli import ServerProcess
 from test_hardening import server  # noqa: F401  (fixture)
 from test_server_e2e import CHUNK, blocks_of, register_mha, stopped, wait_until
@@ -68,6 +70,37 @@ def test_every_way_of_waiting_gets_the_bytes_back(shm_files, server, spin_us, la
             assert np.array_equal(w.read_tokens(kv, "mha", dst), w.reference(i, "mha", 2 * CHUNK))
     finally:
         c.close()
+
+
+def test_a_reply_left_when_the_last_caller_stops_waiting_is_read_by_the_io_thread(shm_files):
+    """While a caller waits, the I/O thread keeps off the socket; a reply that comes after the
+    caller is done (nobody waits for it) is still read at once, not at the next heartbeat."""
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="4MiB", chunk_size=CHUNK)).start()
+    slow: set[int] = set()
+
+    def store(engine, msg, reply):  # the slow registration's replies leave 0.3 s late
+        if msg.kv_id in slow:
+            MPCacheEngine.store(engine, msg, lambda m: threading.Timer(0.3, reply, (m,)).start())
+        else:
+            MPCacheEngine.store(engine, msg, reply)
+
+    srv.engine._handlers = {**MPCacheEngine._handlers, p.Store: store}
+    c = Client(srv.url, heartbeat_interval=30)
+    try:
+        kv, fast = register_mha(c)
+        kv2, late = register_mha(c, model="m2")
+        slow.add(late.kv_id)
+        w.write_tokens(kv2, "mha", blocks_of(1), w.reference(0, "mha", CHUNK))
+        pending = c.store(late, chunk_hashes(w.prompt(0, 1), CHUNK), blocks_of(1))
+        assert c.store(fast, chunk_hashes(w.prompt(1, 1), CHUNK), blocks_of(1)).result(10).chunks == 1
+        assert not pending.done()
+        t0 = time.monotonic()
+        done, _ = cf.wait([pending], timeout=5)
+        assert done and pending.result(0).chunks == 1
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        c.close()
+        srv.stop()
 
 
 def test_a_waiting_caller_gets_an_error_not_a_hang_when_the_server_stalls(shm_files):

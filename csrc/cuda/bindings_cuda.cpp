@@ -105,6 +105,7 @@ void init_cuda_bindings(py::module_& m) {
   c.def("stream_wait_event", &stream_wait_event, py::arg("stream"), py::arg("event"));
   c.def("event_synchronize", &event_synchronize, py::arg("event"), py::call_guard<py::gil_scoped_release>());
   c.def("event_query", &event_query, py::arg("event"));
+  c.def("stream_query", &stream_query, py::arg("stream"));
   c.def("create_stream", &create_stream, py::arg("device"), py::arg("high_priority") = false, py::call_guard<py::gil_scoped_release>());
   c.def("destroy_stream", &destroy_stream, py::arg("stream"), py::call_guard<py::gil_scoped_release>());
   c.def("stream_synchronize", &stream_synchronize, py::arg("stream"), py::call_guard<py::gil_scoped_release>());
@@ -127,20 +128,41 @@ void init_cuda_bindings(py::module_& m) {
       .def(
           "submit",
           [](TransferEngine& e, const std::string& direction, const std::string& mode, const IdArray& ids,
-             const PtrArray& ptrs, int64_t chunk_size, int64_t object_capacity, uintptr_t wait_event) {
+             const PtrArray& ptrs, int64_t chunk_size, int64_t object_capacity, uintptr_t wait_event,
+             bool with_handle) -> py::object {
             const ChunkBatch b = make_batch(ids, ptrs, chunk_size, object_capacity);
             const Direction d = parse_direction(direction);
             const Mode md = parse_mode(mode);
             e.validate(md, b);  // bad requests fail here, with the GIL held, before anything is queued
-            py::gil_scoped_release nogil;
-            return e.submit(d, md, b, wait_event);
+            std::string handle;
+            uint64_t ticket;
+            {
+              py::gil_scoped_release nogil;
+              ticket = e.submit(d, md, b, wait_event, with_handle ? &handle : nullptr);
+            }
+            if (!with_handle) return py::int_(ticket);
+            return py::make_tuple(ticket, py::bytes(handle));
           },
           py::arg("direction"), py::arg("mode"), py::arg("block_ids"), py::arg("object_ptrs"), py::arg("chunk_size"),
-          py::arg("object_capacity"), py::arg("wait_event") = 0)
+          py::arg("object_capacity"), py::arg("wait_event") = 0, py::arg("with_handle") = false,
+          "the transfer's ticket; (ticket, completion event's IPC handle) with with_handle")
       .def("wait", &TransferEngine::wait, py::arg("ticket"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "wait_next",
+          [](TransferEngine& e, const std::string& direction, int64_t spin_us) {
+            const Direction d = parse_direction(direction);
+            TransferEngine::Completion c;
+            {
+              py::gil_scoped_release nogil;
+              c = e.wait_next(d, spin_us);
+            }
+            return py::make_tuple(c.ticket, c.done_ns, c.error);
+          },
+          py::arg("direction"), py::arg("spin_us") = 0,
+          "(ticket, CLOCK_MONOTONIC ns when seen done, error or '') of the direction's oldest transfer; "
+          "ticket 0 once stop_waiting() was called and none is left")
+      .def("stop_waiting", &TransferEngine::stop_waiting, py::call_guard<py::gil_scoped_release>())
       .def("query", &TransferEngine::query, py::arg("ticket"))
-      .def("completion_handle", [](TransferEngine& e, uint64_t t) { return py::bytes(e.completion_handle(t)); },
-           py::arg("ticket"))
       .def_property_readonly("device", &TransferEngine::device)
       .def_property_readonly("direct_supported", &TransferEngine::direct_supported)
       .def("stats", [](const TransferEngine& e) {

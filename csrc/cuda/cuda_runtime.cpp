@@ -205,6 +205,13 @@ uintptr_t create_stream(int device, bool high_priority) {
 
 void destroy_stream(uintptr_t stream) { cudaStreamDestroy(reinterpret_cast<cudaStream_t>(stream)); }
 
+bool stream_query(uintptr_t stream) {
+  cudaError_t e = cudaStreamQuery(reinterpret_cast<cudaStream_t>(stream));
+  if (e == cudaErrorNotReady) return false;
+  check(e, "cudaStreamQuery");
+  return true;
+}
+
 void stream_synchronize(uintptr_t stream) {
   check(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
 }

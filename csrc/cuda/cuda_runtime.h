@@ -56,6 +56,8 @@ bool event_query(uintptr_t event);
 
 uintptr_t create_stream(int device, bool high_priority);
 void destroy_stream(uintptr_t stream);
+// Whether every piece of work queued so far on the stream has finished.
+bool stream_query(uintptr_t stream);
 void stream_synchronize(uintptr_t stream);
 
 }  // namespace lmc::cuda

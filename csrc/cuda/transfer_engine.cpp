@@ -1,10 +1,12 @@
 #include "cuda/transfer_engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <stdexcept>
 
 #include "common.h"
 #include "cuda/cuda_runtime.h"
+#include "spin_poll.h"
 
 namespace lmc::cuda {
 
@@ -267,7 +269,8 @@ void TransferEngine::validate(Mode mode, const ChunkBatch& b) const {
                 "direct mode needs a device that can use registered host pointers");
 }
 
-uint64_t TransferEngine::submit(Direction dir, Mode mode, const ChunkBatch& b, uintptr_t wait_event) {
+uint64_t TransferEngine::submit(Direction dir, Mode mode, const ChunkBatch& b, uintptr_t wait_event,
+                                std::string* completion_handle) {
   validate(mode, b);
   const bool gather = dir == Direction::kGather;
   Side& side = sides_[gather ? 0 : 1];
@@ -285,10 +288,12 @@ uint64_t TransferEngine::submit(Direction dir, Mode mode, const ChunkBatch& b, u
   }
   const int ev = take_event(side);
   check(cudaEventRecord(side.pool[ev], side.main), "cudaEventRecord");
+  if (completion_handle) *completion_handle = side.pool_handles[ev];
   std::lock_guard<std::mutex> tl(ticket_mu_);
   const uint64_t id = next_ticket_++;
   tickets_.push_back(Ticket{id, gather ? 0 : 1, ev});
   ++stats_.submitted;
+  ticket_cv_.notify_all();  // under the lock: a waiter cannot miss it between its check and its sleep
   return id;
 }
 
@@ -303,28 +308,90 @@ bool TransferEngine::find_ticket(uint64_t ticket, int* dir, int* event) const {
   return false;
 }
 
-void TransferEngine::wait(uint64_t ticket) {
+int64_t TransferEngine::collect(uint64_t ticket, int dir, int idx) {
   // Lock order everywhere: a side's mutex before ticket_mu_; never the reverse.
-  int dir = 0, idx = -1;
-  LMC_CHECK_ARG(find_ticket(ticket, &dir, &idx), "unknown or already completed transfer ticket ", ticket);
   cudaEvent_t ev;
   {
     std::lock_guard<std::mutex> sl(sides_[dir].mu);
     ev = sides_[dir].pool[idx];
   }
+  cudaError_t err;
   {
     DeviceGuard g(device_);
-    check(cudaEventSynchronize(ev), "cudaEventSynchronize");
+    err = cudaEventSynchronize(ev);
   }
-  std::lock_guard<std::mutex> sl(sides_[dir].mu);
-  std::lock_guard<std::mutex> lk(ticket_mu_);
-  for (auto it = tickets_.begin(); it != tickets_.end(); ++it)
-    if (it->id == ticket) {
-      tickets_.erase(it);
-      break;
+  const int64_t done_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  {
+    std::lock_guard<std::mutex> sl(sides_[dir].mu);
+    std::lock_guard<std::mutex> lk(ticket_mu_);
+    for (auto it = tickets_.begin(); it != tickets_.end(); ++it)
+      if (it->id == ticket) {
+        tickets_.erase(it);
+        break;
+      }
+    ++stats_.completed;
+    sides_[dir].free_events.push_back(idx);
+  }
+  check(err, "cudaEventSynchronize");
+  return done_ns;
+}
+
+int64_t TransferEngine::wait(uint64_t ticket) {
+  int dir = 0, idx = -1;
+  {
+    std::lock_guard<std::mutex> lk(ticket_mu_);
+    auto it = std::find_if(tickets_.begin(), tickets_.end(), [&](const Ticket& t) { return t.id == ticket; });
+    LMC_CHECK_ARG(it != tickets_.end() && !it->claimed, "unknown or already completed transfer ticket ", ticket);
+    it->claimed = true;
+    dir = it->dir;
+    idx = it->event;
+  }
+  return collect(ticket, dir, idx);
+}
+
+TransferEngine::Completion TransferEngine::wait_next(Direction d, int64_t spin_us) {
+  const int dir = d == Direction::kGather ? 0 : 1;
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  Completion out;
+  int idx = -1;
+  {
+    std::unique_lock<std::mutex> lk(ticket_mu_);
+    auto claim = [&] {
+      for (auto& t : tickets_)
+        if (t.dir == dir && !t.claimed) {
+          t.claimed = true;
+          out.ticket = t.id;
+          idx = t.event;
+          return true;
+        }
+      return false;
+    };
+    while (!claim()) {
+      if (stop_waiting_) return out;  // ticket 0
+      if (std::chrono::steady_clock::now() < spin_until) {
+        lk.unlock();
+        cpu_relax();
+        lk.lock();
+      } else {
+        ticket_cv_.wait(lk);
+      }
     }
-  ++stats_.completed;
-  sides_[dir].free_events.push_back(idx);
+  }
+  try {
+    out.done_ns = collect(out.ticket, dir, idx);
+  } catch (const std::exception& e) {
+    out.error = e.what();
+  }
+  return out;
+}
+
+void TransferEngine::stop_waiting() {
+  {
+    std::lock_guard<std::mutex> lk(ticket_mu_);
+    stop_waiting_ = true;
+  }
+  ticket_cv_.notify_all();
 }
 
 bool TransferEngine::query(uint64_t ticket) {
@@ -332,13 +399,6 @@ bool TransferEngine::query(uint64_t ticket) {
   if (!find_ticket(ticket, &dir, &idx)) return true;  // completed and collected
   std::lock_guard<std::mutex> sl(sides_[dir].mu);
   return event_query(reinterpret_cast<uintptr_t>(sides_[dir].pool[idx]));
-}
-
-std::string TransferEngine::completion_handle(uint64_t ticket) {
-  int dir = 0, idx = -1;
-  LMC_CHECK_ARG(find_ticket(ticket, &dir, &idx), "unknown or already completed transfer ticket ", ticket);
-  std::lock_guard<std::mutex> sl(sides_[dir].mu);
-  return sides_[dir].pool_handles[idx];
 }
 
 EngineStats TransferEngine::stats() const {

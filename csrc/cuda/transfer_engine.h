@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <mutex>
@@ -60,13 +61,26 @@ class TransferEngine {
   void validate(Mode mode, const ChunkBatch& batch) const;
   // Validates everything (nothing is enqueued on error), makes the work wait for wait_event
   // (0: none; e.g. an event the worker recorded after producing the KV), enqueues the copies and
-  // returns a ticket. Thread-safe per direction.
-  uint64_t submit(Direction dir, Mode mode, const ChunkBatch& batch, uintptr_t wait_event);
+  // returns a ticket. Thread-safe per direction. completion_handle, when given, receives the
+  // inter-process handle of the completion event, for a client stream to wait on.
+  uint64_t submit(Direction dir, Mode mode, const ChunkBatch& batch, uintptr_t wait_event,
+                  std::string* completion_handle = nullptr);
   // Blocks (call without the GIL) until the ticket's copies have finished; rethrows CUDA errors.
-  void wait(uint64_t ticket);
+  // Returns when the host saw them finish (CLOCK_MONOTONIC ns, for request traces).
+  int64_t wait(uint64_t ticket);
+  // Waits (call without the GIL) for the oldest ticket of one direction that nobody waits on yet,
+  // polling spin_us for one to be submitted before it sleeps until one is, and collects it. A
+  // thread that answers a direction's completions this way never needs to be told about a
+  // ticket. Returns ticket 0 once stop_waiting() was called and no ticket of that direction is
+  // left. A CUDA error is returned in `error`, with the ticket, not thrown.
+  struct Completion {
+    uint64_t ticket = 0;
+    int64_t done_ns = 0;
+    std::string error;
+  };
+  Completion wait_next(Direction dir, int64_t spin_us);
+  void stop_waiting();
   bool query(uint64_t ticket);
-  // The completion event's inter-process handle, for a client stream to wait on.
-  std::string completion_handle(uint64_t ticket);
 
   int device() const { return device_; }
   bool direct_supported() const { return direct_supported_; }
@@ -77,6 +91,7 @@ class TransferEngine {
     uint64_t id;
     int dir;
     int event;  // index into the direction's pool
+    bool claimed = false;  // a wait() or wait_next() is on it
   };
   struct Side {  // one direction
     std::mutex mu;
@@ -97,6 +112,8 @@ class TransferEngine {
   int take_event(Side& side);
   // (direction, pool index) of a ticket in flight; false when unknown or already collected.
   bool find_ticket(uint64_t ticket, int* dir, int* event) const;
+  // Waits for a claimed ticket's event and forgets the ticket (also when the wait failed).
+  int64_t collect(uint64_t ticket, int dir, int event);
   void ensure_staging(Side& side);
   void enqueue_direct(Side& side, bool gather, const ChunkBatch& b, int ctas);
   void enqueue_staged(Side& side, bool gather, const ChunkBatch& b, bool single_buffer);
@@ -116,6 +133,8 @@ class TransferEngine {
 
   mutable std::mutex ticket_mu_;
   std::deque<Ticket> tickets_;  // in flight
+  std::condition_variable ticket_cv_;  // a ticket was submitted, or stop_waiting()
+  bool stop_waiting_ = false;
   uint64_t next_ticket_ = 1;
   EngineStats stats_;
 };

@@ -354,7 +354,8 @@ class Client:
         event, ev_handle, settled = None, b"", None
         if handle.events is not None:
             event, ev_handle = handle.events.record(self._stream_ptr(handle, stream))
-            settled = lambda: handle.events.give_back(event)  # noqa: E731
+            if event is not None:
+                settled = lambda: handle.events.give_back(event)  # noqa: E731
         msg = p.Store(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle)
 
         def convert(reply: Any) -> StoreResult:
@@ -384,7 +385,8 @@ class Client:
         if handle.events is not None:
             stream_ptr = self._stream_ptr(handle, stream)
             event, ev_handle = handle.events.record(stream_ptr)
-            settled = lambda: handle.events.give_back(event)  # noqa: E731
+            if event is not None:
+                settled = lambda: handle.events.give_back(event)  # noqa: E731
         early = wait == "stream" and handle.device == "cuda"
         msg = p.Retrieve(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle,
                          reply_on_submit=early, lease=int(getattr(lease, "lease", lease) or 0),

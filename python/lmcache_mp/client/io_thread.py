@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 # Called with the decoded reply; returns the future's result or raises.
 Converter = Callable[[Any], Any]
-WAITER_BACKOFF = 0.001  # while a caller reads the socket, the I/O thread looks only this often
+WAITER_BACKOFF = 0.001  # while a caller reads the socket, queued requests are retried this often
 
 
 def add_trace(stamps: list, trace: bytes | None) -> None:
@@ -304,6 +304,9 @@ class IOThread:
             fut.wakers.remove(waker)
             with self._lock:
                 self._waiters -= 1
+                orphans = self._waiters == 0 and bool(self._pending)
+            if orphans:  # replies nobody reads now: the I/O thread watches the socket again
+                self._wakeup()
 
     def _receive(self) -> None:
         """Read every reply there is and settle its future (outside the lock: callbacks run)."""
@@ -427,11 +430,14 @@ class IOThread:
                 if self._unsent:
                     wake_at = min([wake_at] + [item[2].deadline for item in self._unsent])
                 self._wake_at = wake_at
-                # While a caller reads the socket, look only every WAITER_BACKOFF: waking on its
-                # replies would only slow it. Else sleep on the socket's fd, unless it has news.
+                # While a caller reads the socket, keep away from it: the caller reads every reply,
+                # and a thread that woke up on them would only take the GIL from the caller (on a
+                # VM, a thread that waits for the GIL may sleep for 100s of us). The caller wakes
+                # this thread when it stops with replies left to read. Else sleep on the socket's
+                # fd, unless it has news.
                 watch = self._waiters == 0
                 events = self._sock.get(zmq.EVENTS) if watch else 0
-            if not watch:
+            if not watch and self._unsent:
                 wake_at = min(wake_at, now + WAITER_BACKOFF)
             elif events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):
                 wake_at = now

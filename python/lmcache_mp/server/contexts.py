@@ -236,10 +236,12 @@ class GPUCacheContext:
         return self._choose_mode(self.reg.spec, direction, num_chunks)
 
     def submit(self, direction: str, block_ids: np.ndarray, object_ptrs: np.ndarray, capacity: int,
-               wait_event: bytes) -> int:
+               wait_event: bytes, with_handle: bool = False):
+        """The transfer's ticket; with_handle: (ticket, its completion event's IPC handle)."""
         ev = self._events.get(self.device_index, wait_event) if wait_event else 0
         mode = self.mode_for(direction, len(object_ptrs))
-        return self.engine.submit(direction, mode, block_ids, object_ptrs, self.reg.chunk_size, capacity, ev)
+        return self.engine.submit(direction, mode, block_ids, object_ptrs, self.reg.chunk_size, capacity, ev,
+                                  with_handle)
 
     def close(self) -> None:
         self.engine = None  # the engine synchronises its streams when destroyed

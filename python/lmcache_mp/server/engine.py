@@ -33,7 +33,7 @@ from lmcache_mp.server.devices import gpu_numa_node, resolve_device
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.validation import RequestFailure, chunk_request, over_limit
 from lmcache_mp.server.registrations import Entry, RegistrationHandling
-from lmcache_mp.server.replies import Reply, mark
+from lmcache_mp.server.replies import Reply, mark, mark_all
 from lmcache_mp.server.workers import SerialWorker
 from lmcache_mp.storage.l1 import L1Store
 from lmcache_mp.storage.leases import TooManyLeases
@@ -205,7 +205,8 @@ class MPCacheEngine(RegistrationHandling):
                 ticket = entry.ctx.submit("gather", block_ids, ptrs, capacity, msg.event)
                 mark(reply, "submitted")
 
-                def done(err: BaseException | None) -> None:
+                def done(err: BaseException | None, stamps: tuple) -> None:
+                    mark_all(reply, stamps)
                     mark(reply, "copied")
                     if err is not None:
                         fail(err, p.ErrorCode.DEVICE_ERROR)
@@ -257,13 +258,15 @@ class MPCacheEngine(RegistrationHandling):
                 entry.ctx.copy("scatter", block_ids, ptrs, objs[0].nbytes)
                 mark(reply, "copied")
             else:
-                ticket = entry.ctx.submit("scatter", block_ids, ptrs, objs[0].nbytes, msg.event)
-                mark(reply, "submitted")
                 early = msg.reply_on_submit
+                ticket, handle = entry.ctx.submit("scatter", block_ids, ptrs, objs[0].nbytes, msg.event,
+                                                  with_handle=True)
+                mark(reply, "submitted")
                 if early:
-                    reply(p.RetrieveReply(loaded=len(objs), event=entry.ctx.engine.completion_handle(ticket)))
+                    reply(p.RetrieveReply(loaded=len(objs), event=handle))
 
-                def done(err: BaseException | None) -> None:
+                def done(err: BaseException | None, stamps: tuple) -> None:
+                    mark_all(reply, stamps)
                     mark(reply, "copied")
                     self.l1.end_read(objs)
                     if err is not None:

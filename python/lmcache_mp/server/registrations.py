@@ -113,10 +113,12 @@ class RegistrationHandling:
                 entry = Entry(ctx, worker)
                 if self.device == "cuda":
                     # Through ctx, not a bound method: the engine must go when the context closes.
-                    wait = lambda ticket, ctx=ctx: ctx.engine.wait(ticket)  # noqa: E731
+                    engine_of = lambda ctx=ctx: ctx.engine  # noqa: E731
                     spin = min(self.config.spin_us, COMPLETION_SPIN_US)
-                    entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", wait, spin)
-                    entry.retrieve_done = CompletionWaiter(f"lmcache-load-{kv_id & 0xFFFF:04x}", wait, spin)
+                    entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", engine_of,
+                                                        "gather", spin)
+                    entry.retrieve_done = CompletionWaiter(f"lmcache-load-{kv_id & 0xFFFF:04x}", engine_of,
+                                                           "scatter", spin)
                 with self._lock:  # a client forgotten meanwhile must not leave a registration behind
                     alive = cid in self._clients and not self._closed
                     if alive:

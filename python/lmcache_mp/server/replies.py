@@ -11,8 +11,13 @@ from lmcache_mp import protocol as p
 Reply = Callable[[p._Msg], None]
 
 
-def mark(reply: Reply, stage: str) -> None:
-    """Timestamp a stage of a traced request; nothing else happens for untraced ones."""
+def mark(reply: Reply, stage: str, at_ns: int = 0) -> None:
+    """Timestamp a stage of a traced request (now, or at_ns); nothing happens for untraced ones."""
     stamps = getattr(reply, "stamps", None)
     if stamps is not None:
-        stamps.append((stage, time.monotonic_ns()))
+        stamps.append((stage, at_ns or time.monotonic_ns()))
+
+
+def mark_all(reply: Reply, stamps) -> None:
+    for stage, at_ns in stamps:
+        mark(reply, stage, at_ns)

@@ -74,25 +74,54 @@ class SerialWorker:
 
 
 class CompletionWaiter:
-    """Waits for GPU tickets in submission order (they complete in order on one direction's
-    stream) with the GIL released inside `wait`, then runs each ticket's callback. With spin_us
-    it polls for the next ticket that long before it sleeps: a short copy would otherwise be
-    done before the thread woke up to wait for it."""
+    """Answers one direction's GPU transfers as they finish, on its own thread.
 
-    def __init__(self, name: str, wait: Callable[[int], None], spin_us: int = 0):
-        self._wait = wait
-        self._worker = SerialWorker(name, spin_us)
+    The thread waits inside the engine (`wait_next`, without the GIL) for the oldest transfer of
+    its direction, so nobody has to hand it a ticket: the submitting thread only files the
+    callback. With spin_us it polls for the next transfer that long before it sleeps, so a short
+    copy is seen done at once instead of after a wake-up. Whichever of the two (the callback filed,
+    the transfer finished) comes second runs the callback."""
 
-    def add(self, ticket: int, done: Callable[[BaseException | None], None]) -> None:
-        def job() -> None:
-            try:
-                self._wait(ticket)
-            except Exception as e:  # a CUDA error surfaced at completion
-                done(e)
+    def __init__(self, name: str, engine_of: Callable[[], object], direction: str, spin_us: int = 0):
+        self._engine_of = engine_of  # the engine is reached through its context, never kept here
+        self._direction = direction
+        self._spin = spin_us
+        self._lock = threading.Lock()
+        self._callbacks: dict[int, Callable] = {}
+        self._finished: dict[int, tuple] = {}  # ticket -> (error, stamps), done before its callback came
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def add(self, ticket: int, done: Callable[[BaseException | None, tuple], None]) -> None:
+        """done(error or None, stamps) once the ticket's copies finished; stamps are (stage,
+        monotonic ns) pairs for request traces."""
+        with self._lock:
+            result = self._finished.pop(ticket, None)
+            if result is None:
+                self._callbacks[ticket] = done
                 return
-            done(None)
+        done(*result)
 
-        self._worker.submit(job)
+    def _run(self) -> None:
+        engine = self._engine_of()
+        while True:
+            ticket, seen, error = engine.wait_next(self._direction, self._spin)
+            if not ticket:
+                return
+            result = (RuntimeError(error), ()) if error else (None, (("gpu done", seen),))
+            with self._lock:
+                done = self._callbacks.pop(ticket, None)
+                if done is None:
+                    self._finished[ticket] = result
+                    continue
+            try:
+                done(*result)
+            except Exception:  # a callback answers its own errors; this is a last resort
+                logger.exception("unhandled error in %s", self._thread.name)
 
     def stop(self, timeout: float | None = None) -> None:
-        self._worker.stop(timeout)
+        """Answer every transfer submitted so far, then end the thread (stops both directions'
+        waiters of the engine)."""
+        self._engine_of().stop_waiting()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
