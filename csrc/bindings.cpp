@@ -1,6 +1,11 @@
 // pybind11 bindings of the torch-free data plane. Everything takes raw addresses and sizes.
 #include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <pybind11/numpy.h>
@@ -9,12 +14,14 @@
 
 #include "common.h"
 #include "cpu_transfer.h"
+#include "disk_store.h"
 #include "host_arena.h"
 #include "kv_layout.h"
 #include "pinned_memory.h"
 #include "py_batch.h"
 #include "spin_poll.h"
 #include "thread_pool.h"
+#include "xxhash64.h"
 
 namespace py = pybind11;
 
@@ -56,6 +63,67 @@ py::array_t<int64_t> request_block_ids(const py::bytes& packed, int64_t chunks, 
     ids[i] = v;
   }
   return out;
+}
+
+// Messages may quote paths; a byte that is not UTF-8 must not turn stats() into an exception.
+py::str lossy_str(const std::string& s) {
+  return py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "replace"));
+}
+
+void check_batch(const char* fn, size_t keys, size_t formats, size_t ptrs, size_t sizes, const char* sizes_name) {
+  LMC_CHECK_ARG(formats == keys && ptrs == keys && sizes == keys, "DiskStore.", fn, ": keys, formats, ptrs and ",
+                sizes_name, " must have equal lengths, got ", keys, ", ", formats, ", ", ptrs, " and ", sizes);
+}
+
+template <typename Item>
+std::vector<Item> disk_items(const char* fn, const std::vector<py::bytes>& keys, const std::vector<py::bytes>& formats,
+                             const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& sizes,
+                             const char* sizes_name) {
+  check_batch(fn, keys.size(), formats.size(), ptrs.size(), sizes.size(), sizes_name);
+  std::vector<Item> items(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    LMC_CHECK_ARG(sizes[i] >= 0, "DiskStore.", fn, ": ", sizes_name, "[", i, "] is negative (", sizes[i], ")");
+    LMC_CHECK_ARG(ptrs[i] != 0 || sizes[i] == 0, "DiskStore.", fn, ": ptrs[", i, "] is null");
+    items[i].key = keys[i];
+    items[i].format = formats[i];
+    items[i].ptr = ptrs[i];
+    if constexpr (std::is_same_v<Item, DiskStore::PutItem>) {
+      items[i].size = static_cast<uint64_t>(sizes[i]);
+    } else {
+      items[i].capacity = static_cast<uint64_t>(sizes[i]);
+    }
+  }
+  return items;
+}
+
+std::vector<std::string> disk_keys(const std::vector<py::bytes>& keys) {
+  return std::vector<std::string>(keys.begin(), keys.end());
+}
+
+py::dict disk_stats(const DiskStore& s) {
+  const DiskStoreStats st = s.stats();
+  py::dict d;
+  d["capacity"] = st.capacity;
+  d["bytes_used"] = st.bytes_used;
+  d["objects"] = st.objects;
+  d["reads"] = st.reads;
+  d["read_bytes"] = st.read_bytes;
+  d["read_seconds"] = st.read_seconds;
+  d["writes"] = st.writes;
+  d["write_bytes"] = st.write_bytes;
+  d["write_seconds"] = st.write_seconds;
+  d["evictions"] = st.evictions;
+  d["errors"] = st.errors;
+  d["corrupt"] = st.corrupt;
+  d["rejected"] = st.rejected;
+  d["dropped_at_scan"] = st.dropped_at_scan;
+  d["scan_seconds"] = st.scan_seconds;
+  d["direct_reads"] = st.direct_reads;
+  d["buffered_reads"] = st.buffered_reads;
+  d["direct_writes"] = st.direct_writes;
+  d["buffered_writes"] = st.buffered_writes;
+  d["last_error"] = lossy_str(st.last_error);
+  return d;
 }
 
 py::dict build_info() {
@@ -221,6 +289,88 @@ PYBIND11_MODULE(_C, m) {
         return concat("no error ", kind);
       },
       py::arg("kind"), "Raises the C++ error `kind` (0-3): checks that errors surface as Python exceptions");
+  py::class_<DiskStore>(m, "DiskStore",
+                        "Local-disk object store (one file per object, LRU by bytes); I/O on its own threads")
+      .def(py::init([](const py::object& path, int64_t capacity_bytes, int io_threads) {
+             LMC_CHECK_ARG(capacity_bytes >= 0, "capacity_bytes must be >= 0, got ", capacity_bytes);
+             const std::string p = py::module_::import("os").attr("fspath")(path).cast<std::string>();
+             py::gil_scoped_release nogil;  // the scan reads every header
+             return std::make_unique<DiskStore>(p, static_cast<uint64_t>(capacity_bytes), io_threads);
+           }),
+           py::arg("path"), py::arg("capacity_bytes"), py::arg("io_threads") = 4)
+      .def(
+          "put",
+          [](DiskStore& s, const std::vector<py::bytes>& keys, const std::vector<py::bytes>& formats,
+             const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& sizes) {
+            auto items = disk_items<DiskStore::PutItem>("put", keys, formats, ptrs, sizes, "sizes");
+            std::vector<uint8_t> ok;
+            {
+              py::gil_scoped_release nogil;
+              ok = s.put(items);
+            }
+            py::list out;
+            for (uint8_t v : ok) out.append(py::bool_(v != 0));
+            return out;
+          },
+          py::arg("keys"), py::arg("formats"), py::arg("ptrs"), py::arg("sizes"),
+          "Write objects from memory; per item True if stored (GIL released)")
+      .def(
+          "get",
+          [](DiskStore& s, const std::vector<py::bytes>& keys, const std::vector<py::bytes>& formats,
+             const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& capacities) {
+            auto items = disk_items<DiskStore::GetItem>("get", keys, formats, ptrs, capacities, "capacities");
+            py::gil_scoped_release nogil;
+            return s.get(items);
+          },
+          py::arg("keys"), py::arg("formats"), py::arg("ptrs"), py::arg("capacities"),
+          "Read objects into memory; per item the payload bytes, or -1 miss, -2 other format, -3 capacity too "
+          "small, -4 corrupt (dropped), -5 I/O error (GIL released)")
+      .def(
+          "lookup",
+          [](const DiskStore& s, const std::vector<py::bytes>& keys) {
+            const std::vector<std::string> k = disk_keys(keys);
+            std::vector<std::optional<std::pair<uint64_t, std::string>>> found;
+            {
+              py::gil_scoped_release nogil;
+              found = s.lookup(k);
+            }
+            py::list out;
+            for (const auto& f : found) {
+              if (f) {
+                out.append(py::make_tuple(f->first, py::bytes(f->second)));
+              } else {
+                out.append(py::none());
+              }
+            }
+            return out;
+          },
+          py::arg("keys"), "Per key (payload_bytes, format) or None, from the in-memory index (no I/O)")
+      .def(
+          "remove",
+          [](DiskStore& s, const std::vector<py::bytes>& keys) {
+            const std::vector<std::string> k = disk_keys(keys);
+            py::gil_scoped_release nogil;
+            return s.remove(k);
+          },
+          py::arg("keys"), "Delete objects; returns how many were present")
+      .def("stats", &disk_stats)
+      .def_static(
+          "name_of", [](const py::bytes& key) { return DiskStore::name_of(key); }, py::arg("key"),
+          "The object's file name: XXH64(key, 0) and XXH64(key, 1) as 32 lowercase hex digits");
+  m.def(
+      "xxh64",
+      [](const py::object& data, uint64_t seed) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+        uint64_t h;
+        {
+          py::gil_scoped_release nogil;
+          h = xxh64(view.buf, static_cast<size_t>(view.len), seed);
+        }
+        PyBuffer_Release(&view);
+        return h;
+      },
+      py::arg("data"), py::arg("seed") = 0, "XXH64 of a contiguous buffer (bytes, memoryview, NumPy array)");
   m.def("set_cpu_threads", &set_cpu_threads, py::arg("n"), "Threads for CPU copies (<= 0: one per core)");
   m.def("cpu_threads", [] { return cpu_pool()->size(); });
   m.def("pinning_available", &pinning_available);

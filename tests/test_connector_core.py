@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -105,6 +106,15 @@ def block_bytes(tokens, block_index: int, layer: int, rank: int, kind: str = "op
     return torch.randn(view, generator=g).to(torch.bfloat16)
 
 
+def matched(sched, *args, **kw):
+    """num_new_matched_tokens as the engine sees it: asked again at later steps while None."""
+    while True:
+        n = sched.num_new_matched_tokens(*args, **kw)
+        if n is not None:
+            return n
+        time.sleep(0.002)
+
+
 class Engine:
     """One engine instance: a scheduler core and one worker core per rank."""
 
@@ -171,7 +181,7 @@ class Engine:
 
     def prefill(self, rid: str, tokens, local_hit: int = 0, local_blocks=()):
         """Admit a request and run its whole prompt in one step; returns (external tokens, blocks)."""
-        ext = self.sched.num_new_matched_tokens(rid, tokens, local_hit)
+        ext = matched(self.sched, rid, tokens, local_hit)
         blocks = list(local_blocks) + self.alloc(-(-len(tokens) // BS) - len(local_blocks))
         self.sched.on_allocated(rid, blocks, ext)
         computed = local_hit + ext
@@ -362,8 +372,8 @@ def test_repeated_query_reuses_the_lookup_and_finish_releases_the_lease(server, 
     a.prefill("r", toks)
     a.finish("r")
     # Allocation "fails": vLLM asks again next step; the first lease is reused, not doubled.
-    assert a.sched.num_new_matched_tokens("w", toks, 0) == 4 * CS
-    assert a.sched.num_new_matched_tokens("w", toks, 0) == 4 * CS
+    assert matched(a.sched, "w", toks, 0) == 4 * CS
+    assert matched(a.sched, "w", toks, 0) == 4 * CS
     assert leases(server) == 4
     assert a.sched.request_finished("w") is False  # aborted while waiting
     a.sched.flush_releases(5)
@@ -398,7 +408,7 @@ def test_decode_chunks_are_stored_only_when_configured(server, store_decode, eng
 def test_chunked_prefill_stores_each_chunk_once(server, engines):
     a = engines(server.url)
     toks = prompt(9, 700)
-    assert a.sched.num_new_matched_tokens("r", toks, 0) == 0
+    assert matched(a.sched, "r", toks, 0) == 0
     blocks = a.alloc(-(-700 // BS))
     a.sched.on_allocated("r", blocks, 0)
     stored, done = [], 0
@@ -425,7 +435,7 @@ def test_preemption_waits_for_stores_and_readmission_looks_up_again(server, engi
         assert "r" not in w._stores  # waited for and reaped
     a.free += blocks
     # Re-admitted (generation 1): a fresh lookup finds what it stored before.
-    assert a.sched.num_new_matched_tokens("r", toks, 0, generation=1) == 6 * CS
+    assert matched(a.sched, "r", toks, 0, generation=1) == 6 * CS
     new_blocks = a.alloc(len(blocks))
     a.sched.on_allocated("r", new_blocks, 6 * CS)
     plan = a.sched.build_plan([ScheduledRequest("r", 6 * CS, 400 - 6 * CS, None, new_block_ids=new_blocks, resumed=True)])
@@ -472,7 +482,7 @@ def test_absent_server_means_no_hits_and_no_stalls(caplog, engines):
     toks = prompt(13, 300)
     t0 = time.monotonic()
     for i in range(20):
-        assert a.sched.num_new_matched_tokens(f"r{i}", toks, 0) == 0
+        assert matched(a.sched, f"r{i}", toks, 0) == 0
     assert time.monotonic() - t0 < 0.5  # no per-request timeouts
     ext, blocks, plan = a.prefill("p", toks)
     assert ext == 0 and not plan.stores
@@ -493,12 +503,15 @@ class SlowClient:
     def __init__(self):
         self.lookups = 0
 
-    def lookup(self, hashes, *, model, world_size=1, lock=False, salt=b"", timeout=None):
+    def lookup_async(self, hashes, *, model, world_size=1, lock=False, salt=b"", timeout=None):
+        from concurrent.futures import Future
+
         from lmcache_mp import ServerUnavailable
 
         self.lookups += 1
-        time.sleep(timeout)
-        raise ServerUnavailable("no reply within timeout")
+        fut = Future()
+        threading.Timer(timeout, fut.set_exception, (ServerUnavailable("no reply within timeout"),)).start()
+        return fut
 
     def release(self, *a, **k):
         return 0
@@ -517,7 +530,7 @@ def test_slow_server_costs_one_timeout_per_retry_interval(caplog):
     toks = prompt(14, 300)
     t0 = time.monotonic()
     for i in range(50):
-        assert sched.num_new_matched_tokens(f"r{i}", toks, 0) == 0
+        assert matched(sched, f"r{i}", toks, 0) == 0
     assert slow.lookups == 1
     assert time.monotonic() - t0 < 0.5
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
@@ -535,7 +548,7 @@ def test_tensor_parallel_two_ranks(server, engines):
     a.workers[1]._handle, handle1 = None, a.workers[1]._handle
     ext, _, plan = a.prefill("r", toks)
     assert a.finish("r") is True  # both ranks report, even the one that could not store
-    assert a.sched.num_new_matched_tokens("probe", toks, 0) == 0
+    assert matched(a.sched, "probe", toks, 0) == 0
     a.sched.request_finished("probe")
     a.workers[1]._handle = handle1
     assert link1.get() is not None
@@ -643,12 +656,12 @@ def test_server_restart_is_survived(engines):
         toks = prompt(16, 300)
         a.prefill("r1", toks)
         a.finish("r1")
-        assert a.sched.num_new_matched_tokens("probe1", toks, 0) == 4 * CS
+        assert matched(a.sched, "probe1", toks, 0) == 4 * CS
         a.sched.request_finished("probe1")
         srv.stop()
-        assert a.sched.num_new_matched_tokens("down", toks, 0) == 0  # one lookup timeout
+        assert matched(a.sched, "down", toks, 0) == 0  # one lookup timeout
         t0 = time.monotonic()
-        assert a.sched.num_new_matched_tokens("down2", toks, 0) == 0
+        assert matched(a.sched, "down2", toks, 0) == 0
         assert time.monotonic() - t0 < 0.1  # paused: no second timeout
         srv = start()  # empty, same address
         # The clients notice the new server by themselves and register the caches again;
@@ -660,7 +673,7 @@ def test_server_restart_is_survived(engines):
             a.free = list(range(1, NUM_BLOCKS))  # every earlier request has finished
             a.prefill(f"again{i}", toks)
             a.finish(f"again{i}")
-            hit = a.sched.num_new_matched_tokens(f"probe{i}", toks, 0)
+            hit = matched(a.sched, f"probe{i}", toks, 0)
             a.sched.request_finished(f"probe{i}")
         assert hit == 4 * CS
     finally:

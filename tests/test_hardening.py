@@ -134,7 +134,7 @@ def test_a_stalled_server_never_writes_into_blocks_after_the_engine_gave_up(shm_
     """The server is stopped (SIGSTOP) while a load is in flight. The worker gives up at its
     deadline and the engine recomputes, but the request keeps its blocks until the server has
     answered; the server, resumed, starts no copy after the deadline; nothing lands late."""
-    from test_connector_core import CS, LAYERS, Engine, ScheduledRequest, block_view, prompt
+    from test_connector_core import CS, LAYERS, Engine, ScheduledRequest, block_view, matched, prompt
 
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "64MiB",
                          "--chunk-size", str(CS), "--heartbeat-timeout", "60"])
@@ -148,7 +148,7 @@ def test_a_stalled_server_never_writes_into_blocks_after_the_engine_gave_up(shm_
         a.finish("r1")
         b = Engine(url, load_timeout=0.5)
         engines.append(b)
-        ext = b.sched.num_new_matched_tokens("r1", toks, 0)
+        ext = matched(b.sched, "r1", toks, 0)
         assert ext == 4 * CS
         blocks = b.alloc(-(-len(toks) // 32))
         b.sched.on_allocated("r1", blocks, ext)

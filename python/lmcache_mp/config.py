@@ -12,7 +12,8 @@ ENV_PREFIX = "LMCACHE_MP_"
 DEVICES = ("auto", "cpu", "cuda")
 TRANSFER_MODES = ("auto", "direct", "staged", "dma")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_SIZE_FIELDS = ("l1_size", "staging_size", "slab_size")  # int or a string with units
+L2_WRITE_POLICIES = ("evicted", "all", "none")
+_SIZE_FIELDS = ("l1_size", "staging_size", "slab_size", "l2_disk_size", "l2_queue_size")  # int or a string with units
 
 _UNITS = {
     "": 1, "b": 1,
@@ -77,6 +78,19 @@ class ServerConfig:
         -1, "microseconds the socket thread polls without sleeping after a request, so that the next one "
             "finds it awake (a sleeping thread takes tens of microseconds to wake; 0: always sleep; "
             "-1: 5000 on machines of at least 8 cores, else 0)")
+    l2_disk: str = _setting("", "directory of the local-disk L2 tier, kept across restarts (empty: no disk tier)")
+    l2_disk_size: int | str = _setting(
+        "0", "bytes the disk tier may use (0: 90% of the free space of its filesystem at start)")
+    l2_write: str = _setting(
+        "evicted", "what goes to L2: evicted (what L1 evicts), all (every stored chunk, in the background) or none")
+    l2_admit: int = _setting(
+        1, "a chunk goes to L2 only once stored or looked up this many times (keeps one-off chunks off the disk)")
+    l2_queue_size: int | str = _setting(
+        "1GiB", "L2 writes waiting at most (their chunks stay in L1 meanwhile); writes beyond it are dropped")
+    l2_io_threads: int = _setting(4, "threads of each L2 tier's I/O")
+    prefetch_timeout: float = _setting(
+        0.5, "seconds a lookup with lock waits for chunks found in L2 to reach L1 before it answers")
+    max_prefetches: int = _setting(64, "lookups whose L2 chunks load at once (more: answered from L1 alone)")
     numa_node: int = _setting(-1, "NUMA node of the arena (-1: the first GPU's node where known)")
     metrics_port: int = _setting(0, "serve Prometheus metrics on this port (0: off)")
     log_level: str = _setting("INFO", "DEBUG, INFO, WARNING or ERROR")
@@ -89,6 +103,14 @@ class ServerConfig:
         self.l1_size = parse_size(self.l1_size)
         self.staging_size = parse_size(self.staging_size)
         self.slab_size = parse_size(self.slab_size)
+        self.l2_disk_size = parse_size(self.l2_disk_size)
+        self.l2_queue_size = parse_size(self.l2_queue_size)
+        if self.l2_write not in L2_WRITE_POLICIES:
+            raise ValueError(f"l2_write must be one of {L2_WRITE_POLICIES}, got {self.l2_write!r}")
+        if self.l2_admit < 1 or self.l2_io_threads < 1 or self.max_prefetches < 0:
+            raise ValueError("l2_admit and l2_io_threads must be at least 1, max_prefetches not negative")
+        if self.prefetch_timeout < 0:
+            raise ValueError(f"prefetch_timeout must not be negative, got {self.prefetch_timeout}")
         if not re.match(r"^(tcp|ipc|inproc)://", self.url):
             raise ValueError(f"url must start with tcp://, ipc:// or inproc://, got {self.url!r}")
         if self.chunk_size <= 0:

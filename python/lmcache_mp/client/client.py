@@ -259,6 +259,22 @@ class Client:
             self._leases.add(r.lease, model, world_size, salt, unpack_hashes(packed[: r.hits * DIGEST_BYTES]))
         return LookupResult(r.hits, r.lease)
 
+    def lookup_async(self, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1, lock: bool = False,
+                     salt: bytes = b"", timeout: float | None = None) -> "Future[LookupResult]":
+        """lookup() without waiting: a lookup with lock may wait on the server while chunks found
+        in L2 are brought into L1 (up to its prefetch timeout)."""
+        packed = pack_hashes(hashes)
+        msg = p.Lookup(client_id=self.client_id, model=model, world_size=world_size, hashes=packed, lock=lock,
+                       salt=salt)
+
+        def convert(reply: Any) -> LookupResult:
+            r = _check(reply, p.LookupReply)
+            if r.lease:
+                self._leases.add(r.lease, model, world_size, salt, unpack_hashes(packed[: r.hits * DIGEST_BYTES]))
+            return LookupResult(r.hits, r.lease)
+
+        return self._async(msg, timeout, convert, None)
+
     def release(self, hashes: bytes | Iterable[bytes] | None = None, *, lease: int | None = None,
                 model: str | None = None, world_size: int = 1, salt: bytes = b"",
                 timeout: float | None = None) -> int:

@@ -82,15 +82,17 @@ class ReplyFuture(Future):
         self.wakers: list[_Waker] = []  # of the threads waiting on it, reading the socket
         self.trace: list | None = None
 
-    def result(self, timeout: float | None = None) -> Any:
+    def _left(self, timeout: float | None) -> float | None:
+        """How long the plain future wait may still take once this thread read for `timeout`."""
         if self._io.wait(self, timeout):
-            return super().result(0)
-        return super().result(timeout)
+            return 0
+        return timeout if timeout is None or self._io.on_io_thread() else 0
+
+    def result(self, timeout: float | None = None) -> Any:
+        return super().result(self._left(timeout))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if self._io.wait(self, timeout):
-            return super().exception(0)
-        return super().exception(timeout)
+        return super().exception(self._left(timeout))
 
 
 class IOThread:
@@ -266,6 +268,9 @@ class IOThread:
                 os.eventfd_write(self._wake, 1)
 
     # ---- any thread ---------------------------------------------------------------------------
+
+    def on_io_thread(self) -> bool:
+        return threading.current_thread() is self._thread
 
     def wait(self, fut: ReplyFuture, timeout: float | None) -> bool:
         """Read replies on this thread until fut is settled or `timeout` passes; True if settled.

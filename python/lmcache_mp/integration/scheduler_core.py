@@ -37,6 +37,7 @@ class _Tracked:
     # server answered them all, and its blocks stay allocated until then.
     has_transfers: bool = False
     block_ids: list[int] = field(default_factory=list)
+    pending: cf.Future | None = None  # the lookup, while its answer is on its way
 
 
 class SchedulerCore:
@@ -137,12 +138,15 @@ class SchedulerCore:
         salt: bytes = b"",
         generation: int = 0,
         cacheable: bool = True,
-    ) -> int:
+    ) -> int | None:
         """Tokens beyond `num_computed_tokens` the server can supply: whole chunks, never the
-        last token. Repeated calls for one admission (`generation`) reuse the first lookup."""
+        last token. Repeated calls for one admission (`generation`) reuse the first lookup.
+        None while the lookup's answer has not come (the server may be loading chunks from its
+        L2 tier): the engine asks again at a later step instead of waiting."""
         tr = self._requests.get(req_id)
         if tr is None or tr.generation != generation:
             if tr is not None:  # re-admitted after preemption
+                self._forget_lookup(tr)
                 self._drop_lease(tr)
                 tr.generation = generation
                 tr.looked_up = False
@@ -161,6 +165,8 @@ class SchedulerCore:
         if not tr.looked_up:
             tr.looked_up = True
             self._lookup(tr)
+        if tr.pending is not None and not self._lookup_done(tr):
+            return None
         return self._external_tokens(tr, num_computed_tokens)
 
     def _lookup(self, tr: _Tracked) -> None:
@@ -173,31 +179,40 @@ class SchedulerCore:
         if max_chunks <= 0:
             return
         hashes = self._hashes(tr, max_chunks, cs)
+        tr.hashes = hashes  # what the answer counts against
         self.stats["lookups"] += 1
+        try:
+            tr.pending = client.lookup_async(hashes, model=self.cfg.model, world_size=self.cfg.world_size,
+                                             lock=True, timeout=self.cfg.lookup_timeout)
+        except ServerUnavailable as exc:
+            self.link.report_failure(exc)
+
+    def _lookup_done(self, tr: _Tracked) -> bool:
+        """Take the lookup's answer if it came within lookup_block (most come in one round trip);
+        False if it is still on its way."""
         t0 = time.perf_counter()
-        try:  # one round trip, once per request: the scheduler loop waits for nothing else here
-            found = client.lookup(
-                hashes,
-                model=self.cfg.model,
-                world_size=self.cfg.world_size,
-                lock=True,
-                timeout=self.cfg.lookup_timeout,
-            )
+        try:
+            found = tr.pending.result(timeout=self.cfg.lookup_block)
+        except cf.TimeoutError:
+            return False
         except ServerUnavailable as exc:
             # Should the lookup still land, its lease (whose id we never learn) ends with its
             # TTL or when the server stops hearing from us.
             self.link.report_failure(exc)
-            return
+            return True
         except LMCacheMPError as exc:
             if not self._error_logged:
                 logger.warning("lmcache-mp: lookup rejected (%s); treating as a miss", exc)
                 self._error_logged = True
-            return
+            return True
         finally:
             us = int((time.perf_counter() - t0) * 1e6)
             self.stats["lookup_us_total"] += us
             self.stats["lookup_us_max"] = max(self.stats["lookup_us_max"], us)
+            if tr.pending is not None and tr.pending.done():
+                tr.pending = None
         self.link.report_success()
+        cs, max_chunks = self._chunk_size, len(tr.hashes)
         n = max(0, min(int(found), max_chunks))
         self.stats["hit_tokens"] += n * cs
         self.stats["lookup_tokens"] += max_chunks * cs
@@ -210,6 +225,19 @@ class SchedulerCore:
         tr.leased_chunks = n
         tr.lease = found.lease
         tr.stored_chunks = n
+        return True
+
+    def _forget_lookup(self, tr: _Tracked) -> None:
+        """A lookup still on its way is no longer wanted: drop its lease once it lands."""
+        fut, tr.pending = tr.pending, None
+        if fut is None:
+            return
+
+        def landed(f: cf.Future) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self._release(f.result().lease)
+
+        fut.add_done_callback(landed)
 
     def _log_hits(self, every: float = 30.0) -> None:
         """One INFO line at most every `every` seconds: how much of the looked-up prompts hit."""
@@ -322,6 +350,7 @@ class SchedulerCore:
         tr = self._requests.pop(req_id, None)
         if tr is None:
             return False
+        self._forget_lookup(tr)
         self._drop_lease(tr)
         return tr.has_transfers
 

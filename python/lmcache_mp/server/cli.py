@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
             dest=f.name,
             default=None,
             type=kind if kind in (int, float) else str,
-            help=f"{doc} (default: {f.default})",
+            help=f"{doc} (default: {f.default})".replace("%", "%%"),
         )
     return ap
 

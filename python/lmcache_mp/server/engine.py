@@ -36,6 +36,7 @@ from lmcache_mp.server.registrations import Entry, RegistrationHandling
 from lmcache_mp.server.replies import Reply, mark, mark_all
 from lmcache_mp.server.workers import SerialWorker
 from lmcache_mp.storage.l1 import L1Store
+from lmcache_mp.storage.l2.tiers import L2Tiers
 from lmcache_mp.storage.leases import TooManyLeases
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class MPCacheEngine(RegistrationHandling):
         numa = config.numa_node if config.numa_node >= 0 else (gpu_numa_node() if pin else -1)
         self.arena = HostArena(config.l1_size, config.slab_size, pin, numa)
         self.l1 = L1Store(self.arena)
+        self.l2 = self._open_l2(config)
         self._lock = threading.Lock()
         self._entries: dict[int, Entry] = {}
         self._clients: dict[bytes, float] = {}  # client id -> last time heard from
@@ -80,6 +82,19 @@ class MPCacheEngine(RegistrationHandling):
             format_size(self.arena.capacity), "pinned" if pin else "shared",
             format_size(self.arena.slab_bytes), f", NUMA node {numa}" if numa >= 0 else "",
         )
+
+    def _open_l2(self, config: ServerConfig) -> L2Tiers | None:
+        if not config.l2_disk:
+            return None
+        from lmcache_mp.storage.l2.disk import DiskTier
+
+        try:
+            disk = DiskTier(config.l2_disk, config.l2_disk_size, config.l2_io_threads)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise RuntimeError(f"cannot open the L2 disk {config.l2_disk}: {e}") from None
+        return L2Tiers([disk], self.l1, write=config.l2_write, admit=config.l2_admit,
+                       queue_bytes=config.l2_queue_size, max_prefetches=config.max_prefetches,
+                       prefetch_timeout=config.prefetch_timeout)
 
     # ---- dispatch ----------------------------------------------------------------------------
 
@@ -238,14 +253,27 @@ class MPCacheEngine(RegistrationHandling):
                                  f"the retrieve's deadline passed {time.monotonic() - msg.deadline:.3f} s ago; "
                                  "nothing was written")
 
-    def _run_retrieve(self, entry: Entry, msg: p.Retrieve, reply: Reply) -> None:
+    def _run_retrieve(self, entry: Entry, msg: p.Retrieve, reply: Reply, held: list | None = None) -> None:
+        """held: the objects an earlier run of this retrieve kept while L2 chunks were loaded."""
         mark(reply, "started")
-        self._check_open(entry)
-        reg = entry.ctx.reg
-        keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt, distinct=True)
-        self._touch(reg.client_id)
-        self._check_deadline(msg)
-        objs = self.l1.begin_read(keys, reg.spec.format_key(), msg.lease)
+        try:
+            self._check_open(entry)
+            reg = entry.ctx.reg
+            keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt, distinct=True)
+            self._touch(reg.client_id)
+            self._check_deadline(msg)
+            objs = self.l1.begin_read(keys, reg.spec.format_key(), msg.lease)
+        finally:
+            if held:
+                self.l1.end_read(held)
+        if held is None and self.l2 is not None and len(objs) < len(keys):
+            found = self.l2.find_keys(keys[len(objs):])
+            if found:  # load them, then run again (the chunks found in L1 stay pinned meanwhile)
+                def again() -> None:
+                    entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply, held=objs)))
+
+                self.l2.load(found, again)
+                return
         if not objs:
             reply(p.RetrieveReply(loaded=0))
             return
@@ -299,17 +327,51 @@ class MPCacheEngine(RegistrationHandling):
         self._touch(msg.client_id)
 
         def run() -> None:
+            digests = check.digests(msg.hashes)
             try:
-                hits, lease = self.l1.lookup(msg.model, msg.world_size, check.digests(msg.hashes), msg.salt,
+                hits, lease = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt,
                                              lock=msg.lock, owner=msg.client_id, ttl=self.config.lease_ttl)
             except TooManyLeases as e:
                 raise over_limit(str(e)) from None
-            reply(p.LookupReply(hits=hits, lease=lease))
+            if self.l2 is not None and hits < len(digests):
+                self._lookup_l2(msg, digests, hits, lease, reply)
+            else:
+                reply(p.LookupReply(hits=hits, lease=lease))
 
         if cost <= INLINE_LOOKUP_KEYS:
             run()
         else:
             self._bulk.submit(self._job(reply, run))
+
+    def _lookup_l2(self, msg: p.Lookup, digests: list[bytes], hits: int, lease: int, reply: Reply) -> None:
+        """The lookup goes on into L2 after the L1 prefix. Without lock it counts what L2 holds
+        (a retrieve loads it); with lock the L2 chunks are loaded into L1 and the reply, which
+        leases what is resident, waits until they are in or the prefetch deadline passed."""
+        found = self.l2.find(msg.model, msg.world_size, digests[hits:], msg.salt)
+        if not found:
+            reply(p.LookupReply(hits=hits, lease=lease))
+            return
+        if not msg.lock:
+            reply(p.LookupReply(hits=hits + len(found), lease=0))
+            return
+
+        def answer() -> None:
+            try:
+                if lease:
+                    more, still = self.l1.lookup(msg.model, msg.world_size, digests[hits:], msg.salt, extend=lease)
+                    reply(p.LookupReply(hits=hits + more if still else 0, lease=still))
+                else:
+                    got, new = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt, lock=True,
+                                              owner=msg.client_id, ttl=self.config.lease_ttl)
+                    reply(p.LookupReply(hits=got, lease=new))
+            except TooManyLeases as e:
+                reply(p.Error(code=int(p.ErrorCode.LIMIT_EXCEEDED), message=str(e)))
+            except Exception as e:
+                logger.exception("internal error answering a lookup after its prefetch")
+                reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
+
+        if not self.l2.prefetch(found, answer):
+            reply(p.LookupReply(hits=hits, lease=lease))
 
     def release(self, msg: p.Release, reply: Reply) -> None:
         self._touch(check.client_id(msg.client_id))
@@ -378,7 +440,7 @@ class MPCacheEngine(RegistrationHandling):
                 for kv, e in self._entries.items()
             ]
         arena = dict(self.arena.stats())
-        return {
+        out = {
             "version": __version__,
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
@@ -390,6 +452,9 @@ class MPCacheEngine(RegistrationHandling):
                    "bytes_free": arena["free_slabs"] * arena["slab_bytes"],  # whole slabs, any size
                    "sizes": self.l1.size_stats(), "arena": arena, "pinning": dict(self.arena.pin_status())},
         }
+        if self.l2 is not None:
+            out["l2"] = self.l2.stats()
+        return out
 
     def add_close_hook(self, fn: Callable[[], None]) -> None:
         self._close_hooks.append(fn)
@@ -408,6 +473,8 @@ class MPCacheEngine(RegistrationHandling):
         for worker in workers:  # those unregistered before may still be closing their context
             worker.stop(timeout=30)
         self._bulk.stop(timeout=30)
+        if self.l2 is not None:
+            self.l2.close()
         if self._events is not None:
             self._events.close()
         self.l1.clear()

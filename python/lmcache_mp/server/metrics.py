@@ -47,6 +47,36 @@ class _StatusCollector:
                             ("moved", "objects moved to another slot so that a slab could change size"),
                             ("slab_moves", "slabs drained for another object size")):
             yield CounterMetricFamily(f"lmcache_mp_{name}", help_, value=l1[name])
+        if "l2" in st:
+            yield from _l2_metrics(st["l2"])
+
+
+def _l2_metrics(l2: dict):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    yield GaugeMetricFamily("lmcache_mp_l2_queue_objects", "L2 writes waiting", value=l2["queue_objects"])
+    yield GaugeMetricFamily("lmcache_mp_l2_queue_bytes", "bytes of the L2 writes waiting", value=l2["queue_bytes"])
+    yield GaugeMetricFamily("lmcache_mp_l2_prefetching", "lookups waiting for L2 chunks", value=l2["prefetching"])
+    for name, help_ in (("written", "chunks written to L2"), ("write_errors", "L2 writes that failed"),
+                        ("dropped_writes", "L2 writes dropped because the queue was full"),
+                        ("loaded", "chunks loaded from L2 into L1"), ("prefetches", "lookups that loaded L2 chunks"),
+                        ("prefetch_timeouts", "lookups answered at the prefetch deadline"),
+                        ("prefetches_refused", "lookups answered from L1 alone: too many prefetches at once")):
+        yield CounterMetricFamily(f"lmcache_mp_l2_{name}", help_, value=l2.get(name, 0))
+    gauges = (("bytes_used", "bytes"), ("objects", "objects"), ("capacity", "capacity_bytes"))
+    counters = (("hits", "hits"), ("misses", "misses"), ("read_corrupt", "corrupt"), ("read_errors", "read_errors"),
+                ("errors", "errors"), ("evictions", "evictions"), ("read_bytes", "read_bytes"),
+                ("write_bytes", "written_bytes"))
+    for field, suffix in gauges:
+        g = GaugeMetricFamily(f"lmcache_mp_l2_tier_{suffix}", f"L2 tier {field}", labels=["tier"])
+        for t in l2["tiers"]:
+            g.add_metric([t["name"]], t.get(field, 0))
+        yield g
+    for field, suffix in counters:
+        c = CounterMetricFamily(f"lmcache_mp_l2_tier_{suffix}", f"L2 tier {field}", labels=["tier"])
+        for t in l2["tiers"]:
+            c.add_metric([t["name"]], t.get(field, 0))
+        yield c
 
 
 def serve_metrics(engine, port: int):

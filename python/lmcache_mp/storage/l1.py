@@ -12,6 +12,13 @@ takes a whole slab from another size by moving that slab's live objects, never b
 Leases (storage/leases.py): lookup(lock=True) opens a named lease on the found prefix; only
 retrieves that name it consume it.
 
+L2 (storage/l2/): `offer_l2`, when set, is asked (lock held) whether an object should be written
+to L2, when it is used (stored, looked up) and when it is about to be evicted; `spill_ahead`
+hands out the oldest unwritten objects while L1 is nearly full. An object whose write is queued
+keeps its place in the LRU list but is not freed or moved until the write has read its bytes
+(`l2_written`); one accepted at eviction is freed then, unless it was used again meanwhile, and
+the allocation evicts the next victim instead.
+
 All methods are thread-safe under one lock, which no call holds for long: requests are worked
 through in slices of at most SLICE keys with the lock released between them, and object moves
 copy without it.
@@ -54,9 +61,13 @@ class L1Object:
     committed: bool = False
     aborted: bool = False
     moving: bool = False  # being copied to another slot (its slab is changing size)
-    readers: int = 0
+    readers: int = 0  # reads in progress
     leases: int = 0  # leases holding it
     waiters: list | None = None  # called with True/False once written/abandoned
+    uses: int = 0  # stores and lookup hits: what L2 admission counts
+    in_l2: bool = False  # a copy is in L2 (written there or loaded from there)
+    l2_queued: bool = False  # its L2 write is queued or running: not freed or moved until it has read it
+    spill: bool = False  # evicted while its L2 write was queued: freed once written, unless used again
 
 
 @dataclass
@@ -74,6 +85,7 @@ class L1Store(SlabMoves):
     def __init__(self, arena, clock: Callable[[], float] = time.monotonic):
         self.arena = arena
         self._clock = clock
+        self.offer_l2: Callable[[L1Object, bool], bool] | None = None  # (object, evicting) -> accepted
         self._lock = threading.Lock()
         # (model, world_size, rank, salt) -> digest -> object: a lookup walks one dict per rank
         self._spaces: dict[tuple, dict[bytes, L1Object]] = {}
@@ -81,9 +93,11 @@ class L1Store(SlabMoves):
         self._at: dict[int, L1Object] = {}  # arena offset -> object
         self._leases = LeaseTable(on_unheld=self._park)
         self._classes: dict[int, int] = {}  # object bytes -> size class
+        self._class_bytes: dict[int, int] = {}  # size class -> object bytes
         self._evicted: dict[int, int] = {}  # size class -> objects evicted
         self._committed = 0
-        self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "moved": 0, "slab_moves": 0}
+        self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "moved": 0, "slab_moves": 0,
+                         "spilled": 0}
 
     def _pause(self) -> None:
         """Between slices of one request: let a waiting thread take the lock (and the GIL)."""
@@ -110,7 +124,7 @@ class L1Store(SlabMoves):
         return obj.committed and obj.readers == 0 and not obj.leases
 
     def _evictable(self, obj: L1Object) -> bool:
-        return self._parkable(obj) and not obj.moving
+        return self._parkable(obj) and not obj.moving and not obj.l2_queued
 
     def _park(self, obj: L1Object) -> None:
         """Put obj at the most-recently-used end of the LRU list if nothing holds it."""
@@ -123,6 +137,57 @@ class L1Store(SlabMoves):
 
     def _unpark(self, obj: L1Object) -> None:
         self._lru.pop(obj.key, None)
+
+    def _use(self, obj: L1Object) -> None:
+        obj.uses += 1
+        obj.spill = False  # used again: it stays in L1
+        self._offer(obj, False)
+
+    def _offer(self, obj: L1Object, evicting: bool) -> bool:
+        """Queue obj's L2 write if the L2 tier takes it; it is then read until written."""
+        if self.offer_l2 is None or obj.in_l2 or obj.l2_queued or not obj.committed:
+            return False
+        if not self.offer_l2(obj, evicting):
+            return False
+        obj.l2_queued = True
+        if evicting:
+            obj.spill = True
+            self.counters["spilled"] += 1
+        return True
+
+    def l2_written(self, results: Sequence[tuple[L1Object, bool]]) -> None:
+        """L2 writes have read these objects' bytes (ok: the copy is in L2). An object evicted
+        meanwhile and not used since is freed now."""
+        with self._lock:
+            for i, (obj, ok) in enumerate(results):
+                if i and i % SLICE == 0:
+                    self._pause()
+                obj.l2_queued = False
+                obj.in_l2 = obj.in_l2 or ok
+                if obj.spill and self._evictable(obj):
+                    self._free(obj)
+                    self.counters["evicted"] += 1
+                    self._evicted[obj.size_class] = self._evicted.get(obj.size_class, 0) + 1
+                obj.spill = False
+
+    def spill_ahead(self, admit: int, max_bytes: int, dry: bool = False, scan: int = 256) -> list[L1Object]:
+        """While less than an eighth of L1 is free: the oldest evictable objects not yet in L2
+        (used at least `admit` times), up to max_bytes, marked as queued for L2 (dry: only
+        found). Writing them before they are evicted keeps evictions from dropping them."""
+        st = self.arena.stats()
+        if st["free_slabs"] * st["slab_bytes"] >= st["capacity"] // 8:
+            return []
+        out, size = [], 0
+        with self._lock:
+            for obj in itertools.islice(self._lru.values(), scan):
+                if not obj.in_l2 and not obj.l2_queued and not obj.moving and obj.uses >= admit:
+                    if out and size + obj.nbytes > max_bytes:
+                        break
+                    if not dry:
+                        obj.l2_queued = True
+                    out.append(obj)
+                    size += obj.nbytes
+        return out
 
     def _free(self, obj: L1Object) -> None:
         self._unpark(obj)
@@ -141,7 +206,12 @@ class L1Store(SlabMoves):
         if cls is None:
             cls = self.arena.size_class(object_bytes)
             self._classes[object_bytes] = cls
+            self._class_bytes[cls] = object_bytes
         return cls
+
+    def object_bytes(self, size_class: int) -> int:
+        """The object size of a size class (its slots may be larger)."""
+        return self._class_bytes[size_class]
 
     # ---- store -------------------------------------------------------------------------------
 
@@ -167,6 +237,7 @@ class L1Store(SlabMoves):
                 if obj is not None:
                     if obj.committed:
                         plan.present += 1
+                        self._use(obj)
                         self._park(obj)  # a store of existing data counts as a use
                     else:
                         plan.pending.append(obj)
@@ -187,15 +258,19 @@ class L1Store(SlabMoves):
                 i += 1
         return plan
 
-    def commit(self, plan: StorePlan) -> None:
+    def commit(self, plan: StorePlan, from_l2: bool = False) -> None:
+        """The plan's bytes have landed; from_l2: they were loaded from L2 (no need to write them back)."""
         waiters = []
         with self._lock:
             for i, obj in enumerate(plan.objects):
                 if i and i % SLICE == 0:
                     self._pause()
                 obj.committed = True
+                obj.in_l2 = from_l2
                 self._committed += 1
                 self._park(obj)
+                if not from_l2:
+                    self._use(obj)
                 waiters += obj.waiters or ()
                 obj.waiters = None
             self.counters["stored"] += len(plan.objects)
@@ -256,6 +331,7 @@ class L1Store(SlabMoves):
                 if obj is None or not obj.committed or obj.format_key != format_key:
                     break
                 obj.readers += 1
+                obj.spill = False  # read again: stays in L1
                 self._unpark(obj)
                 if held is not None:
                     self._leases.consume(held, obj)
@@ -281,14 +357,21 @@ class L1Store(SlabMoves):
         lock: bool = False,
         owner: bytes = b"",
         ttl: float = 30.0,
+        extend: int = 0,
     ) -> tuple[int, int]:
         """(leading chunks present for every rank or as one shared object, lease id). With lock
         and at least one hit, the found prefix is leased under that id, else the id is 0.
+        extend: a live lease to add the found chunks to instead (returns (0, 0) if it ended).
         Raises TooManyLeases when the owner holds too many leases."""
         hits = 0
         empty: dict = {}
         with self._lock:
-            lease = self._leases.open(owner, self._clock() + ttl) if lock else None
+            if extend:
+                lease = self._leases.get(extend)
+                if lease is None:
+                    return 0, 0
+            else:
+                lease = self._leases.open(owner, self._clock() + ttl) if lock else None
             budget = SLICE
             spaces = None
             for digest in digests:
@@ -317,10 +400,14 @@ class L1Store(SlabMoves):
                 if lease is not None:
                     for obj, _ in found:
                         self._unpark(obj)
+                        self._use(obj)
                     self._leases.add(lease, digest, found)
                 else:
                     for obj, _ in found:
                         self._park(obj)  # a lookup hit is a use
+                        self._use(obj)
+            if extend:
+                return hits, lease.lease_id
             self.counters["lookups"] += 1
             self.counters["hits"] += hits
             if lease is None:
@@ -365,7 +452,8 @@ class L1Store(SlabMoves):
         with self._lock:
             self._unhold(self._leases.clear())
             while True:
-                victims = list(itertools.islice((o for o in self._lru.values() if not o.moving), SLICE))
+                victims = list(itertools.islice((o for o in self._lru.values() if not o.moving and not o.l2_queued),
+                                                SLICE))
                 for obj in victims:
                     self._free(obj)
                 removed += len(victims)

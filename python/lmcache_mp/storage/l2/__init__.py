@@ -1,0 +1,47 @@
+"""L2: storage tiers below L1 (the host arena).
+
+A tier (`L2Backend`) moves batches of objects straight between arena memory and its storage: it
+is handed raw pointers, never Python copies of the bytes. Every stored object carries its key
+and layout format, and a checksum its tier checks on every read, so a stale, foreign or damaged
+object is a miss, never garbage in GPU blocks.
+
+L2 is lossy: a miss, a full queue or a backend error is never a request error, only a chunk that
+is not there (counted, and logged once per incident). `tiers.L2Tiers` does the rest: what is
+written (policy and admission), the bounded write queue, lookups that continue into L2, and
+loading L2 chunks back into L1 for a lookup with lock (the prefetch) or a retrieve.
+"""
+
+from __future__ import annotations
+
+# get() results other than a byte count
+MISS, FORMAT_MISMATCH, TOO_LARGE, CORRUPT, IO_ERROR = -1, -2, -3, -4, -5
+
+
+class L2Backend:
+    """One tier. Every method takes parallel lists (one entry per object) and may block: the
+    tiers call them from their own threads, never from the socket thread (except `lookup`,
+    which must answer from memory)."""
+
+    name = "l2"
+
+    def put(self, keys: list[bytes], formats: list[bytes], ptrs: list[int], sizes: list[int]) -> list[bool]:
+        """Store each object's bytes; False where it could not (full, I/O error)."""
+        raise NotImplementedError
+
+    def get(self, keys: list[bytes], formats: list[bytes], ptrs: list[int], capacities: list[int]) -> list[int]:
+        """Read each object into its pointer: the byte count, or MISS, FORMAT_MISMATCH, TOO_LARGE,
+        CORRUPT or IO_ERROR."""
+        raise NotImplementedError
+
+    def lookup(self, keys: list[bytes]) -> list[tuple[int, bytes] | None]:
+        """(payload bytes, format) of each object present, else None; from memory, no I/O."""
+        raise NotImplementedError
+
+    def remove(self, keys: list[bytes]) -> int:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
