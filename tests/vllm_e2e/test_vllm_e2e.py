@@ -48,11 +48,11 @@ def expected_hit(prompt_len: int, stored_tokens: int) -> int:
 class ServerProcess:
     """lmcache-mp-server in its own process."""
 
-    def __init__(self, port: int, log: Path):
+    def __init__(self, port: int, log: Path, *extra: str):
         self.url = f"tcp://127.0.0.1:{port}"
         exe = Path(sys.executable).with_name("lmcache-mp-server")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "lmcache_mp.server.cli"]
-        cmd += ["--url", self.url, "--device", "cpu", "--chunk-size", str(CHUNK), "--l1-size", "1GiB"]
+        cmd += ["--url", self.url, "--device", "cpu", "--chunk-size", str(CHUNK), "--l1-size", "1GiB", *extra]
         self._log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self._wait_ready(log)
@@ -188,6 +188,35 @@ def test_engines_share_prefixes_through_the_server(run, prompts, baseline, model
         c = run("short_loads", P + Q, server.url, "--inject-load-failures")
         assert c["connector"]["failed_load_chunks"] > 0
         assert c["outputs"] == baseline["outputs"]
+    finally:
+        server.stop()
+
+
+def test_a_restarted_server_serves_from_its_disk(run, prompts, baseline, model_dir, workdir):
+    """Engine A stores through a server with a disk tier; the server restarts on the same
+    directory (its memory is empty); engine B gets its hits from the disk, token-identical."""
+    P, Q, shared = prompts
+    port, disk = free_port(), workdir / "l2-disk"
+    extra = ("--l2-disk", str(disk), "--l2-disk-size", "1GiB", "--l2-write", "all")
+    server = ServerProcess(port, workdir / "server_disk_1.log", *extra)
+    try:
+        a = run("disk_A", P, server.url)
+        assert a["outputs"] == baseline["outputs"][: len(P)]
+    finally:
+        server.stop()  # drains the disk writes
+    server = ServerProcess(port, workdir / "server_disk_2.log", *extra)
+    try:
+        assert "found" in (workdir / "server_disk_2.log").read_text()
+        b = run("disk_B", P + Q, server.url)
+        want = [expected_hit(len(p), len(p)) for p in P] + [expected_hit(len(q), n) for q, n in zip(Q, shared)]
+        assert b["num_cached_tokens"] == want
+        assert b["outputs"] == baseline["outputs"]
+        from lmcache_mp import Client
+
+        with Client(server.url, timeout=10) as c:
+            l2 = c.status()["l2"]
+        # P's chunks came from the disk (Q's shared prefixes are P's, in memory by then)
+        assert l2["loaded"] >= sum(want[: len(P)]) // CHUNK and l2["tiers"][0]["corrupt"] == 0
     finally:
         server.stop()
 
