@@ -58,8 +58,8 @@ def tier_alone(directory: str, object_bytes: int, count: int, io_threads: int) -
     from lmcache_mp import _C
 
     path = os.path.join(directory, "tier")
-    arena = HostArena(count * object_bytes + (64 * MiB), 256 * MiB if object_bytes <= 256 * MiB else object_bytes,
-                      False, -1)
+    slab = max(object_bytes, 64 * MiB) // object_bytes * object_bytes  # whole objects, page multiples
+    arena = HostArena(-(-count * object_bytes // slab) * slab, slab, False, -1)
     cls = arena.size_class(object_bytes)
     offs = [arena.allocate(cls) for _ in range(count)]
     rng = np.random.default_rng(0)
@@ -107,24 +107,24 @@ class ServerProc:
         self.proc.wait(120)
 
 
-def make_kv(device: str, num_blocks: int):
+def make_kv(device: str, num_blocks: int, layers: int):
     import torch
 
     from lmcache_mp import shared_cpu_tensor
 
     shape = (2, num_blocks, 16, LLAMA["heads"], LLAMA["head_size"])
     if device == "cuda":
-        kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(LLAMA["layers"])]
+        kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
         for t in kv:
             t.view(torch.int16).random_()
         return kv
-    kv = [shared_cpu_tensor(shape, torch.bfloat16) for _ in range(LLAMA["layers"])]
+    kv = [shared_cpu_tensor(shape, torch.bfloat16) for _ in range(layers)]
     for t in kv:
         t.view(torch.int16).random_()
     return kv
 
 
-def through_server(directory: str, device: str, l1: str, prefix_tokens: int, repeat: int) -> dict:
+def through_server(directory: str, device: str, l1: str, prefix_tokens: int, repeat: int, layers: int) -> dict:
     import torch
 
     path = os.path.join(directory, "server-l2")
@@ -138,7 +138,7 @@ def through_server(directory: str, device: str, l1: str, prefix_tokens: int, rep
     prefix = np.random.default_rng(7).integers(0, 50000, n_prefix * CHUNK)
     bpc = CHUNK // 16
     num_blocks = 2 * max(64, n_prefix) * bpc
-    kv = make_kv(device, num_blocks)
+    kv = make_kv(device, num_blocks, layers)
     srv = ServerProc(args)
     try:  # store everything, written through to disk
         c = Client(srv.url, timeout=300)
@@ -146,9 +146,10 @@ def through_server(directory: str, device: str, l1: str, prefix_tokens: int, rep
         for p_ in [prefix] + [p_ for k in sizes for p_ in prompts[k]]:
             n = len(p_) // CHUNK
             assert c.store(h, chunk_hashes(p_, CHUNK), np.arange(n * bpc)).result().chunks == n
+            while not c.status()["l2"]["idle"]:  # the write queue holds less than a prompt
+                time.sleep(0.01)
         written = sum(len(p_) // CHUNK for k in sizes for p_ in prompts[k]) + n_prefix
-        while c.status()["l2"]["written"] < written:
-            time.sleep(0.1)
+        assert c.status()["l2"]["written"] == written, c.status()["l2"]
         c.close()
     finally:
         srv.stop()
@@ -173,7 +174,7 @@ def through_server(directory: str, device: str, l1: str, prefix_tokens: int, rep
         got = c.retrieve(h, chunk_hashes(prefix, CHUNK), dst).result().loaded
         dt = time.perf_counter() - t0
         assert got == n_prefix, got
-        nbytes = n_prefix * 2 * LLAMA["layers"] * CHUNK * LLAMA["heads"] * LLAMA["head_size"] * 2
+        nbytes = n_prefix * 2 * layers * CHUNK * LLAMA["heads"] * LLAMA["head_size"] * 2
         out.update(restore_tokens=n_prefix * CHUNK, restore_bytes=nbytes, restore_s=dt, restore_GBps=nbytes / dt / 1e9)
         out["server_l2"] = c.status()["l2"]
         c.close()
@@ -193,6 +194,8 @@ def main() -> int:
     ap.add_argument("--prefix-tokens", type=int, default=32768)
     ap.add_argument("--l1-size", default="16GiB")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=LLAMA["layers"], help="of the server runs' KV cache (1 MiB each "
+                    "per 256-token chunk)")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
@@ -205,7 +208,7 @@ def main() -> int:
           f"read {tier['read_GBps']:.2f} GB/s ({tier['read_GBps'] / ceiling['read_GBps']:.2f}x), "
           f"byte-exact {tier['exact']}, O_DIRECT writes {tier['direct_writes']} reads {tier['direct_reads']}",
           flush=True)
-    srv = through_server(args.dir, args.device, args.l1_size, args.prefix_tokens, args.repeat)
+    srv = through_server(args.dir, args.device, args.l1_size, args.prefix_tokens, args.repeat, args.layers)
     print("lookup with lock, chunks only on disk (p50): " + ", ".join(
         f"{k} chunk(s) {srv[f'prefetch_{k}_ms_p50']:.1f} ms" for k in (1, 8, 64)))
     print(f"restore of a {srv['restore_tokens']}-token prefix from disk into the {args.device} KV cache: "

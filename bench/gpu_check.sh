@@ -7,7 +7,7 @@
 # Environment: CMAKE_CUDA_ARCHITECTURES (default 90), GPU_CHECK_STEPS (default
 # "build tests sanitizer bench"; add "peer" for LMCache's self-test, "server" for bench_server,
 # "latency" for 1-chunk requests, "crossproc" for them while the engine process uses the GPU,
-# "l1sizes" for L1 shared by two object sizes).
+# "l1sizes" for L1 shared by two object sizes, "l2" for the disk tier on L2_BENCH_DIR).
 set -uo pipefail
 LOG=${1:-${OUT:-$PWD/gpu-check-logs}}
 mkdir -p "$LOG"
@@ -42,6 +42,8 @@ for step in $STEPS; do
       run crossproc_mla 300 python3 bench/bench_cross_process.py --json "$LOG/bench_cross_process_mla.json"
       run crossproc_mha 300 python3 bench/bench_cross_process.py --layout mha --layers 32 \
         --json "$LOG/bench_cross_process_mha.json" ;;
+    l2) run l2 500 python3 bench/bench_l2.py --dir "${L2_BENCH_DIR:-/tmp/lmcache-bench-l2}" --device cuda \
+        --json "$LOG/bench_l2.json" ;;
     l1sizes) run l1sizes 400 python3 bench/bench_l1_sizes.py --device cuda --l1-size 16GiB \
         --json "$LOG/bench_l1_sizes.json" ;;
     servermla) run servermla 300 python3 bench/bench_server.py --layout mla --requests 1 --workers 1,2 \
