@@ -142,10 +142,13 @@ def through_server(directory: str, device: str, l1: str, prefix_tokens: int, rep
     srv = ServerProc(args)
     try:  # store everything, written through to disk
         c = Client(srv.url, timeout=300)
+        while not c.status()["l1"]["pinning"]["done"]:  # L1 memory comes as it is pinned
+            time.sleep(0.1)
         h = c.register_kv_cache(kv, model="bench", layout="mha")
         for p_ in [prefix] + [p_ for k in sizes for p_ in prompts[k]]:
             n = len(p_) // CHUNK
-            assert c.store(h, chunk_hashes(p_, CHUNK), np.arange(n * bpc)).result().chunks == n
+            got = c.store(h, chunk_hashes(p_, CHUNK), np.arange(n * bpc)).result()
+            assert got.chunks == n, got
             while not c.status()["l2"]["idle"]:  # the write queue holds less than a prompt
                 time.sleep(0.01)
         written = sum(len(p_) // CHUNK for k in sizes for p_ in prompts[k]) + n_prefix
@@ -157,6 +160,8 @@ def through_server(directory: str, device: str, l1: str, prefix_tokens: int, rep
     out: dict = {}
     try:
         c = Client(srv.url, timeout=300)
+        while not c.status()["l1"]["pinning"]["done"]:
+            time.sleep(0.1)
         h = c.register_kv_cache(kv, model="bench", layout="mha")
         for k in sizes:
             lat = []
