@@ -68,6 +68,44 @@ def test_evicted_chunks_come_back_from_disk_byte_exact(shm_files, servers, clien
     l2 = srv.engine.status()["l2"]
     assert l2["loaded"] >= 16 and l2["tiers"][0]["hits"] >= 16 and l2["write_errors"] == 0
     assert l2["tiers"][0]["objects"] >= 16 and l2["tiers"][0]["write_GBps"] > 0
+    from lmcache_mp.server.metrics import _StatusCollector
+
+    metrics = {(smp.name, smp.labels.get("tier")): smp.value
+               for fam in _StatusCollector(srv.engine).collect() for smp in fam.samples}
+    assert metrics["lmcache_mp_l2_written_total", None] == l2["written"]
+    assert metrics["lmcache_mp_l2_loaded_total", None] == l2["loaded"]
+    assert metrics["lmcache_mp_l2_tier_hits_total", "disk"] == l2["tiers"][0]["hits"]
+    assert metrics["lmcache_mp_l2_tier_objects", "disk"] == l2["tiers"][0]["objects"]
+
+
+def test_the_scheduler_never_waits_for_a_prefetch(shm_files, servers, clients, tmp_path, no_internal_errors):  # noqa: F811
+    """vLLM's scheduler asks for a prompt whose chunks are on a slow disk: it gets None at once
+    (ask again later) instead of waiting, and the hits once they are in memory."""
+    from lmcache_mp.integration.connector_types import ConnectorConfig
+    from lmcache_mp.integration.scheduler_core import SchedulerCore
+
+    srv = servers(**l2_settings(tmp_path / "l2", l2_write="all", prefetch_timeout=2.0))
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    store_prompts(c, h, kv, [1], srv=srv)
+    store_prompts(c, h, kv, range(2, 7), srv=srv)  # prompt 1 leaves L1
+    assert not srv.engine.l1.contains(ObjectKey("m", 1, 0, chunk_hashes(w.prompt(1, 4), CHUNK)[0], b""))
+    tiers = srv.engine.l2.tiers
+    tiers[0] = SlowTier(tiers[0], 0.5)
+    sched = SchedulerCore(ConnectorConfig(url=srv.url, model="m", block_size=8, lookup_timeout=5.0))
+    sched.start()
+    try:
+        tokens = list(w.prompt(1, 4)) + [1]  # one more token: all four chunks may hit
+        t0 = time.monotonic()
+        assert sched.num_new_matched_tokens("r", tokens, 0) is None
+        assert time.monotonic() - t0 < 0.1
+        while (n := sched.num_new_matched_tokens("r", tokens, 0)) is None:
+            time.sleep(0.01)
+        assert n == 4 * CHUNK and time.monotonic() - t0 >= 0.4
+        assert sched.stats["lookup_us_max"] < 100_000
+    finally:
+        tiers[0] = tiers[0].inner
+        sched.close()
 
 
 def test_lookup_with_lock_prefetches_and_leases_the_whole_prefix(shm_files, servers, clients, tmp_path,  # noqa: F811

@@ -10,6 +10,9 @@ thread that has them.
 Everything else that grows with its input (large lookups, releases, clear, lease expiry,
 forgetting a client) runs on one housekeeping thread, a slice at a time (see storage/l1.py), so
 no request keeps the socket thread or the L1 lock for more than a few milliseconds.
+With an L2 tier (storage/l2), lookups continue into it and a lookup with lock waits for its L2
+chunks to be loaded (a delayed reply); a retrieve of chunks only L2 holds loads them on the L2
+reader thread and then runs again on its registration's worker. `clear` empties L1 only.
 """
 
 from __future__ import annotations
