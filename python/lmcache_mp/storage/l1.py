@@ -170,13 +170,14 @@ class L1Store(SlabMoves):
                     self._evicted[obj.size_class] = self._evicted.get(obj.size_class, 0) + 1
                 obj.spill = False
 
-    def spill_ahead(self, admit: int, max_bytes: int, dry: bool = False, scan: int = 256) -> list[L1Object]:
+    def spill_ahead(self, admit: int, max_bytes: int, dry: bool = False, scan: int = 256) -> list[L1Object] | None:
         """While less than an eighth of L1 is free: the oldest evictable objects not yet in L2
         (used at least `admit` times), up to max_bytes, marked as queued for L2 (dry: only
-        found). Writing them before they are evicted keeps evictions from dropping them."""
+        found); None while more is free. Writing them before they are evicted keeps evictions
+        from dropping them."""
         st = self.arena.stats()
         if st["free_slabs"] * st["slab_bytes"] >= st["capacity"] // 8:
-            return []
+            return None
         out, size = [], 0
         with self._lock:
             for obj in itertools.islice(self._lru.values(), scan):

@@ -133,6 +133,7 @@ class L2Tiers:
         self._closing = False
         self._prefetching = 0
         self._writing = 0  # objects of the write in progress
+        self._pressure = False  # L1 was nearly full at the writer's last look
         self._write_incident = _Incident("writes")
         self._read_incident = _Incident("reads")
         self._deadlines = _Deadlines()
@@ -149,8 +150,9 @@ class L2Tiers:
     def _offer(self, obj: L1Object, evicting: bool) -> bool:
         """Called by L1 with its lock held: whether to write obj to L2 now."""
         if not evicting and self.write == "evicted":
-            with self._cv:  # an object was stored or used: the writer looks whether to spill ahead
-                self._cv.notify()
+            if self._pressure:  # L1 is nearly full: the writer looks whether to spill ahead
+                with self._cv:
+                    self._cv.notify()
             return False
         if (not evicting and self.write != "all") or obj.uses < self.admit:
             return False
@@ -182,6 +184,7 @@ class L2Tiers:
                     return None
             if self.write == "evicted":
                 ahead = self.l1.spill_ahead(self.admit, self.queue_limit)
+                self._pressure = ahead is not None
                 if ahead:
                     self.counters["written_ahead"] += len(ahead)
                     with self._cv:
