@@ -173,6 +173,30 @@ def test_a_slow_disk_is_waited_for_only_until_the_prefetch_deadline(shm_files, s
     assert retrieved_exact(c, h, kv, 1, chunks=8) == 8
 
 
+def test_stopping_the_server_answers_the_loads_in_flight(shm_files, servers, clients, tmp_path,  # noqa: F811
+                                                          no_internal_errors):  # noqa: F811
+    srv = servers(**l2_settings(tmp_path / "l2", l2_write="all", prefetch_timeout=5.0))
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    store_prompts(c, h, kv, [1, 2], srv=srv)
+    srv.stop()
+    srv = servers(**l2_settings(tmp_path / "l2", prefetch_timeout=5.0))
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    tiers = srv.engine.l2.tiers
+    tiers[0] = SlowTier(tiers[0], 0.5)
+    lookup = c.lookup_async(chunk_hashes(w.prompt(1, 4), CHUNK), model="m", lock=True)
+    dst = blocks_of(4, start=64)
+    load = c.retrieve(h, chunk_hashes(w.prompt(2, 4), CHUNK), dst)
+    time.sleep(0.1)  # both wait on the slow disk now
+    t0 = time.monotonic()
+    srv.stop()
+    assert time.monotonic() - t0 < 5
+    assert lookup.result(5) == 4  # answered once loaded, before the server went
+    assert load.result(5).loaded == 4
+    assert np.array_equal(w.read_tokens(kv, "mha", dst), w.reference(2, "mha", 4 * CHUNK))
+
+
 def test_a_restarted_server_serves_the_disk_chunks(shm_files, servers, clients, tmp_path, no_internal_errors):  # noqa: F811
     path = tmp_path / "l2"
     srv = servers(**l2_settings(path, l2_write="all"))

@@ -260,3 +260,27 @@ def test_an_idle_server_keeps_its_housekeeping_tick_and_sleeps(monkeypatch):
         srv.stop()
     assert len(ticks) >= 2  # every TICK_SECONDS (0.5 s), requests or not
     assert len(polls) < 50  # and between ticks it sleeps
+
+
+def test_closing_a_client_while_it_tries_to_reach_a_stopped_server_is_clean(tmp_path):
+    """A client whose heartbeats find the server gone starts a recovery on a thread of its own;
+    close() meanwhile used to close that thread's socket under it, and libzmq aborted the
+    process. Run in a subprocess: an abort would take the test runner with it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "close_during_recovery.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        from lmcache_mp import Client, Server, ServerConfig
+        for _ in range(3):
+            srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="4MiB")).start()
+            c = Client(srv.url, heartbeat_interval=0.05)
+            srv.stop()
+            time.sleep(0.3)  # heartbeats fail: recoveries start
+            c.close()
+        print("clean")
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stdout + out.stderr

@@ -35,6 +35,8 @@ from lmcache_mp.native import default_spin_us, spin_poll
 
 logger = logging.getLogger(__name__)
 
+RECOVERY_CALL_S = 2.0  # longest one call of a recovery after a suspected restart may take
+
 
 @dataclass(frozen=True)
 class StoreResult:
@@ -455,7 +457,11 @@ class Client:
         longer knows: all of them after a restart, or those it dropped when it stopped hearing
         from this client."""
         try:
-            hello = self._hello(self.timeout)
+            # Short calls, and a look at _closed between them: close() waits for this thread
+            # before it closes the sockets (one closed under a thread using it aborts libzmq).
+            hello = self._hello(min(self.timeout, RECOVERY_CALL_S))
+            if self._closed:
+                return
             if hello.session_id != self.session_id:
                 if self._handles:
                     logger.warning("lmcache-mp server at %s restarted: registering %d KV caches again",
@@ -468,10 +474,12 @@ class Client:
                 self.chunk_size = hello.chunk_size
                 if self._io is not None and not self._io.has_lane:  # the same server closing it: stay off
                     self._connect_lane(hello.lane)
-            known = {r["kv_id"] for r in self.status()["registrations"]}
+            known = {r["kv_id"] for r in self.status(min(self.timeout, RECOVERY_CALL_S))["registrations"]}
             with self._lock:
                 lost = [h for h in self._handles if h.kv_id not in known]
             for h in lost:
+                if self._closed:
+                    return
                 try:
                     self._register(h)
                 except Exception as e:
@@ -508,6 +516,9 @@ class Client:
                 h.closed = True
             self._handles.clear()
         self._closed = True
+        # A recovery in progress uses a socket of its own: let it end first.
+        if not self._restarting.acquire(timeout=self.timeout + RECOVERY_CALL_S):
+            logger.warning("a recovery of the connection to %s did not end; closing anyway", self.url)
         if self._io is not None:
             self._io.stop()
         self._close_sockets()

@@ -467,6 +467,8 @@ class MPCacheEngine(RegistrationHandling):
         if self._closed:
             return
         self._closed = True
+        if self.l2 is not None:  # its loads in flight still answer (through their registrations)
+            self.l2.close()
         with self._lock:
             kv_ids = list(self._entries)
         for kv_id in kv_ids:
@@ -476,8 +478,6 @@ class MPCacheEngine(RegistrationHandling):
         for worker in workers:  # those unregistered before may still be closing their context
             worker.stop(timeout=30)
         self._bulk.stop(timeout=30)
-        if self.l2 is not None:
-            self.l2.close()
         if self._events is not None:
             self._events.close()
         self.l1.clear()
