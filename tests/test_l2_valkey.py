@@ -160,6 +160,49 @@ def cluster_port() -> int:
             continue
 
 
+def test_a_hung_valkey_delays_no_lookup_beyond_the_deadline(shm_files, servers, clients, valkey,  # noqa: F811
+                                                             no_internal_errors):  # noqa: F811
+    import signal
+
+    srv = servers(l1_size="256KiB", l2_redis=valkey.url, l2_write="all", prefetch_timeout=0.3)
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    store_prompts(c, h, kv, [1], srv=srv)
+    os.kill(valkey.proc.pid, signal.SIGSTOP)  # accepts connections, answers nothing
+    try:
+        for seed in (50, 51, 52):
+            t0 = time.monotonic()
+            assert c.lookup(chunk_hashes(w.prompt(seed, 4), CHUNK), model="m", lock=True) == 0
+            assert c.lookup(chunk_hashes(w.prompt(seed, 4), CHUNK), model="m") == 0
+            assert time.monotonic() - t0 < 1.5
+        assert c.lookup(chunk_hashes(w.prompt(1, 4), CHUNK), model="m") == 4  # L1 still answers
+    finally:
+        os.kill(valkey.proc.pid, signal.SIGCONT)
+
+
+def test_a_password_protected_valkey(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path), "--requirepass", "s3cret"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: answers(port), 10, "valkey-server to answer")
+        arena = HostArena(1 << 24, 1 << 22, False, -1)
+        ptr, view = _slot(arena, 4096)
+        view[:] = 7
+        for url in (f"redis://:s3cret@127.0.0.1:{port}", f"redis://default:s3cret@127.0.0.1:{port}/2"):
+            tier = ValkeyTier(url)
+            assert tier.put([b"k"], [b"f"], [ptr], [4096]) == [True]
+            assert tier.lookup([b"k"]) == [(4096, b"f")]
+            tier.close()
+        wrong = ValkeyTier(f"redis://:nope@127.0.0.1:{port}")  # refused: a miss, never an exception
+        assert wrong.put([b"k"], [b"f"], [ptr], [4096]) == [False] and wrong.lookup([b"k"]) == [None]
+        assert wrong.stats()["errors"] >= 1 and wrong.stats()["last_error"]
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 class ValkeyCluster:
     """Three primaries and three replicas on loopback, formed with valkey-cli (about 2 s)."""
 

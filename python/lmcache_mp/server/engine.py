@@ -350,8 +350,8 @@ class MPCacheEngine(RegistrationHandling):
             except TooManyLeases as e:
                 raise over_limit(str(e)) from None
             if self.l2 is not None and hits < len(digests):
-                if self.l2.remote:  # a network round trip: not on the socket thread
-                    self.l2.run_read(self._job(reply, lambda: self._lookup_l2(msg, digests, hits, lease, reply)))
+                if self.l2.remote:  # network round trips: off the socket thread, within the deadline
+                    self._lookup_remote(msg, digests, hits, lease, reply)
                 else:
                     self._lookup_l2(msg, digests, hits, lease, reply)
             else:
@@ -361,6 +361,33 @@ class MPCacheEngine(RegistrationHandling):
             run()
         else:
             self._bulk.submit(self._job(reply, run))
+
+    def _lookup_remote(self, msg: p.Lookup, digests: list[bytes], hits: int, lease: int, reply: Reply) -> None:
+        def found_in_l2(n: int | None) -> None:  # None: not known by the deadline
+            if msg.lock:
+                self._answer_leased(msg, digests, hits, lease, reply)
+            else:
+                reply(p.LookupReply(hits=hits + (n or 0), lease=0))
+
+        self.l2.lookup_remote(lambda: self.l2.find(msg.model, msg.world_size, digests[hits:], msg.salt), msg.lock,
+                              found_in_l2)
+
+    def _answer_leased(self, msg: p.Lookup, digests: list[bytes], hits: int, lease: int, reply: Reply) -> None:
+        """The reply of a lookup with lock once its L2 chunks were brought in (or its deadline
+        passed): the leading chunks in L1 now, leased."""
+        try:
+            if lease:
+                more, still = self.l1.lookup(msg.model, msg.world_size, digests[hits:], msg.salt, extend=lease)
+                reply(p.LookupReply(hits=hits + more if still else 0, lease=still))
+            else:
+                got, new = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt, lock=True,
+                                          owner=msg.client_id, ttl=self.config.lease_ttl)
+                reply(p.LookupReply(hits=got, lease=new))
+        except TooManyLeases as e:
+            reply(p.Error(code=int(p.ErrorCode.LIMIT_EXCEEDED), message=str(e)))
+        except Exception as e:
+            logger.exception("internal error answering a lookup after its prefetch")
+            reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
 
     def _lookup_l2(self, msg: p.Lookup, digests: list[bytes], hits: int, lease: int, reply: Reply) -> None:
         """The lookup goes on into L2 after the L1 prefix. Without lock it counts what L2 holds
@@ -375,19 +402,7 @@ class MPCacheEngine(RegistrationHandling):
             return
 
         def answer() -> None:
-            try:
-                if lease:
-                    more, still = self.l1.lookup(msg.model, msg.world_size, digests[hits:], msg.salt, extend=lease)
-                    reply(p.LookupReply(hits=hits + more if still else 0, lease=still))
-                else:
-                    got, new = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt, lock=True,
-                                              owner=msg.client_id, ttl=self.config.lease_ttl)
-                    reply(p.LookupReply(hits=got, lease=new))
-            except TooManyLeases as e:
-                reply(p.Error(code=int(p.ErrorCode.LIMIT_EXCEEDED), message=str(e)))
-            except Exception as e:
-                logger.exception("internal error answering a lookup after its prefetch")
-                reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
+            self._answer_leased(msg, digests, hits, lease, reply)
 
         if not self.l2.prefetch(found, answer):
             reply(p.LookupReply(hits=hits, lease=lease))

@@ -307,6 +307,44 @@ class L2Tiers:
         self._reads.put(run)
         return True
 
+    def lookup_remote(self, find: Callable[[], list[list[Found]]], lock: bool,
+                      answer: Callable[[int | None], None]) -> None:
+        """For tiers behind a network, the whole L2 part of a lookup runs on the reader thread:
+        find(), and with lock the load of what it found. answer(chunks found) is called once,
+        when done, or answer(None) at the prefetch deadline, whichever comes first: a slow or
+        hung server delays no lookup beyond it."""
+        lock_ = threading.Lock()
+        answered = [False]
+
+        def once(n: int | None) -> None:
+            with lock_:
+                if answered[0]:
+                    return
+                answered[0] = True
+            if n is None:
+                self.counters["prefetch_timeouts"] += 1
+            answer(n)
+
+        def run() -> None:
+            n = 0
+            try:
+                found = find()
+                n = len(found)
+                if lock and found:
+                    self.counters["prefetches"] += 1
+                    with self._cv:
+                        self._prefetching += 1
+                    try:
+                        self._load([f for chunk in found for f in chunk])
+                    finally:
+                        with self._cv:
+                            self._prefetching -= 1
+            finally:
+                once(n)
+
+        self._deadlines.at(time.monotonic() + self.prefetch_timeout, lambda: once(None))
+        self._reads.put(run)
+
     def load(self, found: list[Found], then: Callable[[], None]) -> None:
         """Load these objects into L1 on the reader thread, then call then() there."""
 

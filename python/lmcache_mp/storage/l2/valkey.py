@@ -127,8 +127,11 @@ class _Node:
                 c = self._connect()
             try:
                 out = fn(c)
-            except (OSError, ConnectionError) as e:
+            except (OSError, ConnectionError) as e:  # a timeout too: later calls fail fast for a while
                 c.close()
+                with self._lock:
+                    self._down_until = time.monotonic() + self._backoff
+                    self._backoff = min(self._backoff * 2, BACKOFF_S[1])
                 raise ConnectionError(f"{self.addr[0]}:{self.addr[1]}: {e}") from None
             self._pool.put(c)
             return out
