@@ -13,7 +13,8 @@ DEVICES = ("auto", "cpu", "cuda")
 TRANSFER_MODES = ("auto", "direct", "staged", "dma")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 L2_WRITE_POLICIES = ("evicted", "all", "none")
-_SIZE_FIELDS = ("l1_size", "staging_size", "slab_size", "l2_disk_size", "l2_queue_size")  # int or a string with units
+_SIZE_FIELDS = ("l1_size", "staging_size", "slab_size", "l2_disk_size", "l2_queue_size",
+                "l2_mooncake_segment")  # int or a string with units
 
 _UNITS = {
     "": 1, "b": 1,
@@ -87,6 +88,10 @@ class ServerConfig:
     l2_redis_cluster: bool = _setting(False, "the Valkey/Redis server is a cluster (also when only one seed is given)")
     l2_redis_prefix: str = _setting("lmcache", "prefix of this cache's keys on the Valkey/Redis server")
     l2_redis_ttl: float = _setting(0.0, "seconds a chunk lives on the Valkey/Redis server (0: until evicted there)")
+    l2_mooncake: str = _setting("", "a Mooncake Store master, host:port (empty: none)")
+    l2_mooncake_metadata: str = _setting(
+        "", "the Mooncake metadata server (default: the master's, http://<master host>:8080/metadata)")
+    l2_mooncake_segment: int | str = _setting("4GiB", "host memory this server contributes to the Mooncake pool")
     l2_write: str = _setting(
         "evicted", "what goes to L2: evicted (what L1 evicts), all (every stored chunk, in the background) or none")
     l2_admit: int = _setting(
@@ -111,6 +116,7 @@ class ServerConfig:
         self.slab_size = parse_size(self.slab_size)
         self.l2_disk_size = parse_size(self.l2_disk_size)
         self.l2_queue_size = parse_size(self.l2_queue_size)
+        self.l2_mooncake_segment = parse_size(self.l2_mooncake_segment)
         if self.l2_write not in L2_WRITE_POLICIES:
             raise ValueError(f"l2_write must be one of {L2_WRITE_POLICIES}, got {self.l2_write!r}")
         if self.l2_admit < 1 or self.l2_io_threads < 1 or self.max_prefetches < 0:

@@ -87,7 +87,7 @@ class MPCacheEngine(RegistrationHandling):
         )
 
     def _open_l2(self, config: ServerConfig) -> L2Tiers | None:
-        """The L2 tiers, nearest first: the local disk, then a shared Valkey/Redis server."""
+        """The L2 tiers, nearest first: the local disk, then a shared Valkey/Redis server, then Mooncake."""
         tiers = []
         if config.l2_disk:
             from lmcache_mp.storage.l2.disk import DiskTier
@@ -101,6 +101,12 @@ class MPCacheEngine(RegistrationHandling):
 
             tiers.append(ValkeyTier(config.l2_redis, config.l2_redis_prefix, config.l2_redis_ttl,
                                     connections=config.l2_io_threads, cluster=config.l2_redis_cluster))
+        if config.l2_mooncake:
+            from lmcache_mp.storage.l2.mooncake import MooncakeTier
+
+            metadata = config.l2_mooncake_metadata or f"http://{config.l2_mooncake.rsplit(':', 1)[0]}:8080/metadata"
+            tiers.append(MooncakeTier(config.l2_mooncake, metadata, self.arena, config.l2_mooncake_segment,
+                                      prefix=config.l2_redis_prefix))
         if not tiers:
             return None
         return L2Tiers(tiers, self.l1, write=config.l2_write, admit=config.l2_admit,
