@@ -205,22 +205,6 @@ def test_without_a_reachable_lane_the_client_uses_zeromq(shm_files):
         srv.kill()
 
 
-def test_a_spinning_worker_runs_jobs_in_order_and_stops():
-    from lmcache_mp.server.workers import SerialWorker
-
-    worker = SerialWorker("test-spin", spin_us=2000)
-    out: list[int] = []
-    done = threading.Event()
-    for i in range(100):
-        worker.submit(lambda i=i: out.append(i))
-    worker.submit(done.set)
-    assert done.wait(5) and out == list(range(100))
-    time.sleep(0.02)  # past its spin: asleep, and still woken by the next job
-    worker.submit(lambda: out.append(100))
-    worker.stop(5)
-    assert out[-1] == 100 and not worker.alive()
-
-
 def test_a_refused_lane_leaves_the_client_on_zeromq_without_reconnecting(shm_files, monkeypatch):
     from lmcache_mp import Server, ServerConfig
     from lmcache_mp.server import lane

@@ -2,51 +2,20 @@
 
 from __future__ import annotations
 
-import collections
 import logging
-import os
 import queue
 import threading
 from typing import Callable
 
-from lmcache_mp.native import spin_poll
-
 logger = logging.getLogger(__name__)
-
-
-class SpinQueue:
-    """A queue whose consumer polls for a while before it sleeps (see native.spin_poll): a job
-    that arrives soon after the last one finds the thread awake."""
-
-    def __init__(self, spin_us: int):
-        self._items: collections.deque = collections.deque()
-        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._fds = [self._fd]
-        self._spin = spin_us
-
-    def put(self, item) -> None:
-        self._items.append(item)
-        os.eventfd_write(self._fd, 1)
-
-    def get(self):
-        while True:
-            try:
-                return self._items.popleft()
-            except IndexError:
-                pass
-            if spin_poll(self._fds, self._spin, -1):
-                os.eventfd_read(self._fd)
-
-    def __del__(self):
-        os.close(self._fd)
 
 
 class SerialWorker:
     """Runs submitted callables one after another on its own thread (one per registration, so
     tensor-parallel ranks proceed in parallel while one client's requests keep their order)."""
 
-    def __init__(self, name: str, spin_us: int = 0):
-        self._q = SpinQueue(spin_us) if spin_us else queue.SimpleQueue()
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
