@@ -13,8 +13,41 @@ loading L2 chunks back into L1 for a lookup with lock (the prefetch) or a retrie
 
 from __future__ import annotations
 
+import struct
+from typing import NamedTuple
+
 # get() results other than a byte count
 MISS, FORMAT_MISMATCH, TOO_LARGE, CORRUPT, IO_ERROR = -1, -2, -3, -4, -5
+
+
+_HEAD = struct.Struct("<8sIIQQ")  # magic, key length, format length, payload length, XXH64 of the payload
+HEADER_BYTES = _HEAD.size  # before the key and the format
+
+
+class Header(NamedTuple):
+    key: bytes
+    fmt: bytes
+    payload_bytes: int
+    checksum: int
+    size: int  # of the header itself: fixed part, key and format
+
+
+def pack_header(magic: bytes, key: bytes, fmt: bytes, payload_bytes: int, checksum: int) -> bytes:
+    """The header a network tier stores with a chunk, so that a read can tell a foreign, stale or
+    damaged value from the chunk it asked for."""
+    return _HEAD.pack(magic, len(key), len(fmt), payload_bytes, checksum) + key + fmt
+
+
+def unpack_header(magic: bytes, head: bytes | bytearray) -> Header | None:
+    """The header at the start of head, or None if it is not one (key and format are cut short
+    where head is)."""
+    if len(head) < HEADER_BYTES:
+        return None
+    got, klen, flen, plen, checksum = _HEAD.unpack_from(head)
+    if got != magic:
+        return None
+    end = HEADER_BYTES + klen
+    return Header(bytes(head[HEADER_BYTES:end]), bytes(head[end:end + flen]), plen, checksum, end + flen)
 
 
 class L2Backend:

@@ -17,17 +17,16 @@ import collections
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from urllib.parse import urlparse
 
-from lmcache_mp.storage.l2 import CORRUPT, FORMAT_MISMATCH, IO_ERROR, MISS, TOO_LARGE, L2Backend
+from lmcache_mp.storage.l2 import (CORRUPT, FORMAT_MISMATCH, HEADER_BYTES, IO_ERROR, MISS, TOO_LARGE, L2Backend,
+                                   pack_header, unpack_header)
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"LMCMPM1\0"
-HEAD = struct.Struct("<8sIIQQ")  # magic, key length, format length, payload length, XXH64 of the payload
 RETRY_S = 5.0  # a store that failed to set up is tried again after this long
 
 
@@ -123,8 +122,7 @@ class MooncakeTier(L2Backend):
             for j, (name, key, fmt, ptr, n) in enumerate(zip(names, keys, formats, ptrs, sizes)):
                 if ok[j]:
                     payload = memoryview(self._arena.view(ptr - self._arena.base, n))
-                    head = HEAD.pack(MAGIC, len(key), len(fmt), n, self._xxh64(payload)) + key + fmt
-                    ok[j] = store.put(name + ":m", head) == 0
+                    ok[j] = store.put(name + ":m", pack_header(MAGIC, key, fmt, n, self._xxh64(payload))) == 0
         except Exception as e:
             self._error(f"put: {e}")
             return [False] * len(keys)
@@ -152,18 +150,18 @@ class MooncakeTier(L2Backend):
         heads = self._heads(store, names)
         out = [MISS] * len(keys)
         want = []  # (index, payload length, checksum)
-        for i, (key, fmt, head, cap) in enumerate(zip(keys, formats, heads, capacities)):
-            if not head or len(head) < HEAD.size:
+        for i, (key, fmt, raw, cap) in enumerate(zip(keys, formats, heads, capacities)):
+            if not raw or len(raw) < HEADER_BYTES:
                 continue
-            magic, klen, flen, plen, checksum = HEAD.unpack_from(head)
-            if magic != MAGIC or bytes(head[HEAD.size:HEAD.size + klen]) != key:
+            h = unpack_header(MAGIC, raw)
+            if h is None or h.key != key:
                 out[i] = CORRUPT
-            elif bytes(head[HEAD.size + klen:HEAD.size + klen + flen]) != fmt:
+            elif h.fmt != fmt:
                 out[i] = FORMAT_MISMATCH
-            elif plen > cap:
+            elif h.payload_bytes > cap:
                 out[i] = TOO_LARGE
             else:
-                want.append((i, plen, checksum))
+                want.append((i, h.payload_bytes, h.checksum))
         if want:
             try:
                 got = store.batch_get_into([names[i] for i, _, _ in want], [ptrs[i] for i, _, _ in want],
@@ -195,13 +193,9 @@ class MooncakeTier(L2Backend):
         if store is None:
             return [None] * len(keys)
         out = []
-        for key, head in zip(keys, self._heads(store, [self._key(k) for k in keys])):
-            if not head or len(head) < HEAD.size:
-                out.append(None)
-                continue
-            magic, klen, flen, plen, _ = HEAD.unpack_from(head)
-            ok = magic == MAGIC and bytes(head[HEAD.size:HEAD.size + klen]) == key
-            out.append((plen, bytes(head[HEAD.size + klen:HEAD.size + klen + flen])) if ok else None)
+        for key, raw in zip(keys, self._heads(store, [self._key(k) for k in keys])):
+            h = unpack_header(MAGIC, raw) if raw else None
+            out.append((h.payload_bytes, h.fmt) if h is not None and h.key == key else None)
         return out
 
     def remove(self, keys):

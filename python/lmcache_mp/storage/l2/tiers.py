@@ -58,6 +58,13 @@ class Found(NamedTuple):
     fmt: bytes
 
 
+def _first() -> Callable[[], bool]:
+    """True for the first call only, from any thread: of two events (done, deadline), the
+    first one answers."""
+    once = iter((True,))
+    return lambda: next(once, False)
+
+
 class _Deadlines:
     """One thread that runs callbacks at their time."""
 
@@ -283,17 +290,12 @@ class L2Tiers:
                 return False
             self._prefetching += 1
         self.counters["prefetches"] += 1
-        lock = threading.Lock()
-        answered = [False]
+        first = _first()
 
-        def once(timed_out: bool) -> None:
-            with lock:
-                if answered[0]:
-                    return
-                answered[0] = True
-            if timed_out:
+        def at_deadline() -> None:
+            if first():
                 self.counters["prefetch_timeouts"] += 1
-            answer()
+                answer()
 
         def run() -> None:
             try:
@@ -301,9 +303,10 @@ class L2Tiers:
             finally:
                 with self._cv:
                     self._prefetching -= 1
-                once(False)
+                if first():
+                    answer()
 
-        self._deadlines.at(time.monotonic() + self.prefetch_timeout, lambda: once(True))
+        self._deadlines.at(time.monotonic() + self.prefetch_timeout, at_deadline)
         self._reads.put(run)
         return True
 
@@ -313,17 +316,12 @@ class L2Tiers:
         find(), and with lock the load of what it found. answer(chunks found) is called once,
         when done, or answer(None) at the prefetch deadline, whichever comes first: a slow or
         hung server delays no lookup beyond it."""
-        lock_ = threading.Lock()
-        answered = [False]
+        first = _first()
 
-        def once(n: int | None) -> None:
-            with lock_:
-                if answered[0]:
-                    return
-                answered[0] = True
-            if n is None:
+        def at_deadline() -> None:
+            if first():
                 self.counters["prefetch_timeouts"] += 1
-            answer(n)
+                answer(None)
 
         def run() -> None:
             n = 0
@@ -340,9 +338,10 @@ class L2Tiers:
                         with self._cv:
                             self._prefetching -= 1
             finally:
-                once(n)
+                if first():
+                    answer(n)
 
-        self._deadlines.at(time.monotonic() + self.prefetch_timeout, lambda: once(None))
+        self._deadlines.at(time.monotonic() + self.prefetch_timeout, at_deadline)
         self._reads.put(run)
 
     def load(self, found: list[Found], then: Callable[[], None]) -> None:
@@ -386,8 +385,8 @@ class L2Tiers:
         for start in range(0, len(found), LOAD_BATCH_CHUNKS):
             batch = found[start:start + LOAD_BATCH_CHUNKS]
             first = batch[0]
-            batch = [f for f in batch[: next((i for i, f in enumerate(batch)
-                                               if (f.nbytes, f.fmt) != (first.nbytes, first.fmt)), len(batch))]]
+            batch = batch[: next((i for i, f in enumerate(batch) if (f.nbytes, f.fmt) != (first.nbytes, first.fmt)),
+                                 len(batch))]
             n = self._load_batch(batch)
             done += n
             if n < len(batch):

@@ -23,19 +23,18 @@ import collections
 import ctypes
 import logging
 import queue
-import struct
 import threading
 import time
 from typing import NamedTuple
 from urllib.parse import unquote, urlparse
 
-from lmcache_mp.storage.l2 import CORRUPT, FORMAT_MISMATCH, IO_ERROR, MISS, TOO_LARGE, L2Backend
+from lmcache_mp.storage.l2 import (CORRUPT, FORMAT_MISMATCH, HEADER_BYTES, IO_ERROR, MISS, TOO_LARGE, L2Backend,
+                                   pack_header, unpack_header)
 from lmcache_mp.storage.l2.resp import Connection, RespError
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"LMCMPV1\0"
-HEAD = struct.Struct("<8sIIQQ")
 MAX_FORMAT = 512  # bytes of a format a lookup reads with the header
 SLOTS = 16384
 BACKOFF_S = (0.5, 10.0)  # first and longest wait before reconnecting to an unreachable server
@@ -334,7 +333,7 @@ class ValkeyTier(L2Backend):
 
         def frame_of(i: int) -> list:
             payload = _view(ptrs[i], sizes[i])
-            head = HEAD.pack(MAGIC, len(keys[i]), len(formats[i]), sizes[i], self._xxh64(payload)) + keys[i] + formats[i]
+            head = pack_header(MAGIC, keys[i], formats[i], sizes[i], self._xxh64(payload))
             return Connection.frame("SET", rkeys[i], _Joined(head, payload), *px)
 
         ok = self._batch(rkeys, frame_of, lambda c, i: c.read() == "OK", lambda i: False)
@@ -352,7 +351,7 @@ class ValkeyTier(L2Backend):
         rkeys = [self._key(k) for k in keys]
 
         def read_of(c: Connection, i: int) -> int:
-            head = bytearray(HEAD.size + len(keys[i]) + len(formats[i]))
+            head = bytearray(HEADER_BYTES + len(keys[i]) + len(formats[i]))
             n = c.read_value_into(memoryview(head), _view(ptrs[i], capacities[i]))
             return self._check(n, head, keys[i], formats[i], ptrs[i], capacities[i])
 
@@ -371,18 +370,18 @@ class ValkeyTier(L2Backend):
             return MISS
         if n < len(head) or n - len(head) > cap:
             return TOO_LARGE  # not the size asked for: drained unread (a lookup tells the size)
-        magic, klen, flen, plen, checksum = HEAD.unpack_from(head)
-        if magic != MAGIC or n != HEAD.size + klen + flen + plen:
+        h = unpack_header(MAGIC, head)
+        if h is None or n != h.size + h.payload_bytes:
             return self._bad("corrupt")
-        if klen != len(key) or head[HEAD.size:HEAD.size + klen] != key:
+        if h.key != key:
             return self._bad("foreign")  # another key hashed to this name
-        if flen != len(fmt) or head[HEAD.size + klen:] != fmt:
+        if h.fmt != fmt:
             return FORMAT_MISMATCH  # (its bytes landed in the slot, which stays unused)
-        if plen > cap:
+        if h.payload_bytes > cap:
             return TOO_LARGE
-        if self._xxh64(_view(ptr, plen)) != checksum:
+        if self._xxh64(_view(ptr, h.payload_bytes)) != h.checksum:
             return self._bad("corrupt")
-        return plen
+        return h.payload_bytes
 
     def _bad(self, what: str) -> int:
         with self._lock:
@@ -397,17 +396,17 @@ class ValkeyTier(L2Backend):
             return out
         sub = [rkeys[i] for i in ask]
         heads = self._batch(sub, lambda j: Connection.frame("GETRANGE", sub[j], 0,
-                                                            HEAD.size + len(keys[ask[j]]) + MAX_FORMAT - 1),
+                                                            HEADER_BYTES + len(keys[ask[j]]) + MAX_FORMAT - 1),
                             lambda c, j: c.read(), lambda j: None)
         missing = []
-        for i, h in zip(ask, heads):
-            if not h or len(h) < HEAD.size:
-                if h is not None:
+        for i, raw in zip(ask, heads):
+            if not raw or len(raw) < HEADER_BYTES:
+                if raw is not None:
                     missing.append(rkeys[i])
                 continue
-            magic, klen, flen, plen, _ = HEAD.unpack_from(h)
-            if magic == MAGIC and h[HEAD.size:HEAD.size + klen] == keys[i]:
-                out[i] = (plen, bytes(h[HEAD.size + klen:HEAD.size + klen + flen]))
+            h = unpack_header(MAGIC, raw)
+            if h is not None and h.key == keys[i]:
+                out[i] = (h.payload_bytes, h.fmt)
         self._note_missing(missing)
         return out
 
