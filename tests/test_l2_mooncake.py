@@ -20,19 +20,31 @@ mooncake = pytest.importorskip("mooncake.store", reason="the optional mooncake-t
                                "(and libibverbs) provide Mooncake Store")
 
 
+class MooncakeMaster:
+    """mooncake_master with its HTTP metadata server on loopback ports; settings() for a server."""
+
+    def __init__(self, log_dir):
+        rpc, http, metrics = free_port(), free_port(), free_port()
+        exe = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+        with open(log_dir / "master.log", "w") as log:
+            self.proc = subprocess.Popen([exe, f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
+                                          f"--http_metadata_server_port={http}",
+                                          "--http_metadata_server_host=127.0.0.1", f"--metrics_port={metrics}"],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        wait_until(lambda: answers(rpc) and answers(http), 20, "mooncake_master to listen")
+        self.settings = dict(l2_mooncake=f"127.0.0.1:{rpc}", l2_mooncake_metadata=f"http://127.0.0.1:{http}/metadata",
+                             l2_mooncake_segment="64MiB")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
 @pytest.fixture
 def master(tmp_path):
-    rpc, http, metrics = free_port(), free_port(), free_port()
-    exe = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-    with open(tmp_path / "master.log", "w") as log:
-        proc = subprocess.Popen([exe, f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
-                                 f"--http_metadata_server_port={http}", "--http_metadata_server_host=127.0.0.1",
-                                 f"--metrics_port={metrics}"], stdout=log, stderr=subprocess.STDOUT)
-    wait_until(lambda: answers(rpc) and answers(http), 20, "mooncake_master to listen")
-    yield dict(l2_mooncake=f"127.0.0.1:{rpc}", l2_mooncake_metadata=f"http://127.0.0.1:{http}/metadata",
-               l2_mooncake_segment="64MiB")
-    proc.kill()
-    proc.wait(10)
+    m = MooncakeMaster(tmp_path)
+    yield m.settings
+    m.stop()
 
 
 def test_two_servers_share_chunks_through_mooncake(shm_files, servers, clients, master, no_internal_errors):  # noqa: F811

@@ -214,7 +214,8 @@ class ValkeyCluster:
             d.mkdir()
             proc = subprocess.Popen([valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                      "--appendonly", "no", "--dir", str(d), "--cluster-enabled", "yes",
-                                     "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000"],
+                                     "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
+                                     "--cluster-replica-validity-factor", "0"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.servers.append((port, proc))
         for port in ports:
@@ -223,19 +224,37 @@ class ValkeyCluster:
         subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "1",
                         "--cluster-yes"], check=True, capture_output=True, timeout=60)
         wait_until(self.ready, 30, "the cluster to cover every slot")
+        wait_until(self.replicas_linked, 30, "every replica to be in sync with its primary")
 
-    def info(self, port: int) -> str:
+    def info(self, port: int, *what) -> str:
         c = Connection("127.0.0.1", port, timeout=2)
         try:
-            return c.call("CLUSTER", "INFO").decode()
+            return c.call(*what).decode()
         finally:
             c.close()
 
+    def alive(self) -> list[int]:
+        return [p for p, proc in self.servers if proc.poll() is None]
+
     def ready(self) -> bool:
         try:
-            return all("cluster_state:ok" in self.info(p) for p, proc in self.servers if proc.poll() is None)
+            return all("cluster_state:ok" in self.info(p, "CLUSTER", "INFO") for p in self.alive())
         except OSError:
             return False
+
+    def replicas_linked(self) -> bool:
+        roles = [self.info(p, "INFO", "replication") for p in self.alive()]
+        return sum("master_link_status:up" in r for r in roles) == len(roles) // 2
+
+    def primaries(self) -> list[int]:
+        out = []
+        for p in self.alive():
+            try:
+                if "role:master" in self.info(p, "INFO", "replication"):
+                    out.append(p)
+            except OSError:  # just killed
+                pass
+        return out
 
     @property
     def url(self) -> str:
@@ -288,3 +307,60 @@ def test_a_cluster_routes_every_slot_and_survives_a_failover(cluster):
     assert got == [n] * 64 and np.array_equal(src, dst)
     assert tier._addr_of(tier._key(keys[0])) != victim
     tier.close()
+
+
+@pytest.fixture
+def redis_tls(tmp_path):
+    """Debian's redis-server with TLS only, requiring client certificates; one self-signed
+    certificate (for 127.0.0.1) serves as the CA, the server's and the client's."""
+    exe, openssl = shutil.which("redis-server"), shutil.which("openssl")
+    if not exe or not openssl:
+        pytest.skip("redis-server (Debian's, built with TLS) and openssl are needed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days",
+                    "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"], check=True,
+                   capture_output=True)
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path), "--tls-cert-file", str(cert),
+                             "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "yes"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(lambda: answers(port), 10, "redis-server to listen")
+    yield f"rediss://127.0.0.1:{port}", cert, key
+    proc.kill()
+    proc.wait(10)
+
+
+def test_tls_with_client_certificates(redis_tls, shm_files, servers, clients, no_internal_errors):  # noqa: F811
+    base, cert, key = redis_tls
+    mine = f"ssl_certfile={cert}&ssl_keyfile={key}"  # the client's certificate
+    settings = dict(l1_size="256KiB", l2_redis=f"{base}?ssl_ca_certs={cert}&{mine}", l2_write="all")
+    a, b = servers(**settings), servers(**settings)
+    ca, cb = clients(a.url), clients(b.url)
+    kv_a, ha = register_mha(ca, num_blocks=128)
+    store_prompts(ca, ha, kv_a, [1], srv=a)
+    assert a.engine.status()["l2"]["written"] == 4
+    kv_b, hb = register_mha(cb, num_blocks=128)
+    assert retrieved_exact(cb, hb, kv_b, 1) == 4  # from L2 over TLS, byte-exact
+    assert b.engine.status()["l2"]["tiers"][0]["reads"] == 4
+    arena = HostArena(1 << 24, 1 << 22, False, -1)
+    ptr, view = _slot(arena, 4096)
+    for bad in (f"{base}?ssl_ca_certs={cert}",  # no client certificate: the server hangs up
+                f"{base}?{mine}",  # the system's CAs do not know this server
+                base.replace("rediss://", "redis://")):  # plain text to a TLS port
+        tier = ValkeyTier(bad, timeout=1)
+        assert tier.put([b"k"], [b"f"], [ptr], [4096]) == [False] and tier.lookup([b"k"]) == [None]
+        assert tier.stats()["errors"] >= 1
+        tier.close()
+    insecure = ValkeyTier(f"{base}?{mine}&ssl_cert_reqs=none")  # the server is not verified
+    assert insecure.put([b"k"], [b"f"], [ptr], [4096]) == [True] and insecure.lookup([b"k"]) == [(4096, b"f")]
+    insecure.close()
+
+
+@pytest.mark.parametrize("url", ["redis://h:1?ssl_ca_certs=x", "rediss://h:1?nope=1", "http://h:1",
+                                 "rediss://h:1?ssl_cert_reqs=maybe", "rediss://h:1?ssl_ca_certs=/no/such/file"])
+def test_bad_redis_urls_are_refused_with_the_reason(url):
+    from lmcache_mp.storage.l2.valkey import parse_url
+
+    with pytest.raises(ValueError, match="redis|ssl|TLS"):
+        parse_url(url)

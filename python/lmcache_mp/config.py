@@ -84,7 +84,8 @@ class ServerConfig:
         "0", "bytes the disk tier may use (0: 90% of the free space of its filesystem at start)")
     l2_redis: str = _setting(
         "", "a Valkey/Redis server shared by every node, redis://[user:password@]host:port[/db]; several "
-            "host:port separated by commas are seeds of a cluster (empty: none)")
+            "host:port separated by commas are seeds of a cluster; rediss:// is TLS, with ?ssl_ca_certs=FILE, "
+            "ssl_certfile=, ssl_keyfile=, ssl_cert_reqs=none (empty: none)")
     l2_redis_cluster: bool = _setting(False, "the Valkey/Redis server is a cluster (also when only one seed is given)")
     l2_redis_prefix: str = _setting("lmcache", "prefix of this cache's keys on the Valkey/Redis server")
     l2_redis_ttl: float = _setting(0.0, "seconds a chunk lives on the Valkey/Redis server (0: until evicted there)")

@@ -23,10 +23,11 @@ import collections
 import ctypes
 import logging
 import queue
+import ssl
 import threading
 import time
 from typing import NamedTuple
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qsl, unquote, urlparse
 
 from lmcache_mp.storage.l2 import (CORRUPT, FORMAT_MISMATCH, HEADER_BYTES, IO_ERROR, MISS, TOO_LARGE, L2Backend,
                                    pack_header, unpack_header)
@@ -42,12 +43,22 @@ MISSING_TTL_S = 1.0
 MISSING_MAX = 1 << 16
 
 
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
+
+
 def parse_url(url: str) -> dict:
-    """redis://[user:password@]host:port[,host:port...][/db]: several addresses are seeds of a cluster."""
+    """redis[s]://[user:password@]host:port[,host:port...][/db][?option=value&...]: several
+    addresses are seeds of a cluster. rediss:// is TLS, verified against the system's CAs or
+    ssl_ca_certs; ssl_certfile/ssl_keyfile give a client certificate; ssl_cert_reqs=none skips
+    the verification, ssl_check_hostname=false only the host name check (option names as redis-py's)."""
     u = urlparse(url)
-    if u.scheme != "redis":
-        raise ValueError(f"L2 redis URL must be redis://[user:password@]host:port[,host:port...][/db], got {url!r} "
-                         "(rediss:// is not supported yet)")
+    if u.scheme not in ("redis", "rediss"):
+        raise ValueError(f"L2 redis URL must be redis[s]://[user:password@]host:port[,host:port...][/db], got {url!r}")
+    options = dict(parse_qsl(u.query, keep_blank_values=True))
+    unknown = set(options) - set(TLS_OPTIONS)
+    if unknown or (options and u.scheme != "rediss"):
+        raise ValueError(f"L2 redis URL {url!r}: options {sorted(options)} are not known"
+                         f"{'' if unknown else ' without rediss://'} (known: {', '.join(TLS_OPTIONS)})")
     netloc = u.netloc.rsplit("@", 1)[-1]
     seeds = []
     for hp in netloc.split(","):
@@ -56,7 +67,24 @@ def parse_url(url: str) -> dict:
             host, port = hp, "6379"
         seeds.append((host.strip("[]") or "127.0.0.1", int(port)))
     return dict(seeds=seeds, username=unquote(u.username or ""), password=unquote(u.password or ""),
-                db=int(u.path.lstrip("/") or 0))
+                db=int(u.path.lstrip("/") or 0), tls=_tls_context(options) if u.scheme == "rediss" else None)
+
+
+def _tls_context(options: dict) -> ssl.SSLContext:
+    try:
+        ctx = ssl.create_default_context(cafile=options.get("ssl_ca_certs") or None)
+        if options.get("ssl_certfile"):
+            ctx.load_cert_chain(options["ssl_certfile"], options.get("ssl_keyfile") or None)
+    except OSError as e:  # ssl.SSLError is one
+        raise ValueError(f"L2 redis TLS files: {e}") from None
+    reqs = options.get("ssl_cert_reqs", "required").lower()
+    if reqs not in ("required", "none"):
+        raise ValueError(f"ssl_cert_reqs must be required or none, got {reqs!r}")
+    if reqs == "none" or options.get("ssl_check_hostname", "true").lower() in ("false", "0", "no"):
+        ctx.check_hostname = False
+    if reqs == "none":
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
 
 def _view(ptr: int, n: int) -> memoryview:
@@ -104,8 +132,7 @@ class _Node:
         if now < self._down_until:
             raise ConnectionError(f"{self.addr[0]}:{self.addr[1]} is down (next try in {self._down_until - now:.1f} s)")
         try:
-            c = Connection(self.addr[0], self.addr[1], self._timeout, self._auth["username"], self._auth["password"],
-                           self._auth["db"])
+            c = Connection(self.addr[0], self.addr[1], self._timeout, **self._auth)
         except (OSError, RespError) as e:
             with self._lock:
                 self._down_until = time.monotonic() + self._backoff
