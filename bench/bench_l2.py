@@ -1,14 +1,19 @@
-"""The local-disk L2 tier against the disk it runs on, all measured in one run on one directory.
+"""An L2 tier against its ceiling measured in the same run: the local disk, or a Valkey server or
+Mooncake Store started here on loopback (--backend).
 
-  ceiling   `dd` with O_DIRECT of the same bytes in objects of the same size (write, then read)
-  tier      the disk tier alone (_C.DiskStore): a batch put of N objects from host memory, then a
-            batch get back into it, byte-exact; GB/s and the ratio to the ceiling
-  prefetch  a server in its own process whose chunks are only on disk (it was restarted): a
-            lookup with lock of 1, 8 and 64 chunks, which loads them into L1 before it answers
-  restore   that server's disk chunks retrieved end to end into the worker's KV cache (GPU blocks
+  ceiling   disk: `dd` with O_DIRECT of the same bytes in objects of the same size (write, then
+            read); network: one raw loopback TCP stream of the same bytes to a reader that drops them
+  tier      the tier alone: a batch put of N objects from host (arena) memory, then a batch get
+            back into it, byte-exact; GB/s and the ratio to the ceiling. Network: also a lookup of
+            64 chunks (one round trip per node) beside the smallest request's round trip
+  prefetch  a server in its own process whose chunks are only in L2 (disk: it was restarted;
+            network: a second server, another node, with its own empty L1): a lookup with lock of
+            1, 8 and 64 chunks, which loads them into L1 before it answers
+  restore   that server's L2 chunks retrieved end to end into the worker's KV cache (GPU blocks
             with --device cuda): a whole prefix of --prefix-tokens, GB/s against the read ceiling
 
     python bench/bench_l2.py --dir /mnt/nvme/bench [--device cpu|cuda] [--objects 64] [--json out.json]
+    python bench/bench_l2.py --backend valkey|mooncake [--objects 16] [--prefix-tokens 8192] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ import numpy as np
 
 from lmcache_mp import Client, chunk_hashes
 from lmcache_mp.native import HostArena
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_resp import free_port, raw_tcp, start_valkey  # noqa: E402
 
 MiB = 1 << 20
 LLAMA = dict(layers=32, heads=8, head_size=128)  # Llama-3-8B: 32 MiB per 256-token chunk in bf16
@@ -124,13 +132,115 @@ def make_kv(device: str, num_blocks: int, layers: int):
     return kv
 
 
-def through_server(directory: str, device: str, l1: str, prefix_tokens: int, repeat: int, layers: int) -> dict:
+class Backend:
+    """A network L2 started here on loopback: the server flags that reach it and the tier itself."""
+
+    def __init__(self, kind: str, work: str, arena_bytes: int):
+        self.kind, self.procs = kind, []
+        if kind == "valkey":
+            port = free_port()
+            self.procs.append(start_valkey(port, work, maxmemory="24gb"))
+            self.url = f"redis://127.0.0.1:{port}"
+            self.args = ["--l2-redis", self.url]
+        else:
+            import mooncake.store
+
+            rpc, http, metrics = free_port(), free_port(), free_port()
+            exe = os.path.join(os.path.dirname(mooncake.store.__file__), "mooncake_master")
+            self.procs.append(subprocess.Popen([exe, f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
+                                                f"--http_metadata_server_port={http}",
+                                                "--http_metadata_server_host=127.0.0.1", f"--metrics_port={metrics}"],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.master, self.metadata = f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
+            self.segment = arena_bytes + 64 * MiB
+            self.args = ["--l2-mooncake", self.master, "--l2-mooncake-metadata", self.metadata]
+            _wait_for(lambda: _listens(rpc) and _listens(http), 20, "mooncake_master")
+
+    def tier(self, arena):
+        if self.kind == "valkey":
+            from lmcache_mp.storage.l2.valkey import ValkeyTier
+
+            return ValkeyTier(self.url, prefix="bench", connections=1)
+        from lmcache_mp.storage.l2.mooncake import MooncakeTier
+
+        t = MooncakeTier(self.master, self.metadata, arena, self.segment, prefix="bench")
+        _wait_for(lambda: t.stats()["connected"], 30, "the Mooncake set-up")
+        return t
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait(10)
+
+
+def _listens(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def network_tier(backend: Backend, object_bytes: int, count: int) -> dict:
+    """One batch put of count objects from arena slots and one batch get back (header and XXH64
+    included), byte-exact; then a lookup of 64 chunks beside a lookup of 1 (one round trip each)."""
+    arena = HostArena(2 * count * object_bytes, object_bytes, False, -1)
+    cls = arena.size_class(object_bytes)
+    src = [arena.allocate(cls) for _ in range(count)]
+    dst = [arena.allocate(cls) for _ in range(count)]
+    rng = np.random.default_rng(0)
+    for o in src:
+        np.frombuffer(arena.view(o, object_bytes), dtype=np.uint8)[:] = rng.integers(0, 256, object_bytes,
+                                                                                    dtype=np.uint8)
+    for o in dst:  # touched, as the server's L1 is: no page faults in the measurement
+        np.frombuffer(arena.view(o, object_bytes), dtype=np.uint8)[:] = 0
+    tier = backend.tier(arena)
+    keys = [b"chunk-%d" % i for i in range(count)]
+    fmts, sizes = [b"bench"] * count, [object_bytes] * count
+    t0 = time.perf_counter()
+    ok = tier.put(keys, fmts, [arena.base + o for o in src], sizes)
+    t_put = time.perf_counter() - t0
+    assert all(ok), tier.stats()
+    t0 = time.perf_counter()
+    got = tier.get(keys, fmts, [arena.base + o for o in dst], sizes)
+    t_get = time.perf_counter() - t0
+    assert got == sizes, (got, tier.stats())
+    exact = all(np.array_equal(np.frombuffer(arena.view(a, object_bytes), dtype=np.uint8),
+                               np.frombuffer(arena.view(b, object_bytes), dtype=np.uint8)) for a, b in zip(src, dst))
+    many = [b"lookup-%d" % i for i in range(64)]  # distinct keys (a lookup reads only the header)
+    assert all(tier.put(many, [b"bench"] * 64, [arena.base + src[0]] * 64, [4096] * 64))
+    lat64, lat1 = [], []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        assert all(tier.lookup(many))
+        lat64.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        assert all(tier.lookup(keys[:1]))
+        lat1.append(time.perf_counter() - t0)
+    tier.close()
+    total = count * object_bytes
+    return {"put_GBps": total / t_put / 1e9, "get_GBps": total / t_get / 1e9, "exact": exact,
+            "lookup64_ms_p50": statistics.median(lat64) * 1e3, "lookup1_ms_p50": statistics.median(lat1) * 1e3}
+
+
+def through_server(l2_args: list[str], device: str, l1: str, prefix_tokens: int, repeat: int, layers: int,
+                   restart: bool) -> dict:
+    """Server A stores every prompt and writes it through to L2; server B (A restarted on the same
+    disk, or a second node beside A) has an empty L1 and is measured."""
     import torch
 
-    path = os.path.join(directory, "server-l2")
     url = f"ipc://{tempfile.mkdtemp()}/s.sock"
-    args = ["--url", url, "--device", device, "--l1-size", l1, "--l2-disk", path, "--l2-write", "all",
-            "--prefetch-timeout", "30"]
+    common = ["--device", device, "--l1-size", l1, *l2_args, "--l2-write", "all", "--prefetch-timeout", "30"]
     n_prefix = prefix_tokens // CHUNK
     sizes = (1, 8, 64)
     prompts = {k: [np.random.default_rng(1000 * k + r).integers(0, 50000, k * CHUNK) for r in range(repeat)]
@@ -139,10 +249,12 @@ def through_server(directory: str, device: str, l1: str, prefix_tokens: int, rep
     bpc = CHUNK // 16
     num_blocks = 2 * max(64, n_prefix) * bpc
     kv = make_kv(device, num_blocks, layers)
-    srv = ServerProc(args)
-    try:  # store everything, written through to disk
-        c = Client(srv.url, timeout=300)
+    first = ServerProc(["--url", url, *common])
+    try:  # store everything, written through to L2
+        c = Client(first.url, timeout=300)
         while not c.status()["l1"]["pinning"]["done"]:  # L1 memory comes as it is pinned
+            time.sleep(0.1)
+        while not all(t.get("connected", True) for t in c.status()["l2"]["tiers"]):
             time.sleep(0.1)
         h = c.register_kv_cache(kv, model="bench", layout="mha")
         for p_ in [prefix] + [p_ for k in sizes for p_ in prompts[k]]:
@@ -157,13 +269,18 @@ def through_server(directory: str, device: str, l1: str, prefix_tokens: int, rep
         written = sum(len(p_) // CHUNK for k in sizes for p_ in prompts[k]) + n_prefix
         assert c.status()["l2"]["written"] == written, c.status()["l2"]
         c.close()
-    finally:
-        srv.stop()
-    srv = ServerProc(args)  # L1 is empty: every chunk is on disk only
+        if restart:
+            first.stop()
+        srv = ServerProc(["--url", url if restart else f"ipc://{tempfile.mkdtemp()}/s.sock", *common])
+    except BaseException:
+        first.stop()
+        raise
     out: dict = {}
     try:
         c = Client(srv.url, timeout=300)
         while not c.status()["l1"]["pinning"]["done"]:
+            time.sleep(0.1)
+        while not all(t.get("connected", True) for t in c.status()["l2"]["tiers"]):
             time.sleep(0.1)
         h = c.register_kv_cache(kv, model="bench", layout="mha")
         for k in sizes:
@@ -188,13 +305,15 @@ def through_server(directory: str, device: str, l1: str, prefix_tokens: int, rep
         c.close()
     finally:
         srv.stop()
-        shutil.rmtree(path, ignore_errors=True)
+        if not restart:
+            first.stop()
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", required=True, help="a directory on the disk to measure")
+    ap.add_argument("--backend", choices=("disk", "valkey", "mooncake"), default="disk")
+    ap.add_argument("--dir", help="disk: a directory on the disk to measure")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--objects", type=int, default=64, help="objects of the tier and ceiling runs")
     ap.add_argument("--object-mib", type=int, default=32)
@@ -206,27 +325,61 @@ def main() -> int:
                     "per 256-token chunk)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
     obj = args.object_mib * MiB
-    ceiling = dd_ceiling(args.dir, obj, args.objects)
-    print(f"dd O_DIRECT ceiling ({args.objects} x {args.object_mib} MiB): write {ceiling['write_GBps']:.2f} GB/s, "
-          f"read {ceiling['read_GBps']:.2f} GB/s", flush=True)
-    tier = tier_alone(args.dir, obj, args.objects, args.io_threads)
-    print(f"disk tier: write {tier['write_GBps']:.2f} GB/s ({tier['write_GBps'] / ceiling['write_GBps']:.2f}x), "
-          f"read {tier['read_GBps']:.2f} GB/s ({tier['read_GBps'] / ceiling['read_GBps']:.2f}x), "
-          f"byte-exact {tier['exact']}, O_DIRECT writes {tier['direct_writes']} reads {tier['direct_reads']}",
-          flush=True)
-    srv = through_server(args.dir, args.device, args.l1_size, args.prefix_tokens, args.repeat, args.layers)
-    print("lookup with lock, chunks only on disk (p50): " + ", ".join(
+    if args.backend == "disk":
+        if not args.dir:
+            ap.error("--backend disk needs --dir")
+        os.makedirs(args.dir, exist_ok=True)
+        ceiling = dd_ceiling(args.dir, obj, args.objects)
+        read_ceiling = ceiling["read_GBps"]
+        print(f"dd O_DIRECT ceiling ({args.objects} x {args.object_mib} MiB): write {ceiling['write_GBps']:.2f} "
+              f"GB/s, read {read_ceiling:.2f} GB/s", flush=True)
+        tier = tier_alone(args.dir, obj, args.objects, args.io_threads)
+        print(f"disk tier: write {tier['write_GBps']:.2f} GB/s ({tier['write_GBps'] / ceiling['write_GBps']:.2f}x), "
+              f"read {tier['read_GBps']:.2f} GB/s ({tier['read_GBps'] / read_ceiling:.2f}x), "
+              f"byte-exact {tier['exact']}, O_DIRECT writes {tier['direct_writes']} reads {tier['direct_reads']}",
+              flush=True)
+        path = os.path.join(args.dir, "server-l2")
+        try:
+            srv = through_server(["--l2-disk", path], args.device, args.l1_size, args.prefix_tokens, args.repeat,
+                                 args.layers, restart=True)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+    else:
+        work = tempfile.mkdtemp()
+        backend = Backend(args.backend, work, args.objects * obj)
+        try:
+            buf = np.random.default_rng(0).integers(0, 256, obj, dtype=np.uint8)
+            read_ceiling = raw_tcp(obj, args.objects, buf)
+            ceiling = {"tcp_GBps": read_ceiling}
+            print(f"one raw loopback TCP stream ({args.objects} x {args.object_mib} MiB): {read_ceiling:.2f} GB/s",
+                  flush=True)
+            tier = network_tier(backend, obj, args.objects)
+            if args.backend == "mooncake":
+                print("  (the tier alone contributes the pool's memory itself: its figures are local copies; "
+                      "the server arms below go between two processes)")
+            print(f"{args.backend} tier, one batch: put {tier['put_GBps']:.2f} GB/s "
+                  f"({tier['put_GBps'] / read_ceiling:.2f}x), get {tier['get_GBps']:.2f} GB/s "
+                  f"({tier['get_GBps'] / read_ceiling:.2f}x), byte-exact {tier['exact']}; lookup of 64 chunks "
+                  f"{tier['lookup64_ms_p50']:.3f} ms p50, of 1 chunk {tier['lookup1_ms_p50']:.3f} ms", flush=True)
+            stored = (args.prefix_tokens // CHUNK + args.repeat * 73) * 2 * args.layers * CHUNK * 8 * 128 * 2
+            extra = ["--l2-mooncake-segment", str(stored + stored // 4)] if args.backend == "mooncake" else []
+            srv = through_server(backend.args + extra, args.device, args.l1_size, args.prefix_tokens, args.repeat,
+                                 args.layers, restart=False)
+        finally:
+            backend.stop()
+            shutil.rmtree(work, ignore_errors=True)
+    where = "disk" if args.backend == "disk" else f"{args.backend} (written by another node)"
+    print(f"lookup with lock, chunks only in L2 on {where} (p50): " + ", ".join(
         f"{k} chunk(s) {srv[f'prefetch_{k}_ms_p50']:.1f} ms" for k in (1, 8, 64)))
-    print(f"restore of a {srv['restore_tokens']}-token prefix from disk into the {args.device} KV cache: "
+    print(f"restore of a {srv['restore_tokens']}-token prefix from {args.backend} into the {args.device} KV cache: "
           f"{srv['restore_s'] * 1e3:.0f} ms, {srv['restore_GBps']:.2f} GB/s "
-          f"({srv['restore_GBps'] / ceiling['read_GBps']:.2f}x the disk's read ceiling)")
+          f"({srv['restore_GBps'] / read_ceiling:.2f}x the read ceiling)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "bench_l2", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": vars(args),
                        "ceiling": ceiling, "tier": tier, "server": srv}, f, indent=1, default=str)
-    return 0
+    return 0 if tier["exact"] else 1
 
 
 if __name__ == "__main__":

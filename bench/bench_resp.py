@@ -8,7 +8,8 @@ port without persistence, then moves --count values of --mib MiB:
              straight into a preallocated buffer
   redis-py   redis.Redis: SET of a bytes object, GET returning a new bytes object copied into the
              buffer (as a tier would have to)
-  tier       the Valkey tier itself (header and checksum included), and a lookup of 64 chunks
+
+The tier itself (header and checksum included) is measured by `bench_l2.py --backend valkey`.
 
     python bench/bench_resp.py [--count 16] [--mib 32] [--json out.json]
 """
@@ -52,9 +53,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_valkey(port: int, workdir: str) -> subprocess.Popen:
+def start_valkey(port: int, workdir: str, maxmemory: str = "8gb") -> subprocess.Popen:
     proc = subprocess.Popen([valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", workdir, "--maxmemory", "8gb",
+                             "--appendonly", "no", "--dir", workdir, "--maxmemory", maxmemory,
                              "--maxmemory-policy", "allkeys-lru", "--proto-max-bulk-len", "1gb"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
@@ -97,43 +98,6 @@ def raw_tcp(nbytes: int, count: int, buf: np.ndarray) -> float:
     return nbytes * count / dt / 1e9
 
 
-def tier_arm(port: int, n: int, count: int) -> dict:
-    """The Valkey tier as the server uses it: values with their header and checksum, from and
-    into arena slots; a lookup of 64 chunks (one pipelined round trip) beside a 1-key PING."""
-    from lmcache_mp.native import HostArena
-    from lmcache_mp.storage.l2.valkey import ValkeyTier
-
-    arena = HostArena(2 * n, n, False, -1)
-    cls = arena.size_class(n)
-    src_off, dst_off = arena.allocate(cls), arena.allocate(cls)
-    np.frombuffer(arena.view(src_off, n), dtype=np.uint8)[:] = np.random.default_rng(1).integers(0, 256, n,
-                                                                                                 dtype=np.uint8)
-    tier = ValkeyTier(f"redis://127.0.0.1:{port}", prefix="bench", connections=1)
-    keys = [b"chunk-%d" % i for i in range(count)]
-    t0 = time.perf_counter()
-    for k in keys:
-        assert tier.put([k], [b"fmt"], [arena.base + src_off], [n]) == [True]
-    put = n * count / (time.perf_counter() - t0) / 1e9
-    t0 = time.perf_counter()
-    for k in keys:
-        assert tier.get([k], [b"fmt"], [arena.base + dst_off], [n]) == [n]
-    get = n * count / (time.perf_counter() - t0) / 1e9
-    many = [b"chunk-%d" % (i % count) for i in range(64)]
-    lat, ping = [], []
-    c = Connection("127.0.0.1", port)
-    for _ in range(50):
-        t0 = time.perf_counter()
-        assert all(tier.lookup(many))
-        lat.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        c.call("PING")
-        ping.append(time.perf_counter() - t0)
-    c.close()
-    tier.close()
-    return {"tier_put_GBps": put, "tier_get_GBps": get, "lookup64_ms_p50": float(np.median(lat)) * 1e3,
-            "ping_ms_p50": float(np.median(ping)) * 1e3}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--count", type=int, default=16)
@@ -162,7 +126,6 @@ def main() -> int:
         out["resp_get_GBps"] = n * args.count / (time.perf_counter() - t0) / 1e9
         out["resp_exact"] = bool(np.array_equal(src, dst))
         c.close()
-        out.update(tier_arm(port, n, args.count))
         try:
             import redis
         except ImportError:
@@ -189,10 +152,6 @@ def main() -> int:
         if f"{name}_set_GBps" in out:
             s, g = out[f"{name}_set_GBps"], out[f"{name}_get_GBps"]
             print(f"  {name:9s} SET {s:5.2f} GB/s ({s / tcp:.2f}x)   GET into the buffer {g:5.2f} GB/s ({g / tcp:.2f}x)")
-    print(f"  tier      put {out['tier_put_GBps']:5.2f} GB/s ({out['tier_put_GBps'] / tcp:.2f}x)   get "
-          f"{out['tier_get_GBps']:5.2f} GB/s ({out['tier_get_GBps'] / tcp:.2f}x)   (header and XXH64 included)")
-    print(f"  lookup of 64 chunks: {out['lookup64_ms_p50']:.3f} ms p50, one pipelined round trip "
-          f"(a PING: {out['ping_ms_p50']:.3f} ms)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "bench_resp", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": vars(args),

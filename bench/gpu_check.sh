@@ -7,7 +7,8 @@
 # Environment: CMAKE_CUDA_ARCHITECTURES (default 90), GPU_CHECK_STEPS (default
 # "build tests sanitizer bench"; add "peer" for LMCache's self-test, "server" for bench_server,
 # "latency" for 1-chunk requests, "crossproc" for them while the engine process uses the GPU,
-# "l1sizes" for L1 shared by two object sizes, "l2" for the disk tier on L2_BENCH_DIR).
+# "l1sizes" for L1 shared by two object sizes, "l2" for the disk tier on L2_BENCH_DIR, "l2net" for
+# Valkey and Mooncake started on loopback; "l2tests" runs the L2 tests, which start them too).
 set -uo pipefail
 LOG=${1:-${OUT:-$PWD/gpu-check-logs}}
 mkdir -p "$LOG"
@@ -44,6 +45,13 @@ for step in $STEPS; do
         --json "$LOG/bench_cross_process_mha.json" ;;
     l2) run l2 500 python3 bench/bench_l2.py --dir "${L2_BENCH_DIR:-/tmp/lmcache-bench-l2}" --device cuda \
         --json "$LOG/bench_l2.json" ;;
+    l2net)
+      for backend in valkey mooncake; do
+        run "l2_$backend" 300 python3 bench/bench_l2.py --backend $backend --device cuda --objects 16 \
+          --prefix-tokens 8192 --repeat 2 --json "$LOG/bench_l2_$backend.json"
+      done ;;
+    l2tests) run l2tests 300 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider tests/test_l2_valkey.py \
+        tests/test_l2_mooncake.py tests/test_l2_nodes.py ;;
     l1sizes) run l1sizes 400 python3 bench/bench_l1_sizes.py --device cuda --l1-size 16GiB \
         --json "$LOG/bench_l1_sizes.json" ;;
     servermla) run servermla 300 python3 bench/bench_server.py --layout mla --requests 1 --workers 1,2 \

@@ -16,11 +16,17 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
+import xxhash
+
+# The network tiers' payload checksum: XXH3-64 runs at about 27 GiB/s on one core (XXH64: 11),
+# and without the GIL. The disk tier's files keep XXH64, checked in C++.
+checksum = xxhash.xxh3_64_intdigest
+
 # get() results other than a byte count
 MISS, FORMAT_MISMATCH, TOO_LARGE, CORRUPT, IO_ERROR = -1, -2, -3, -4, -5
 
 
-_HEAD = struct.Struct("<8sIIQQ")  # magic, key length, format length, payload length, XXH64 of the payload
+_HEAD = struct.Struct("<8sIIQQ")  # magic, key length, format length, payload length, checksum of the payload
 HEADER_BYTES = _HEAD.size  # before the key and the format
 
 

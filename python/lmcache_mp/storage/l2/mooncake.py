@@ -3,7 +3,7 @@
 The L1 arena is registered with the store once, so `batch_put_from` and `batch_get_into` move
 payloads straight between arena slots and the pool (TCP transport here; RDMA where the
 machine has it). Mooncake keeps bytes, not our header, so every chunk has a second, small
-object `<key>:m` with the same header as the Valkey tier (magic, key, format, length, XXH64):
+object `<key>:m` with the same header as the Valkey tier (magic, key, format, length, XXH3-64):
 a read fetches it first and checks format and length, then the payload, then the checksum.
 The store's own errors (for example -704, the object was evicted) are misses.
 
@@ -22,11 +22,11 @@ import time
 from urllib.parse import urlparse
 
 from lmcache_mp.storage.l2 import (CORRUPT, FORMAT_MISMATCH, HEADER_BYTES, IO_ERROR, MISS, TOO_LARGE, L2Backend,
-                                   pack_header, unpack_header)
+                                   checksum, pack_header, unpack_header)
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"LMCMPM1\0"
+MAGIC = b"LMCMPM2\0"  # M1 summed with XXH64
 RETRY_S = 5.0  # a store that failed to set up is tried again after this long
 
 
@@ -38,7 +38,6 @@ class MooncakeTier(L2Backend):
                  prefix: str = "lmcache", protocol: str = "tcp"):
         from lmcache_mp import _C
 
-        self._xxh64 = _C.xxh64
         self._name_of = _C.DiskStore.name_of
         self.master, self.metadata = master, metadata
         self._arena = arena
@@ -122,7 +121,7 @@ class MooncakeTier(L2Backend):
             for j, (name, key, fmt, ptr, n) in enumerate(zip(names, keys, formats, ptrs, sizes)):
                 if ok[j]:
                     payload = memoryview(self._arena.view(ptr - self._arena.base, n))
-                    ok[j] = store.put(name + ":m", pack_header(MAGIC, key, fmt, n, self._xxh64(payload))) == 0
+                    ok[j] = store.put(name + ":m", pack_header(MAGIC, key, fmt, n, checksum(payload))) == 0
         except Exception as e:
             self._error(f"put: {e}")
             return [False] * len(keys)
@@ -169,10 +168,10 @@ class MooncakeTier(L2Backend):
             except Exception as e:
                 self._error(f"get: {e}")
                 got = [IO_ERROR] * len(want)
-            for (i, n, checksum), r in zip(want, got):
+            for (i, n, summed), r in zip(want, got):
                 if r != n:
                     out[i] = MISS  # evicted meanwhile (-704) or another error: a miss either way
-                elif self._xxh64(memoryview(self._arena.view(ptrs[i] - self._arena.base, n))) != checksum:
+                elif checksum(memoryview(self._arena.view(ptrs[i] - self._arena.base, n))) != summed:
                     out[i] = CORRUPT
                 else:
                     out[i] = n

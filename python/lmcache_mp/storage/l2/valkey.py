@@ -4,12 +4,14 @@ Keys: `<prefix>:{<name>}:v`, where name is the 128-bit hash of the chunk's full 
 world size, rank, digest, salt) that the disk tier uses too, inside a hash tag so that any later
 parts of one chunk land in the same cluster slot. A value is a header and the payload:
 
-    magic "LMCMPV1\\0" | u32 key length | u32 format length | u64 payload length | u64 XXH64 of the
-    payload | the chunk's key | its layout format | payload
+    magic "LMCMPV2\\0" | u32 key length | u32 format length | u64 payload length | u64 XXH3-64 of
+    the payload | the chunk's key | its layout format | payload
 
 A read checks the magic, that key and format are the ones asked for and the checksum, so a stale
 or foreign value is a miss (counted), never garbage in GPU blocks. Values move with the zero-copy
-RESP connection of resp.py (the measurements behind that choice are in its docstring).
+RESP connection of resp.py (the measurements behind that choice are in its docstring). The
+checksums run on two helper threads (they release the GIL), overlapped with the socket: a put
+sends value i while value i+1 is summed, a get sums value i while reading value i+1.
 
 Failures are misses: a server that cannot be reached is tried again only after a backoff, so a
 lookup never waits on connects; keys just found missing are not asked for again for a second.
@@ -20,6 +22,7 @@ the map, ASK is followed once, and a node that fails makes the map reload (a fai
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import ctypes
 import logging
 import queue
@@ -30,14 +33,15 @@ from typing import NamedTuple
 from urllib.parse import parse_qsl, unquote, urlparse
 
 from lmcache_mp.storage.l2 import (CORRUPT, FORMAT_MISMATCH, HEADER_BYTES, IO_ERROR, MISS, TOO_LARGE, L2Backend,
-                                   pack_header, unpack_header)
+                                   checksum, pack_header, unpack_header)
 from lmcache_mp.storage.l2.resp import Connection, RespError
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"LMCMPV1\0"
+MAGIC = b"LMCMPV2\0"  # V1 summed with XXH64: its values are foreign now
 MAX_FORMAT = 512  # bytes of a format a lookup reads with the header
 SLOTS = 16384
+SEND_BATCH = 1 << 20  # a pipeline's commands go out once this many bytes are framed
 BACKOFF_S = (0.5, 10.0)  # first and longest wait before reconnecting to an unreachable server
 MISSING_TTL_S = 1.0
 MISSING_MAX = 1 << 16
@@ -181,7 +185,7 @@ class ValkeyTier(L2Backend):
         from lmcache_mp import _C
 
         self._name_of = _C.DiskStore.name_of
-        self._xxh64 = _C.xxh64
+        self._summer = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="lmcache-l2-sum")
         self.url = url
         where = parse_url(url)
         self._seeds = where.pop("seeds")
@@ -303,12 +307,18 @@ class ValkeyTier(L2Backend):
 
     @staticmethod
     def _pipe(c: Connection, idx: list[int], frame_of, read_of, asking: dict) -> list:
-        parts = []
-        for i in idx:
+        parts, framed = [], 0
+        for i in idx:  # large values go out as they are framed (their checksums are ready one by one)
             if i in asking:
                 parts += Connection.frame("ASKING")
-            parts += _flatten(frame_of(i))
-        c.send(parts)
+            more = _flatten(frame_of(i))
+            parts += more
+            framed += sum(memoryview(p).nbytes for p in more)
+            if framed >= SEND_BATCH:
+                c.send(parts)
+                parts, framed = [], 0
+        if parts:
+            c.send(parts)
         out = []
         for i in idx:
             if i in asking:
@@ -358,10 +368,11 @@ class ValkeyTier(L2Backend):
         px = ("PX", self._ttl_ms) if self._ttl_ms else ()
         rkeys = [self._key(k) for k in keys]
 
+        sums = [self._summer.submit(checksum, _view(p, n)) for p, n in zip(ptrs, sizes)]
+
         def frame_of(i: int) -> list:
-            payload = _view(ptrs[i], sizes[i])
-            head = pack_header(MAGIC, keys[i], formats[i], sizes[i], self._xxh64(payload))
-            return Connection.frame("SET", rkeys[i], _Joined(head, payload), *px)
+            head = pack_header(MAGIC, keys[i], formats[i], sizes[i], sums[i].result())
+            return Connection.frame("SET", rkeys[i], _Joined(head, _view(ptrs[i], sizes[i])), *px)
 
         ok = self._batch(rkeys, frame_of, lambda c, i: c.read() == "OK", lambda i: False)
         with self._lock:
@@ -383,6 +394,7 @@ class ValkeyTier(L2Backend):
             return self._check(n, head, keys[i], formats[i], ptrs[i], capacities[i])
 
         results = self._batch(rkeys, lambda i: Connection.frame("GET", rkeys[i]), read_of, lambda i: IO_ERROR)
+        results = [self._sum_checked(*r) if isinstance(r, tuple) else r for r in results]
         self._note_missing([rk for rk, r in zip(rkeys, results) if r == MISS])
         with self._lock:
             for r in results:
@@ -406,9 +418,10 @@ class ValkeyTier(L2Backend):
             return FORMAT_MISMATCH  # (its bytes landed in the slot, which stays unused)
         if h.payload_bytes > cap:
             return TOO_LARGE
-        if self._xxh64(_view(ptr, h.payload_bytes)) != h.checksum:
-            return self._bad("corrupt")
-        return h.payload_bytes
+        return self._summer.submit(checksum, _view(ptr, h.payload_bytes)), h.checksum, h.payload_bytes
+
+    def _sum_checked(self, summed: concurrent.futures.Future, want: int, n: int) -> int:
+        return n if summed.result() == want else self._bad("corrupt")
 
     def _bad(self, what: str) -> int:
         with self._lock:
@@ -455,6 +468,7 @@ class ValkeyTier(L2Backend):
             nodes = list(self._nodes.values())
         for n in nodes:
             n.close()
+        self._summer.shutdown(wait=True)
 
 
 class _Joined:
