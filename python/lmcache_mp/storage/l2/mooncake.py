@@ -22,7 +22,7 @@ import time
 from urllib.parse import urlparse
 
 from lmcache_mp.storage.l2 import (CORRUPT, FORMAT_MISMATCH, HEADER_BYTES, IO_ERROR, MISS, TOO_LARGE, L2Backend,
-                                   checksum, pack_header, unpack_header)
+                                   checksum_async, pack_header, unpack_header)
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +115,14 @@ class MooncakeTier(L2Backend):
             return [False] * len(keys)
         t0 = time.perf_counter()
         names = [self._key(k) for k in keys]
+        sums = [checksum_async(memoryview(self._arena.view(p - self._arena.base, n))) for p, n in zip(ptrs, sizes)]
         try:
-            got = store.batch_put_from(names, list(ptrs), list(sizes))
-            ok = [r == 0 for r in got]
-            for j, (name, key, fmt, ptr, n) in enumerate(zip(names, keys, formats, ptrs, sizes)):
-                if ok[j]:
-                    payload = memoryview(self._arena.view(ptr - self._arena.base, n))
-                    ok[j] = store.put(name + ":m", pack_header(MAGIC, key, fmt, n, checksum(payload))) == 0
+            ok = [r == 0 for r in store.batch_put_from(names, list(ptrs), list(sizes))]
+            done = [j for j in range(len(keys)) if ok[j]]
+            if done and store.put_batch([names[j] + ":m" for j in done], [
+                    pack_header(MAGIC, keys[j], formats[j], sizes[j], sums[j].result()) for j in done]) != 0:
+                for j in done:  # (all or none; another node may have written them first)
+                    ok[j] = False
         except Exception as e:
             self._error(f"put: {e}")
             return [False] * len(keys)
@@ -168,13 +169,13 @@ class MooncakeTier(L2Backend):
             except Exception as e:
                 self._error(f"get: {e}")
                 got = [IO_ERROR] * len(want)
-            for (i, n, summed), r in zip(want, got):
+            sums = [checksum_async(memoryview(self._arena.view(ptrs[i] - self._arena.base, n))) if r == n else None
+                    for (i, n, _), r in zip(want, got)]
+            for (i, n, summed), r, mine in zip(want, got, sums):
                 if r != n:
                     out[i] = MISS  # evicted meanwhile (-704) or another error: a miss either way
-                elif checksum(memoryview(self._arena.view(ptrs[i] - self._arena.base, n))) != summed:
-                    out[i] = CORRUPT
                 else:
-                    out[i] = n
+                    out[i] = n if mine.result() == summed else CORRUPT
         with self._lock:
             for r in out:
                 if r >= 0:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 from urllib.parse import parse_qsl, unquote, urlparse
 
 from lmcache_mp.storage.l2 import (CORRUPT, FORMAT_MISMATCH, HEADER_BYTES, IO_ERROR, MISS, TOO_LARGE, L2Backend,
-                                   checksum, pack_header, unpack_header)
+                                   checksum_async, pack_header, unpack_header)
 from lmcache_mp.storage.l2.resp import Connection, RespError
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,6 @@ class ValkeyTier(L2Backend):
         from lmcache_mp import _C
 
         self._name_of = _C.DiskStore.name_of
-        self._summer = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="lmcache-l2-sum")
         self.url = url
         where = parse_url(url)
         self._seeds = where.pop("seeds")
@@ -368,7 +367,7 @@ class ValkeyTier(L2Backend):
         px = ("PX", self._ttl_ms) if self._ttl_ms else ()
         rkeys = [self._key(k) for k in keys]
 
-        sums = [self._summer.submit(checksum, _view(p, n)) for p, n in zip(ptrs, sizes)]
+        sums = [checksum_async(_view(p, n)) for p, n in zip(ptrs, sizes)]
 
         def frame_of(i: int) -> list:
             head = pack_header(MAGIC, keys[i], formats[i], sizes[i], sums[i].result())
@@ -418,7 +417,7 @@ class ValkeyTier(L2Backend):
             return FORMAT_MISMATCH  # (its bytes landed in the slot, which stays unused)
         if h.payload_bytes > cap:
             return TOO_LARGE
-        return self._summer.submit(checksum, _view(ptr, h.payload_bytes)), h.checksum, h.payload_bytes
+        return checksum_async(_view(ptr, h.payload_bytes)), h.checksum, h.payload_bytes
 
     def _sum_checked(self, summed: concurrent.futures.Future, want: int, n: int) -> int:
         return n if summed.result() == want else self._bad("corrupt")
@@ -468,7 +467,6 @@ class ValkeyTier(L2Backend):
             nodes = list(self._nodes.values())
         for n in nodes:
             n.close()
-        self._summer.shutdown(wait=True)
 
 
 class _Joined:
