@@ -42,6 +42,11 @@ MAGIC = b"LMCMPV2\0"  # V1 summed with XXH64: its values are foreign now
 MAX_FORMAT = 512  # bytes of a format a lookup reads with the header
 SLOTS = 16384
 SEND_BATCH = 1 << 20  # a pipeline's commands go out once this many bytes are framed
+# GETs in flight on one connection. One: with two, the server copies the next value into an
+# output buffer while the first is still being sent; measured on loopback, 32 MiB values, that
+# took GET from 2.4 to 1.4 GB/s. A round trip per value costs about 1% at this size.
+GET_WINDOW = 1
+PUT_WINDOW = 4  # SETs in flight on one connection (their replies are small)
 BACKOFF_S = (0.5, 10.0)  # first and longest wait before reconnecting to an unreachable server
 MISSING_TTL_S = 1.0
 MISSING_MAX = 1 << 16
@@ -194,6 +199,7 @@ class ValkeyTier(L2Backend):
         self._ttl_ms = int(ttl * 1000)
         self._timeout = timeout
         self._connections = connections
+        self._parallel = concurrent.futures.ThreadPoolExecutor(4 * connections, thread_name_prefix="lmcache-valkey")
         self._lock = threading.Lock()
         self._nodes: dict[tuple, _Node] = {}
         self._slot_map: list | None = None  # cluster: slot -> primary's address
@@ -254,7 +260,7 @@ class ValkeyTier(L2Backend):
             raise ConnectionError(f"slot {key_slot(rkey)} is not served by any node")
         return addr
 
-    def _batch(self, rkeys: list[bytes], frame_of, read_of, failed) -> list:
+    def _batch(self, rkeys: list[bytes], frame_of, read_of, failed, window: int = 0) -> list:
         """One command per key (frame_of(i) -> buffers), pipelined per node, each reply read by
         read_of(connection, i). Cluster redirects are followed (MOVED reloads the slot map, ASK
         goes to the named node once); a key whose node cannot be reached gets failed(i)."""
@@ -270,11 +276,18 @@ class ValkeyTier(L2Backend):
                     self._error(str(e))
                     out[i] = failed(i)
             retry = []
-            for addr, idx in groups.items():
+            jobs = [(addr, part) for addr, idx in groups.items() for part in self._streams(idx, window)]
+
+            def run(job):
+                addr, idx = job
                 try:
-                    got = self._node(addr).run(lambda c, idx=idx: self._pipe(c, idx, frame_of, read_of, asking))
+                    return idx, self._node(addr).run(lambda c: self._pipe(c, idx, frame_of, read_of, asking, window))
                 except (ConnectionError, RespError) as e:
-                    self._error(str(e))
+                    return idx, e
+
+            for idx, got in (self._parallel.map(run, jobs) if len(jobs) > 1 else map(run, jobs)):
+                if isinstance(got, Exception):
+                    self._error(str(got))
                     reload = self.cluster  # a primary may have failed over
                     for i in idx:
                         out[i] = failed(i)
@@ -304,20 +317,33 @@ class ValkeyTier(L2Backend):
             out[i] = failed(i)
         return out
 
+    def _streams(self, idx: list[int], window: int) -> list[list[int]]:
+        """Values (window set: gets; or puts, see put) spread over the node's connections, so that
+        several TCP streams move them at once; small commands stay on one."""
+        k = min(self._connections, len(idx)) if window else 1
+        return [idx[j::k] for j in range(k)]
+
     @staticmethod
-    def _pipe(c: Connection, idx: list[int], frame_of, read_of, asking: dict) -> list:
-        parts, framed = [], 0
-        for i in idx:  # large values go out as they are framed (their checksums are ready one by one)
-            if i in asking:
-                parts += Connection.frame("ASKING")
-            more = _flatten(frame_of(i))
-            parts += more
-            framed += sum(memoryview(p).nbytes for p in more)
-            if framed >= SEND_BATCH:
+    def _pipe(c: Connection, idx: list[int], frame_of, read_of, asking: dict, window: int = 0) -> list:
+        """The commands of idx on one connection; with a window, at most that many are in flight
+        (large replies: the server would copy every pipelined value into output buffers)."""
+
+        def send(some: list[int]) -> None:
+            parts, framed = [], 0
+            for i in some:  # large values go out as they are framed (their checksums are ready one by one)
+                if i in asking:
+                    parts += Connection.frame("ASKING")
+                more = _flatten(frame_of(i))
+                parts += more
+                framed += sum(memoryview(p).nbytes for p in more)
+                if framed >= SEND_BATCH:
+                    c.send(parts)
+                    parts, framed = [], 0
+            if parts:
                 c.send(parts)
-                parts, framed = [], 0
-        if parts:
-            c.send(parts)
+
+        ahead = window or len(idx)
+        send(idx[:ahead])
         out = []
         for i in idx:
             if i in asking:
@@ -331,6 +357,9 @@ class ValkeyTier(L2Backend):
                     out.append(_Redirect((host or c.sock.getpeername()[0], int(port)), words[0] == "ASK"))
                 else:
                     raise
+            if ahead < len(idx):
+                send(idx[ahead:ahead + 1])
+                ahead += 1
         return out
 
     def _error(self, msg: str) -> None:
@@ -373,7 +402,7 @@ class ValkeyTier(L2Backend):
             head = pack_header(MAGIC, keys[i], formats[i], sizes[i], sums[i].result())
             return Connection.frame("SET", rkeys[i], _Joined(head, _view(ptrs[i], sizes[i])), *px)
 
-        ok = self._batch(rkeys, frame_of, lambda c, i: c.read() == "OK", lambda i: False)
+        ok = self._batch(rkeys, frame_of, lambda c, i: c.read() == "OK", lambda i: False, window=PUT_WINDOW)
         with self._lock:
             for rk, n, good in zip(rkeys, sizes, ok):
                 if good:
@@ -392,7 +421,8 @@ class ValkeyTier(L2Backend):
             n = c.read_value_into(memoryview(head), _view(ptrs[i], capacities[i]))
             return self._check(n, head, keys[i], formats[i], ptrs[i], capacities[i])
 
-        results = self._batch(rkeys, lambda i: Connection.frame("GET", rkeys[i]), read_of, lambda i: IO_ERROR)
+        results = self._batch(rkeys, lambda i: Connection.frame("GET", rkeys[i]), read_of, lambda i: IO_ERROR,
+                              window=GET_WINDOW)
         results = [self._sum_checked(*r) if isinstance(r, tuple) else r for r in results]
         self._note_missing([rk for rk, r in zip(rkeys, results) if r == MISS])
         with self._lock:
@@ -467,6 +497,7 @@ class ValkeyTier(L2Backend):
             nodes = list(self._nodes.values())
         for n in nodes:
             n.close()
+        self._parallel.shutdown(wait=True)
 
 
 class _Joined:
