@@ -145,11 +145,11 @@ time.sleep(3600)
 class Backend:
     """A network L2 started here on loopback: the server flags that reach it and the tier itself."""
 
-    def __init__(self, kind: str, work: str, arena_bytes: int):
+    def __init__(self, kind: str, work: str, arena_bytes: int, valkey_io_threads: int = 1):
         self.kind, self.procs = kind, []
         if kind == "valkey":
             port = free_port()
-            self.procs.append(start_valkey(port, work, maxmemory="24gb"))
+            self.procs.append(start_valkey(port, work, maxmemory="24gb", io_threads=valkey_io_threads))
             self.url = f"redis://127.0.0.1:{port}"
             self.args = ["--l2-redis", self.url]
         else:
@@ -344,6 +344,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--layers", type=int, default=LLAMA["layers"], help="of the server runs' KV cache (1 MiB each "
                     "per 256-token chunk)")
+    ap.add_argument("--valkey-io-threads", type=int, default=1, help="valkey-server's io-threads")
     ap.add_argument("--json")
     args = ap.parse_args()
     obj = args.object_mib * MiB
@@ -368,7 +369,7 @@ def main() -> int:
             shutil.rmtree(path, ignore_errors=True)
     else:
         work = tempfile.mkdtemp()
-        backend = Backend(args.backend, work, args.objects * obj)
+        backend = Backend(args.backend, work, args.objects * obj, args.valkey_io_threads)
         try:
             buf = np.random.default_rng(0).integers(0, 256, obj, dtype=np.uint8)
             read_ceiling = raw_tcp(obj, args.objects, buf)

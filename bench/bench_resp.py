@@ -52,9 +52,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_valkey(port: int, workdir: str, maxmemory: str = "8gb") -> subprocess.Popen:
+def start_valkey(port: int, workdir: str, maxmemory: str = "8gb", io_threads: int = 1) -> subprocess.Popen:
     proc = subprocess.Popen([valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", workdir, "--maxmemory", maxmemory,
+                             "--io-threads", str(io_threads),
                              "--maxmemory-policy", "allkeys-lru", "--proto-max-bulk-len", "1gb"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
