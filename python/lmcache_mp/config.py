@@ -12,6 +12,7 @@ ENV_PREFIX = "LMCACHE_MP_"
 DEVICES = ("auto", "cpu", "cuda")
 TRANSFER_MODES = ("auto", "direct", "staged", "dma")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DEFAULT_HTTP_ADDR = "127.0.0.1:9099"
 L2_WRITE_POLICIES = ("evicted", "all", "none")
 _SIZE_FIELDS = ("l1_size", "staging_size", "slab_size", "l2_disk_size", "l2_queue_size",
                 "l2_mooncake_segment")  # int or a string with units
@@ -104,7 +105,17 @@ class ServerConfig:
         0.5, "seconds a lookup with lock waits for chunks found in L2 to reach L1 before it answers")
     max_prefetches: int = _setting(64, "lookups whose L2 chunks load at once (more: answered from L1 alone)")
     numa_node: int = _setting(-1, "NUMA node of the arena (-1: the first GPU's node where known)")
-    metrics_port: int = _setting(0, "serve Prometheus metrics on this port (0: off)")
+    curve_secret_key: str = _setting(
+        "", "the server's CURVE secret key file (lmcache-mp-server keygen DIR makes it): encrypted, authenticated "
+        "ZeroMQ; required to bind TCP on an address other than loopback")
+    curve_clients: str = _setting(
+        "", "with CURVE: a folder of the public keys of the clients let in (empty: any client that knows the "
+        "server's public key)")
+    ipc_group: str = _setting(
+        "", "ipc:// socket files are 0600 (this user only); with a group (name or id) 0660 of that group")
+    http_addr: str = _setting(
+        DEFAULT_HTTP_ADDR, "HOST:PORT of the HTTP listener for /metrics, /live, /health and /status (off: none; "
+        "when the default is taken by another server, this one runs without it and says so)")
     log_level: str = _setting("INFO", "DEBUG, INFO, WARNING or ERROR")
 
     def __post_init__(self) -> None:
@@ -130,8 +141,22 @@ class ServerConfig:
             raise ValueError(f"l2_redis_ttl must not be negative, got {self.l2_redis_ttl}")
         if self.prefetch_timeout < 0:
             raise ValueError(f"prefetch_timeout must not be negative, got {self.prefetch_timeout}")
+        if self.http_addr.lower() in ("", "off", "none"):
+            self.http_addr = "off"
+        else:
+            from lmcache_mp.server.http import parse_addr
+
+            parse_addr(self.http_addr)
         if not re.match(r"^(tcp|ipc|inproc)://", self.url):
             raise ValueError(f"url must start with tcp://, ipc:// or inproc://, got {self.url!r}")
+        from lmcache_mp.server.curve import is_loopback_url
+
+        if not self.curve_secret_key and not is_loopback_url(self.url):
+            raise ValueError(f"binding {self.url} lets other machines in: it needs authentication. Run "
+                             "`lmcache-mp-server keygen DIR` and pass --curve-secret-key DIR/server.key_secret "
+                             "(see docs/OPERATIONS.md), or bind a loopback address or ipc://")
+        if self.curve_clients and not self.curve_secret_key:
+            raise ValueError("curve_clients needs curve_secret_key")
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
         if self.device not in DEVICES:

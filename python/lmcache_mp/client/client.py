@@ -26,6 +26,7 @@ import zmq
 
 from lmcache_mp import protocol as p
 from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_stream
+from lmcache_mp.client.curve import apply_curve
 from lmcache_mp.client.io_thread import IOThread, add_trace
 from lmcache_mp.client.leases import HeldLeases, LookupResult
 from lmcache_mp.client.tensors import DescribedCache, describe_kv_caches
@@ -113,11 +114,14 @@ class Client:
     on a store or retrieve polls for its reply before it sleeps (a sleeping thread wakes tens of
     microseconds late; 0: sleep at once; default: 5000 on machines of at least 8 cores, else 0).
     local_lane: send small requests on the server's local lane when it offers one and this
-    process can reach it (a unix datagram socket: no ZeroMQ I/O threads on the way)."""
+    process can reach it (a unix datagram socket: no ZeroMQ I/O threads on the way).
+    curve_server_key, curve_client_key: key files for a server with CURVE authentication
+    (default: LMCACHE_MP_CURVE_SERVER_KEY and LMCACHE_MP_CURVE_CLIENT_KEY; see client/curve.py)."""
 
     def __init__(self, url: str, *, timeout: float = 10.0, connect_timeout: float = 5.0,
                  heartbeat_interval: float = 1.0, name: str = "", trace: bool = False, spin_us: int | None = None,
-                 local_lane: bool = True):
+                 local_lane: bool = True, curve_server_key: str | None = None,
+                 curve_client_key: str | None = None):
         self.url = url
         # Timing traces (lmcache-mp-bench --trace): the futures of store/retrieve get .trace, and
         # last_trace() gives the calling thread's last synchronous call: [(stage, monotonic ns)].
@@ -128,6 +132,7 @@ class Client:
         self.name = name or f"pid{os.getpid()}"
         self.client_id = secrets.token_bytes(16)
         self._ctx = zmq.Context()
+        self.curve = apply_curve(self._ctx, curve_server_key, curve_client_key)  # (also from the environment)
         self._local = threading.local()
         self._sync_sockets: list[zmq.Socket] = []
         self._ids = itertools.count(1)
@@ -219,7 +224,8 @@ class Client:
             sock.send_multipart((p.pack_request_id(rid), body) if stamps is None
                                 else (p.pack_request_id(rid), body, p.TRACE_FRAME))
         except zmq.Again:
-            raise ServerUnavailable(f"no server reachable at {self.url} within {timeout:.3g} s") from None
+            hint = " (with CURVE: are the server key and this client's key the right ones?)" if self.curve else ""
+            raise ServerUnavailable(f"no server reachable at {self.url} within {timeout:.3g} s{hint}") from None
         if stamps is not None:
             stamps.append(("client sent", time.monotonic_ns()))
         spin_until = time.monotonic() + self._spin

@@ -20,7 +20,8 @@ logger = logging.getLogger("lmcache_mp")
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="lmcache-mp-server",
-        description="Standalone multiprocess KV-cache server for LLM inference engines.",
+        description="Standalone multiprocess KV-cache server for LLM inference engines. "
+        "`lmcache-mp-server keygen DIR` makes CURVE keys (see --curve-secret-key).",
         epilog="Every setting can also come from the environment (LMCACHE_MP_<NAME>, e.g. "
         "LMCACHE_MP_L1_SIZE=64GiB) or a TOML file (--config). Sizes accept units: 512MiB, 64GiB.",
     )
@@ -53,7 +54,25 @@ def tune_process() -> None:
     gc.set_threshold(gen0, gen1, 1 << 30)
 
 
+def keygen_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="lmcache-mp-server keygen",
+                                 description="Make CURVE keys: the server's pair and one client's, in DIR.")
+    ap.add_argument("dir")
+    args = ap.parse_args(argv)
+    from lmcache_mp.server.curve import keygen
+
+    try:
+        print(keygen(args.dir))
+    except OSError as e:
+        print(f"lmcache-mp-server keygen: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keygen"]:
+        return keygen_main(argv[1:])
     args = vars(_parser().parse_args(argv))
     config_file = args.pop("config")
     try:

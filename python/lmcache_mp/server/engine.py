@@ -74,6 +74,8 @@ class MPCacheEngine(RegistrationHandling):
         self._bulk = SerialWorker("lmcache-housekeeping")
         self._pinned = False  # the arena's background pinning has finished
         self.lane = ""  # the transport's local-lane address, told to clients in HELLO
+        self.url = ""  # the bound endpoint
+        self.http = ""  # the HTTP listener's address ("" when none)
         # Every registration's thread, until it ended: close() waits for them all, so that no
         # context is torn down (driver calls, without the GIL) while the interpreter shuts down.
         self._workers: set[SerialWorker] = set()
@@ -484,6 +486,8 @@ class MPCacheEngine(RegistrationHandling):
             "version": __version__,
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
+            "url": self.url,
+            "http": self.http,
             "device": self.device,
             "chunk_size": self.config.chunk_size,
             "clients": len(self._clients),
@@ -495,6 +499,11 @@ class MPCacheEngine(RegistrationHandling):
         if self.l2 is not None:
             out["l2"] = self.l2.stats()
         return out
+
+    @property
+    def closing(self) -> bool:
+        """close() has begun (the server drains, then stops)."""
+        return self._closed
 
     def add_close_hook(self, fn: Callable[[], None]) -> None:
         self._close_hooks.append(fn)

@@ -20,6 +20,7 @@ import socket
 import threading
 
 from lmcache_mp import protocol as p
+from lmcache_mp.server.socket_files import share_with_group, socket_files_private
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class LaneConn:
 
 
 class Lane:
-    def __init__(self, zmq_url: str):
+    def __init__(self, zmq_url: str, ipc_group: str = ""):
         self._path = None
         if zmq_url.startswith("ipc://"):
             self._path = zmq_url[len("ipc://"):] + ".lane"
@@ -71,7 +72,10 @@ class Lane:
             self.address = "@" + name
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK
                                        | socket.SOCK_CLOEXEC)
-        self._listener.bind(bind_to)
+        with socket_files_private():
+            self._listener.bind(bind_to)
+        if self._path:
+            share_with_group(self._path, ipc_group)
         self._listener.listen(256)
         self.conns: list[LaneConn] = []
         self._full_logged = False

@@ -7,7 +7,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 
-class _StatusCollector:
+class StatusCollector:
     def __init__(self, engine):
         self.engine = engine
 
@@ -77,14 +77,3 @@ def _l2_metrics(l2: dict):
         for t in l2["tiers"]:
             c.add_metric([t["name"]], t.get(field, 0))
         yield c
-
-
-def serve_metrics(engine, port: int):
-    """Serve /metrics on `port`; returns a function that stops the HTTP server."""
-    from prometheus_client import CollectorRegistry, start_http_server
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StatusCollector(engine))
-    server, _thread = start_http_server(port, registry=registry)
-    logger.info("Prometheus metrics on :%d/metrics", server.server_port)
-    return server.shutdown

@@ -6,6 +6,8 @@ import logging
 import signal
 import threading
 
+import zmq
+
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.server.engine import MPCacheEngine
 from lmcache_mp.server.transport import Transport
@@ -21,19 +23,30 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
     then drain and stop.
     """
     engine = MPCacheEngine(config)
+    curve = None
     try:
-        transport = Transport(config.url, engine, spin_us=config.spin_us, lane=config.local_lane)
+        if config.curve_secret_key:
+            from lmcache_mp.server.curve import CurveServer
+
+            curve = CurveServer(zmq.Context.instance(), config.curve_secret_key, config.curve_clients)
+            engine.add_close_hook(curve.stop)
+        transport = Transport(config.url, engine, spin_us=config.spin_us, lane=config.local_lane,
+                              ipc_group=config.ipc_group, curve=curve)
     except Exception:
         engine.close()
         raise
     engine.url = transport.url
     engine.lane = transport.lane.address if transport.lane is not None else ""
     engine.add_close_hook(transport.stop)
-    if config.metrics_port:
-        from lmcache_mp.server.metrics import serve_metrics
-
-        engine.add_close_hook(serve_metrics(engine, config.metrics_port))
+    http = None
+    try:
+        http = _http_endpoint(config, engine, transport)
+    except Exception:
+        engine.close()
+        raise
     transport.start()
+    if http is not None:
+        http.ready = True
     if return_engine:
         return engine
     stop = threading.Event()
@@ -53,6 +66,28 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
             signal.signal(s, h)
         logger.info("stopped")
     return None
+
+
+def _http_endpoint(config: ServerConfig, engine: MPCacheEngine, transport: Transport):
+    """The HTTP listener (stopped last, so that /health says "draining" while the server drains).
+    The default address taken (another server on this machine) is a warning, any other failure
+    to bind an error."""
+    if config.http_addr == "off":
+        return None
+    from lmcache_mp.config import DEFAULT_HTTP_ADDR
+    from lmcache_mp.server.http import HttpEndpoint
+
+    try:
+        http = HttpEndpoint(config.http_addr, engine, transport)
+    except OSError as e:
+        if config.http_addr != DEFAULT_HTTP_ADDR:
+            raise OSError(f"cannot serve HTTP on {config.http_addr}: {e}") from None
+        logger.warning("no HTTP listener (/metrics, /health): %s is taken (%s); set --http-addr", config.http_addr,
+                       e.strerror or e)
+        return None
+    engine.http, engine.http_endpoint = http.address, http
+    engine.add_close_hook(http.stop)
+    return http.start()
 
 
 class Server:

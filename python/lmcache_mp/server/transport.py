@@ -19,6 +19,7 @@ import zmq
 from lmcache_mp import protocol as p
 from lmcache_mp.native import spin_poll
 from lmcache_mp.server.lane import Lane, LaneConn
+from lmcache_mp.server.socket_files import share_with_group, socket_files_private
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class LaneResponder:
 
 class Transport:
     def __init__(self, url: str, engine, context: zmq.Context | None = None, spin_us: int = 0,
-                 lane: bool = True):
+                 lane: bool = True, ipc_group: str = "", curve=None):
         self.engine = engine
         self._spin = spin_us / 1e6
         self._ctx = context or zmq.Context.instance()
@@ -80,9 +81,15 @@ class Transport:
         self._sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.bind(url)
+        if curve is not None:  # the lane has no authentication: only ZeroMQ with CURVE then
+            curve.apply(self._sock)
+            lane = False
+        with socket_files_private():
+            self._sock.bind(url)
         self.url = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ipc_path = self.url[len("ipc://"):] if self.url.startswith("ipc://") else None
+        if self._ipc_path:
+            share_with_group(self._ipc_path, ipc_group)
         self._sock_lock = threading.Lock()  # every use of the socket, from any thread
         self._open = True
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -90,10 +97,14 @@ class Transport:
         # mailbox eventfd, which then aborts the process): close and write under one lock.
         self._wake_lock = threading.Lock()
         self._wake_open = True
-        self.lane = Lane(self.url) if lane else None
+        self.lane = Lane(self.url, ipc_group) if lane else None
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="lmcache-socket", daemon=True)
         self._ident: int | None = None
+        self.beat = time.monotonic()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def start(self) -> None:
         self._thread.start()
@@ -173,6 +184,7 @@ class Transport:
         next_tick = time.monotonic() + TICK_SECONDS
         spin_until = 0.0
         while not self._stop:
+            self.beat = time.monotonic()  # /live: the loop goes round (at least every TICK_SECONDS)
             if self.lane is not None and fds_version != self.lane.version:
                 fds, fds_version = base + self.lane.fds(), self.lane.version
             frames = self._recv()

@@ -132,19 +132,19 @@ class _Node:
         self._pool: queue.LifoQueue = queue.LifoQueue()
         self._slots = threading.Semaphore(connections)
         self._lock = threading.Lock()
-        self._down_until = 0.0
+        self.down_until = 0.0
         self._backoff = BACKOFF_S[0]
         self.connects = 0
 
     def _connect(self) -> Connection:
         now = time.monotonic()
-        if now < self._down_until:
-            raise ConnectionError(f"{self.addr[0]}:{self.addr[1]} is down (next try in {self._down_until - now:.1f} s)")
+        if now < self.down_until:
+            raise ConnectionError(f"{self.addr[0]}:{self.addr[1]} is down (next try in {self.down_until - now:.1f} s)")
         try:
             c = Connection(self.addr[0], self.addr[1], self._timeout, **self._auth)
         except (OSError, RespError) as e:
             with self._lock:
-                self._down_until = time.monotonic() + self._backoff
+                self.down_until = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, BACKOFF_S[1])
             raise ConnectionError(f"{self.addr[0]}:{self.addr[1]}: {e}") from None
         with self._lock:
@@ -165,7 +165,7 @@ class _Node:
             except (OSError, ConnectionError) as e:  # a timeout too: later calls fail fast for a while
                 c.close()
                 with self._lock:
-                    self._down_until = time.monotonic() + self._backoff
+                    self.down_until = time.monotonic() + self._backoff
                     self._backoff = min(self._backoff * 2, BACKOFF_S[1])
                 raise ConnectionError(f"{self.addr[0]}:{self.addr[1]}: {e}") from None
             self._pool.put(c)
@@ -214,10 +214,11 @@ class ValkeyTier(L2Backend):
                 self._load_slots()
             else:
                 self._node(self._seeds[0]).run(lambda c: c.call("PING"))
-            logger.info("L2 valkey %s: connected%s", url, f", a cluster of {len(set(self._slot_map))} primaries"
-                        if self.cluster else "")
+            logger.info("L2 valkey %s: connected%s", _redacted(url),
+                        f", a cluster of {len(set(self._slot_map))} primaries" if self.cluster else "")
         except (ConnectionError, RespError) as e:
-            logger.warning("L2 valkey %s: not reachable (%s); serving from the other tiers until it is", url, str(e))
+            logger.warning("L2 valkey %s: not reachable (%s); serving from the other tiers until it is",
+                           _redacted(url), str(e))
 
     # ---- routing -----------------------------------------------------------------------------
 
@@ -488,7 +489,9 @@ class ValkeyTier(L2Backend):
         with self._lock:
             st = dict(self._st)
             nodes = list(self._nodes.values())
-        return {"url": self.url, "cluster": self.cluster, "nodes": len(nodes),
+        now = time.monotonic()
+        return {"url": _redacted(self.url), "cluster": self.cluster, "nodes": len(nodes),
+                "connected": bool(nodes) and all(now >= n.down_until for n in nodes),
                 "connects": sum(n.connects for n in nodes), **st, "read_seconds": self._st_seconds["read"],
                 "write_seconds": self._st_seconds["write"], "last_error": self.last_error}
 
@@ -498,6 +501,14 @@ class ValkeyTier(L2Backend):
         for n in nodes:
             n.close()
         self._parallel.shutdown(wait=True)
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password (status and logs are not secret)."""
+    u = urlparse(url)
+    if u.password is None:
+        return url
+    return url.replace(f":{u.password}@", ":***@", 1)
 
 
 class _Joined:

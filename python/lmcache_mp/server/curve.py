@@ -1,0 +1,85 @@
+"""ZeroMQ CURVE for the server: encrypted, authenticated connections (pyzmq's zmq.auth).
+
+`lmcache-mp-server keygen DIR` makes DIR/server.key (public: give it to the clients),
+DIR/server.key_secret (the server's: --curve-secret-key), and one client key pair in
+DIR/clients/ (client.key, client.key_secret). With --curve-clients DIR/clients, only clients
+whose public key file is in that folder get past the handshake; without it, any client that
+knows the server's public key does. A client without the right keys gets no handshake, so no
+request of its ever reaches the engine.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+from urllib.parse import urlparse
+
+import zmq
+import zmq.auth
+
+logger = logging.getLogger(__name__)
+
+
+def is_loopback_url(url: str) -> bool:
+    """tcp:// on a loopback address, or not tcp at all (ipc://, inproc:// stay on this machine)."""
+    if not url.startswith("tcp://"):
+        return True
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # an interface name or a host name: resolve what it binds
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+class CurveServer:
+    """Applies the server's keys to the ROUTER socket and runs the authenticator (ZAP) thread."""
+
+    def __init__(self, ctx: zmq.Context, secret_key_file: str, clients_dir: str = ""):
+        from zmq.auth.thread import ThreadAuthenticator
+
+        public, secret = zmq.auth.load_certificate(secret_key_file)
+        if secret is None:
+            raise ValueError(f"{secret_key_file} holds no secret key (the server needs server.key_secret)")
+        if clients_dir and not os.path.isdir(clients_dir):
+            raise ValueError(f"curve_clients: {clients_dir} is not a folder of client public keys")
+        self.public, self._secret = public, secret
+        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("lmcache_mp.auth"))
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=clients_dir or zmq.auth.CURVE_ALLOW_ANY)
+        logger.info("CURVE: server key %s, clients %s", public.decode(),
+                    f"with a key in {clients_dir}" if clients_dir else "that know the server key")
+
+    def apply(self, sock: zmq.Socket) -> None:
+        sock.curve_secretkey = self._secret
+        sock.curve_publickey = self.public
+        sock.curve_server = True
+
+    def stop(self) -> None:
+        self._auth.stop()
+
+
+def keygen(directory: str) -> str:
+    """The server's key pair and one client's; returns what to do with them."""
+    os.makedirs(os.path.join(directory, "clients"), exist_ok=True)
+    if os.path.exists(os.path.join(directory, "server.key_secret")):
+        raise FileExistsError(f"{directory}/server.key_secret exists: keys are never overwritten")
+    old = os.umask(0o077)  # secret keys: this user only
+    try:
+        zmq.auth.create_certificates(directory, "server")
+        zmq.auth.create_certificates(os.path.join(directory, "clients"), "client")
+    finally:
+        os.umask(old)
+    secret_dir = os.path.join(directory, "client-secret")
+    os.makedirs(secret_dir, exist_ok=True)
+    os.replace(os.path.join(directory, "clients", "client.key_secret"), os.path.join(secret_dir, "client.key_secret"))
+    return (f"server:  --curve-secret-key {directory}/server.key_secret --curve-clients {directory}/clients\n"
+            f"clients: LMCACHE_MP_CURVE_SERVER_KEY={directory}/server.key "
+            f"LMCACHE_MP_CURVE_CLIENT_KEY={secret_dir}/client.key_secret\n"
+            f"(more clients: add their public .key files to {directory}/clients)")

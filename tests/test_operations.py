@@ -1,0 +1,176 @@
+"""What an operator relies on: the HTTP listener (/live, /health, /status, /metrics with values
+after known traffic), socket files only this user (or one group) can open, and CURVE: a TCP bind
+beyond loopback refuses to start without keys; with keys, only clients holding the right ones
+get a handshake."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import urllib.error
+import urllib.request
+
+import pytest
+
+import cpu_workers as w
+from lmcache_mp import Client, ServerConfig, chunk_hashes
+from lmcache_mp.errors import ServerUnavailable
+from lmcache_mp.server.cli import main as cli_main
+from test_l2_tier import retrieved_exact, store_prompts
+from test_server_e2e import CHUNK, clients, no_internal_errors, register_mha, servers  # noqa: F401
+
+
+def get(addr: str, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://{addr}{path}", timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def test_http_endpoints_after_known_traffic(shm_files, servers, clients, no_internal_errors):  # noqa: F811
+    srv = servers(http_addr="127.0.0.1:0")
+    addr = srv.engine.http
+    assert get(addr, "/live") == (200, b"live\n")
+    code, body = get(addr, "/health")
+    assert code == 200 and json.loads(body)["state"] == "ready"
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    store_prompts(c, h, kv, [1, 2])
+    assert c.lookup(chunk_hashes(w.prompt(1, 4), CHUNK), model="m") == 4
+    assert retrieved_exact(c, h, kv, 1) == 4
+    code, body = get(addr, "/metrics")
+    text = body.decode()
+    assert code == 200
+    assert metric(text, "lmcache_mp_stored_total") == 8 and metric(text, "lmcache_mp_l1_objects") == 8
+    assert metric(text, "lmcache_mp_lookups_total") == 1 and metric(text, "lmcache_mp_hits_total") == 4
+    assert metric(text, "lmcache_mp_registrations") == 1
+    code, body = get(addr, "/status")
+    status = json.loads(body)
+    assert code == 200 and status["url"] == srv.url and status["l1"]["objects"] == 8
+    assert get(addr, "/nope")[0] == 404
+    endpoint = srv.engine.http_endpoint
+    endpoint.ready = False  # as between binding and serving
+    assert get(addr, "/health")[0] == 503 and json.loads(get(addr, "/health")[1])["state"] == "starting"
+    endpoint.ready = True
+    srv.engine._closed = True  # as while it drains: not ready, still live
+    try:
+        code, body = get(addr, "/health")
+        assert code == 503 and json.loads(body)["state"] == "draining"
+        assert get(addr, "/live")[0] == 200
+    finally:
+        srv.engine._closed = False
+
+
+def test_health_reports_an_l2_tier_that_is_down_and_stays_ready(servers, tmp_path):  # noqa: F811
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    srv = servers(http_addr="127.0.0.1:0", l2_redis=f"redis://u:secret@127.0.0.1:{port}")
+    code, body = get(srv.engine.http, "/health")
+    health = json.loads(body)
+    assert code == 200 and health["l2"][0]["name"] == "valkey" and health["l2"][0]["up"] is False
+    status = get(srv.engine.http, "/status")[1].decode()
+    assert "secret" not in status and ":***@" in status  # the password never shows
+
+
+def test_the_default_http_address_taken_is_a_warning_another_an_error(servers, caplog):  # noqa: F811
+    from lmcache_mp.config import DEFAULT_HTTP_ADDR
+    from lmcache_mp.server.http import parse_addr
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(parse_addr(DEFAULT_HTTP_ADDR))
+        except OSError:
+            pass  # taken already: what this test wants
+        s.listen(1)
+        srv = servers()  # default address: runs without HTTP and says so
+        assert srv.engine.http == "" and "no HTTP listener" in caplog.text
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        with pytest.raises(OSError, match="cannot serve HTTP"):  # an address given on purpose
+            servers(http_addr="127.0.0.1:%d" % s.getsockname()[1])
+
+
+def test_ipc_socket_files_are_private_or_shared_with_one_group(tmp_path, servers):  # noqa: F811
+    for group, mode in (("", 0o600), (str(os.getgid()), 0o660)):
+        path = tmp_path / f"s{mode:o}.sock"
+        servers(url=f"ipc://{path}", ipc_group=group)
+        for f in (path, path.with_name(path.name + ".lane")):
+            st = os.stat(f)
+            assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == mode, (f, oct(st.st_mode))
+            assert st.st_gid == os.getgid()
+
+
+@pytest.mark.parametrize("url", ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://[::]:5555"])
+def test_a_bind_beyond_loopback_needs_keys(url, capsys):
+    with pytest.raises(ValueError, match="needs authentication"):
+        ServerConfig(url=url, device="cpu")
+    assert cli_main(["--url", url, "--device", "cpu"]) == 2
+    assert "keygen" in capsys.readouterr().err
+
+
+@pytest.fixture
+def keys(tmp_path):
+    assert cli_main(["keygen", str(tmp_path / "keys")]) == 0
+    other = tmp_path / "other"
+    assert cli_main(["keygen", str(other)]) == 0  # someone else's keys
+    k = tmp_path / "keys"
+    return dict(server_secret=str(k / "server.key_secret"), server_public=str(k / "server.key"),
+                clients=str(k / "clients"), client_secret=str(k / "client-secret" / "client.key_secret"),
+                other_server=str(other / "server.key"), other_client=str(other / "client-secret" / "client.key_secret"))
+
+
+def test_curve_lets_in_only_clients_with_the_right_keys(shm_files, servers, clients, keys,  # noqa: F811
+                                                        no_internal_errors):
+    srv = servers(curve_secret_key=keys["server_secret"], curve_clients=keys["clients"])
+    assert srv.engine.lane == ""  # the lane has no authentication: not offered
+    c = clients(srv.url, curve_server_key=keys["server_public"], curve_client_key=keys["client_secret"])
+    kv, h = register_mha(c, num_blocks=128)
+    store_prompts(c, h, kv, [1])
+    assert retrieved_exact(c, h, kv, 1) == 4
+    for kw in (dict(),  # plain text
+               dict(curve_server_key=keys["server_public"]),  # a key pair of its own, not let in
+               dict(curve_server_key=keys["server_public"], curve_client_key=keys["other_client"]),
+               dict(curve_server_key=keys["other_server"], curve_client_key=keys["client_secret"])):
+        with pytest.raises(ServerUnavailable):
+            Client(srv.url, connect_timeout=0.5, **kw)
+    assert srv.engine.status()["clients"] == 1  # no request of theirs reached the engine
+    assert retrieved_exact(c, h, kv, 1) == 4
+
+
+def test_curve_keys_from_the_environment_and_any_client_knowing_the_server_key(servers, keys, monkeypatch):  # noqa: F811
+    srv = servers(curve_secret_key=keys["server_secret"])  # no client list
+    monkeypatch.setenv("LMCACHE_MP_CURVE_SERVER_KEY", keys["server_public"])
+    c = Client(srv.url, connect_timeout=5)
+    try:
+        assert c.curve and c.ping() >= 0
+    finally:
+        c.close()
+
+
+def test_every_metric_of_the_dashboard_and_the_docs_exists(servers, tmp_path):  # noqa: F811
+    import re
+    from pathlib import Path
+
+    srv = servers(http_addr="127.0.0.1:0", l2_disk=str(tmp_path / "l2"), l2_disk_size="64MiB")
+    served = set(re.findall(r"^# HELP (lmcache_mp_\w+)", get(srv.engine.http, "/metrics")[1].decode(), re.M))
+    served |= {m[:-len("_total")] for m in served if m.endswith("_total")}
+    docs = Path(__file__).parent.parent / "docs"
+    dashboard = json.loads((docs / "grafana-dashboard.json").read_text())
+    exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
+    used = set(re.findall(r"lmcache_mp_\w+", exprs))
+    assert used and used <= served, used - served
+    documented = set(re.findall(r"`(lmcache_mp_\w+)`", (docs / "OPERATIONS.md").read_text()))
+    assert documented <= served, documented - served
