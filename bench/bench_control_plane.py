@@ -102,7 +102,8 @@ def main() -> int:
         # a 1-chunk store of a tiny CPU cache: the whole request path, bytes nearly free
         hashes = chunk_hashes(np.arange(16), 16)
         client.store(handle, hashes, [0]).result()
-        body = p.encode(p.Store(kv_id=handle.kv_id, hashes=hashes[0], block_ids=p.pack_block_ids([0])))
+        body = p.encode(p.Store(kv_id=handle.kv_id, hashes=hashes[0], block_ids=p.pack_block_ids([0]),
+                                client_id=client.client_id))
 
         def bare_store():
             bare.send_multipart((rid, body))

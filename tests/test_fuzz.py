@@ -24,7 +24,8 @@ CID = b"fuzzer-client-id"  # 16 bytes
 BATCHES = 200  # of 50 frames each, a real round trip after each batch
 
 
-def valid_requests(kv_id: int = 7, shm_name: str = "lmcache_mp_1_ab", shm_size: int = 1 << 20) -> list[bytes]:
+def valid_requests(kv_id: int = 7, shm_name: str = "lmcache_mp_1_ab", shm_size: int = 1 << 20,
+                   owner: bytes = b"o" * 16) -> list[bytes]:
     """One well-formed body of every op (values that get deep into the server's checks)."""
     layer = p.LayerRef(shape=[2, 64, 8, 2, 8], strides=[8192, 128, 16, 8, 1], dtype="float16", element_size=2,
                        memory=p.MemoryRef(kind="shm", name=shm_name, offset=0, size=shm_size))
@@ -34,9 +35,10 @@ def valid_requests(kv_id: int = 7, shm_name: str = "lmcache_mp_1_ab", shm_size: 
         p.Hello(version=p.PROTOCOL_VERSION, client_id=CID, client_name="fuzz", pid=1, capabilities=["x"]),
         p.RegisterKVCache(client_id=CID, model="fz", world_size=1, rank=0, device="cpu", device_uuid=b"",
                           layout="auto", layers=[layer, layer]),
-        p.UnregisterKVCache(kv_id=kv_id + 1),
-        p.Store(kv_id=kv_id, hashes=h, block_ids=ids, salt=b"s"),
-        p.Retrieve(kv_id=kv_id, hashes=h, block_ids=p.pack_block_ids(range(8, 16)), lease=3, deadline=1e12),
+        p.UnregisterKVCache(kv_id=kv_id + 1, client_id=owner),
+        p.Store(kv_id=kv_id, hashes=h, block_ids=ids, salt=b"s", client_id=owner),
+        p.Retrieve(kv_id=kv_id, hashes=h, block_ids=p.pack_block_ids(range(8, 16)), lease=3, deadline=1e12,
+                   client_id=owner),
         p.Lookup(client_id=CID, model="fz", world_size=1, hashes=h, lock=True),
         p.Release(client_id=CID, lease=3, hashes=h[:16]),
         p.Clear(),
@@ -125,7 +127,7 @@ def test_a_live_server_answers_every_fuzzed_frame_and_keeps_serving(shm_files):
         kv, h = register_mha(real, model="real", num_blocks=64)
         tkv, th = register_mha(target, model="fz", num_blocks=64)
         mem = th.described.layers[0].memory
-        pool = valid_requests(th.kv_id, mem.name, mem.size)
+        pool = valid_requests(th.kv_id, mem.name, mem.size, target.client_id)
 
         def round_trip(i: int) -> None:
             hashes = chunk_hashes(w.prompt(50_000 + i, 2), 32)

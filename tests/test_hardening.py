@@ -71,7 +71,7 @@ def test_state_without_a_live_owner_is_refused_or_reclaimed(shm_files, server):
         assert server.engine.l1.lease(leased.lease) is None
         assert server.engine.status()["l1"]["leases"] == 0
         # the owner, which kept sending heartbeats, keeps everything
-        assert owner.lookup(hashes, model="m") == 2 and server.engine.status()["registrations"][0]["kv_id"] == h.kv_id
+        assert owner.lookup(hashes, model="m") == 2 and server.engine.status()["registrations"][0]["id"] == f"{h.kv_id & 0xFFFF:04x}"
     finally:
         raw.close()
         owner.close()

@@ -13,7 +13,7 @@ import pytest
 
 import lmcache_mp
 from lmcache_mp import loadgen
-from lmcache_mp.server.metrics import _StatusCollector
+from lmcache_mp.server.metrics import StatusCollector
 
 LLAMA, MLA8 = 32 << 20, 8 * 256 * 576 * 2  # object bytes at the default 256-token chunk
 
@@ -54,7 +54,7 @@ def test_a_second_layout_keeps_its_working_set_and_the_first_layouts_old_chunks_
 
     # The same figures in the metrics, per object size.
     metrics = {(smp.name, smp.labels.get("object_bytes")): smp.value
-               for m in _StatusCollector(server.engine).collect() for smp in m.samples}
+               for m in StatusCollector(server.engine).collect() for smp in m.samples}
     assert metrics["lmcache_mp_l1_size_evicted_total", str(MLA8)] == 0
     assert metrics["lmcache_mp_l1_size_evicted_total", str(LLAMA)] == evicted_llama
     assert metrics["lmcache_mp_l1_size_objects", str(MLA8)] == 16 * 12 + 1

@@ -68,10 +68,10 @@ def test_evicted_chunks_come_back_from_disk_byte_exact(shm_files, servers, clien
     l2 = srv.engine.status()["l2"]
     assert l2["loaded"] >= 16 and l2["tiers"][0]["hits"] >= 16 and l2["write_errors"] == 0
     assert l2["tiers"][0]["objects"] >= 16 and l2["tiers"][0]["write_GBps"] > 0
-    from lmcache_mp.server.metrics import _StatusCollector
+    from lmcache_mp.server.metrics import StatusCollector
 
     metrics = {(smp.name, smp.labels.get("tier")): smp.value
-               for fam in _StatusCollector(srv.engine).collect() for smp in fam.samples}
+               for fam in StatusCollector(srv.engine).collect() for smp in fam.samples}
     assert metrics["lmcache_mp_l2_written_total", None] == l2["written"]
     assert metrics["lmcache_mp_l2_loaded_total", None] == l2["loaded"]
     assert metrics["lmcache_mp_l2_tier_hits_total", "disk"] == l2["tiers"][0]["hits"]

@@ -133,7 +133,7 @@ def keys(tmp_path):
 
 
 def test_curve_lets_in_only_clients_with_the_right_keys(shm_files, servers, clients, keys,  # noqa: F811
-                                                        no_internal_errors):
+                                                        no_internal_errors):  # noqa: F811
     srv = servers(curve_secret_key=keys["server_secret"], curve_clients=keys["clients"])
     assert srv.engine.lane == ""  # the lane has no authentication: not offered
     c = clients(srv.url, curve_server_key=keys["server_public"], curve_client_key=keys["client_secret"])

@@ -91,11 +91,13 @@ def test_the_largest_request_of_every_op_never_stalls_another_clients_ping(big):
         ops = {
             "hello": ([p.Hello(version=p.PROTOCOL_VERSION, client_id=cid, client_name="x" * 200,
                                capabilities=["c" * 60] * 60)] * 4, p.HelloReply),
-            "store": ([p.Store(kv_id=handle.kv_id, hashes=packed, block_ids=ids)], p.StoreReply),
+            "store": ([p.Store(kv_id=handle.kv_id, hashes=packed, block_ids=ids, client_id=client.client_id)],
+                      p.StoreReply),
             "lookup": ([p.Lookup(client_id=cid, model="big", world_size=1, hashes=packed)] * 2, p.LookupReply),
             "lookup_lock": ([p.Lookup(client_id=cid, model="big", world_size=1, hashes=packed, lock=True)] * 2,
                             p.LookupReply),
-            "retrieve": ([p.Retrieve(kv_id=handle.kv_id, hashes=packed, block_ids=ids)], p.RetrieveReply),
+            "retrieve": ([p.Retrieve(kv_id=handle.kv_id, hashes=packed, block_ids=ids, client_id=client.client_id)],
+                         p.RetrieveReply),
             "register": ([p.RegisterKVCache(client_id=cid, model="wide", world_size=1, rank=0, device="cpu",
                                             device_uuid=b"", layout="mla", layers=[layer] * p.MAX_LAYERS)] * 2,
                          p.RegisterReply),
@@ -135,8 +137,8 @@ def test_requests_over_a_limit_get_limit_exceeded(big):
             p.Lookup(client_id=cid, model="big", world_size=p.MAX_WORLD_SIZE + 1, hashes=b""),
             p.Lookup(client_id=cid, model="big", world_size=64, hashes=over[: 16 * (p.MAX_LOOKUP_KEYS // 64 + 1)]),
             p.Lookup(client_id=cid, model="big", world_size=1, hashes=over),
-            p.Store(kv_id=handle.kv_id, hashes=over, block_ids=b""),
-            p.Retrieve(kv_id=handle.kv_id, hashes=over, block_ids=b""),
+            p.Store(kv_id=handle.kv_id, hashes=over, block_ids=b"", client_id=client.client_id),
+            p.Retrieve(kv_id=handle.kv_id, hashes=over, block_ids=b"", client_id=client.client_id),
             p.Release(client_id=cid, lease=1, hashes=over),
             p.Hello(version=p.PROTOCOL_VERSION, client_id=cid, capabilities=["c" * 100] * 50),  # over 4 KiB
             p.Ping(client_id=cid * 100),  # over 1 KiB

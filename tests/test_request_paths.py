@@ -174,7 +174,7 @@ def test_the_local_lane_is_used_when_reachable_and_comes_back_after_a_restart(sh
         srv = ServerProcess(args)
         srv.wait_for("ready")
         deadline = time.monotonic() + 20
-        while not (c._io.has_lane and h.kv_id in {r["kv_id"] for r in c.status()["registrations"]}):
+        while not (c._io.has_lane and h.kv_id in c.status()["mine"]):
             assert time.monotonic() < deadline, "the client did not come back on the lane"
             time.sleep(0.1)
         assert c.lookup(hashes, model="m") == 0  # a new server: an empty cache

@@ -397,10 +397,17 @@ def test_garbage_frames_get_typed_errors_while_another_client_works(shm_files, s
         good_ids = p.pack_block_ids(range(8))
         kv_id = h.kv_id
         store = lambda **kw: p.encode(p.Store(**{"kv_id": kv_id, "hashes": b"".join(hashes), "block_ids": good_ids,
-                                                 **kw}))  # noqa: E731
+                                                 "client_id": good.client_id, **kw}))  # noqa: E731
         retrieve = lambda **kw: p.encode(p.Retrieve(**{"kv_id": kv_id, "hashes": b"".join(hashes),  # noqa: E731
-                                                       "block_ids": good_ids, **kw}))
+                                                       "block_ids": good_ids, "client_id": good.client_id, **kw}))
         raw.expect_error(store(kv_id=12345), E.UNKNOWN_REGISTRATION)
+        # another client's registration, its kv_id known: refused as unknown, for every use
+        regs = srv.engine.status()["registrations"]
+        msg = raw.expect_error(store(client_id=b"x" * 16), E.UNKNOWN_REGISTRATION)
+        assert "of this client" in msg
+        raw.expect_error(retrieve(client_id=b"x" * 16), E.UNKNOWN_REGISTRATION)
+        raw.expect_error(p.encode(p.UnregisterKVCache(kv_id=kv_id, client_id=b"x" * 16)), E.UNKNOWN_REGISTRATION)
+        assert srv.engine.status()["registrations"] == regs and "kv_id" not in regs[0]  # the id is the owner's secret
         msg = raw.expect_error(store(block_ids=p.pack_block_ids([0, 1, 2, 3, 4, 5, 6, 16])), E.INVALID_ARGUMENT)
         assert "out of range" in msg
         raw.expect_error(store(block_ids=np.array([0, 1, 2, -1, 4, 5, 6, 7], "<i4").tobytes()), E.INVALID_ARGUMENT)
@@ -606,7 +613,7 @@ def test_client_survives_a_server_restart_and_registers_again(shm_files, ipc_url
     try:
         wait_until(lambda: c.session_id != session and h.kv_id != kv_id, 10, "the client to register again")
         regs = second.engine.status()["registrations"]
-        assert [r["kv_id"] for r in regs] == [h.kv_id] and regs[0]["model"] == "m"
+        assert [r["id"] for r in regs] == [f"{h.kv_id & 0xFFFF:04x}"] and regs[0]["model"] == "m"
         assert c.lookup(hashes, model="m") == 0  # a new server starts empty
         assert c.store(h, hashes, blocks_of(4)).result(10).stored == 4
         dst = blocks_of(4, start=32)

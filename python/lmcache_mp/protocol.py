@@ -25,7 +25,9 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 2  # 2: named leases (LOOKUP returns a lease id; RETRIEVE and RELEASE name it), deadlines
+# 2: named leases (LOOKUP returns a lease id; RETRIEVE and RELEASE name it), deadlines
+# 3: STORE, RETRIEVE and UNREGISTER carry the client id; a registration serves only its own client
+PROTOCOL_VERSION = 3
 
 # Per-request limits: what one request may name, so that its cost stays bounded. Larger requests
 # are answered with LIMIT_EXCEEDED (frames over MAX_MESSAGE_BYTES are dropped by the transport).
@@ -131,6 +133,7 @@ class RegisterKVCache(_Msg, tag=int(Op.REGISTER_KV_CACHE)):
 
 class UnregisterKVCache(_Msg, tag=int(Op.UNREGISTER_KV_CACHE)):
     kv_id: int
+    client_id: bytes = b""  # the registration's own client (no other may use it)
 
 
 class Store(_Msg, tag=int(Op.STORE)):
@@ -139,6 +142,7 @@ class Store(_Msg, tag=int(Op.STORE)):
     block_ids: bytes
     salt: bytes = b""
     event: bytes = b""  # IPC event the worker recorded after producing the KV (CUDA)
+    client_id: bytes = b""  # the registration's own client (no other may use it)
 
 
 class Retrieve(_Msg, tag=int(Op.RETRIEVE)):
@@ -150,6 +154,7 @@ class Retrieve(_Msg, tag=int(Op.RETRIEVE)):
     reply_on_submit: bool = False  # reply once queued, with a completion event to wait on
     lease: int = 0  # the lookup lease this retrieve consumes (0: none)
     deadline: float = 0.0  # CLOCK_MONOTONIC seconds after which no copy may start (0: none)
+    client_id: bytes = b""  # the registration's own client (no other may use it)
 
 
 class Lookup(_Msg, tag=int(Op.LOOKUP)):
@@ -178,7 +183,7 @@ class Ping(_Msg, tag=int(Op.PING)):
 
 
 class Status(_Msg, tag=int(Op.STATUS)):
-    pass
+    client_id: bytes = b""  # given: the reply's "mine" lists this client's registrations (kv_ids)
 
 
 class Bye(_Msg, tag=int(Op.BYE)):

@@ -314,7 +314,8 @@ class Client:
         return time.perf_counter() - t0
 
     def status(self, timeout: float | None = None) -> dict:
-        return self._call(p.Status(), p.StatusReply, timeout).status
+        """The server's status; "mine" lists the kv_ids of this client's registrations."""
+        return self._call(p.Status(client_id=self.client_id), p.StatusReply, timeout).status
 
     def clear(self, timeout: float | None = None) -> int:
         """Remove every object not in use on the server; returns how many."""
@@ -350,7 +351,7 @@ class Client:
             return
         handle.closed = True
         try:
-            self._call(p.UnregisterKVCache(kv_id=handle.kv_id), p.UnregisterReply, timeout)
+            self._call(p.UnregisterKVCache(kv_id=handle.kv_id, client_id=self.client_id), p.UnregisterReply, timeout)
         except RequestError as e:
             if e.code != p.ErrorCode.UNKNOWN_REGISTRATION:
                 raise
@@ -380,7 +381,8 @@ class Client:
             event, ev_handle = handle.events.record(self._stream_ptr(handle, stream))
             if event is not None:
                 settled = lambda: handle.events.give_back(event)  # noqa: E731
-        msg = p.Store(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle)
+        msg = p.Store(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle,
+                      client_id=self.client_id)
 
         def convert(reply: Any) -> StoreResult:
             r = self._checked(reply, p.StoreReply)
@@ -414,7 +416,7 @@ class Client:
         early = wait == "stream" and handle.device == "cuda"
         msg = p.Retrieve(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle,
                          reply_on_submit=early, lease=int(getattr(lease, "lease", lease) or 0),
-                         deadline=float(deadline or 0.0))
+                         deadline=float(deadline or 0.0), client_id=self.client_id)
 
         def convert(reply: Any) -> RetrieveResult:
             r = self._checked(reply, p.RetrieveReply)
@@ -480,7 +482,7 @@ class Client:
                 self.chunk_size = hello.chunk_size
                 if self._io is not None and not self._io.has_lane:  # the same server closing it: stay off
                     self._connect_lane(hello.lane)
-            known = {r["kv_id"] for r in self.status(min(self.timeout, RECOVERY_CALL_S))["registrations"]}
+            known = set(self.status(min(self.timeout, RECOVERY_CALL_S)).get("mine", ()))
             with self._lock:
                 lost = [h for h in self._handles if h.kv_id not in known]
             for h in lost:

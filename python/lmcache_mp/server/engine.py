@@ -169,7 +169,11 @@ class MPCacheEngine(RegistrationHandling):
         reply(p.PingReply(session_id=self.session_id))
 
     def _status(self, msg: p.Status, reply: Reply) -> None:
-        reply(p.StatusReply(status=self.status()))
+        status = self.status()
+        if msg.client_id:
+            with self._lock:
+                status["mine"] = [kv for kv, e in self._entries.items() if e.ctx.reg.client_id == msg.client_id]
+        reply(p.StatusReply(status=status))
 
     def _clear(self, msg: p.Clear, reply: Reply) -> None:
         self._bulk.submit(self._job(reply, lambda: reply(p.ClearReply(removed=self.clear()))))
@@ -181,7 +185,7 @@ class MPCacheEngine(RegistrationHandling):
         return np.array([base + o.offset for o in objs], dtype=np.uint64)
 
     def store(self, msg: p.Store, reply: Reply) -> None:
-        entry = self._entry(msg.kv_id)
+        entry = self._entry(msg.kv_id, msg.client_id)
         entry.run(self._job(reply, lambda: self._run_store(entry, msg, reply)), self._cheap(entry, msg.hashes))
 
     def _cheap(self, entry: Entry, hashes: bytes) -> bool:
@@ -260,7 +264,7 @@ class MPCacheEngine(RegistrationHandling):
         answer()
 
     def retrieve(self, msg: p.Retrieve, reply: Reply) -> None:
-        entry = self._entry(msg.kv_id)
+        entry = self._entry(msg.kv_id, msg.client_id)
         entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply)), self._cheap(entry, msg.hashes))
 
     @staticmethod
@@ -476,7 +480,8 @@ class MPCacheEngine(RegistrationHandling):
     def status(self) -> dict:
         with self._lock:
             regs = [
-                {"kv_id": kv, "model": e.ctx.reg.model, "rank": e.ctx.reg.rank, "world_size": e.ctx.reg.world_size,
+                {"id": f"{kv & 0xFFFF:04x}",  # a tag (as in thread names): the kv_id is the client's secret
+                 "model": e.ctx.reg.model, "rank": e.ctx.reg.rank, "world_size": e.ctx.reg.world_size,
                  "layout": e.ctx.reg.spec.kind, "device": e.ctx.device, "transfer_mode": e.ctx.transfer_mode,
                  "object_bytes": e.ctx.reg.object_bytes}
                 for kv, e in self._entries.items()

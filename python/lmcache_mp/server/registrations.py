@@ -168,20 +168,28 @@ class RegistrationHandling:
             ctx.close()
         worker.stop()
 
-    def _entry(self, kv_id: int) -> Entry:
+    def _entry(self, kv_id: int, client_id: bytes) -> Entry:
+        """The registration kv_id, for the client that made it: another client's request is told
+        it does not exist (a kv_id is unguessable; this also stops one that leaked)."""
         with self._lock:
             entry = self._entries.get(kv_id)
-        if entry is None:
+        if entry is None or entry.ctx.reg.client_id != client_id:
             raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION,
-                                 f"no KV cache is registered as {kv_id} (was the server restarted?)")
+                                 f"no KV cache of this client is registered as {kv_id} (was the server restarted?)")
         return entry
 
     def unregister_kv_cache(self, msg: p.UnregisterKVCache, reply: Reply | None = None) -> None:
+        """From a client (reply given): only its own registration. Internal (no reply): any."""
         with self._lock:
-            entry = self._entries.pop(msg.kv_id, None)
+            entry = self._entries.get(msg.kv_id)
+            if entry is not None and (reply is None or entry.ctx.reg.client_id == msg.client_id):
+                del self._entries[msg.kv_id]
+            else:
+                entry = None
         if entry is None:
             if reply is not None:
-                raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION, f"no KV cache is registered as {msg.kv_id}")
+                raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION,
+                                     f"no KV cache of this client is registered as {msg.kv_id}")
             return
 
         def close() -> None:  # runs after the registration's queued work
