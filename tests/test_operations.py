@@ -174,3 +174,40 @@ def test_every_metric_of_the_dashboard_and_the_docs_exists(servers, tmp_path):  
     assert used and used <= served, used - served
     documented = set(re.findall(r"`(lmcache_mp_\w+)`", (docs / "OPERATIONS.md").read_text()))
     assert documented <= served, documented - served
+
+
+def test_per_client_limits_on_registrations_and_queued_requests(shm_files, servers, clients):  # noqa: F811
+    from lmcache_mp.errors import RequestError
+    from lmcache_mp.protocol import ErrorCode
+
+    srv = servers(max_registrations_per_client=2, max_queued_requests=2)
+    c, other = clients(srv.url), clients(srv.url)
+    register_mha(c, num_blocks=64)
+    _, second = register_mha(c, num_blocks=64)
+    with pytest.raises(RequestError) as e:
+        register_mha(c, num_blocks=64)
+    assert e.value.code == ErrorCode.LIMIT_EXCEEDED and "max_registrations_per_client" in str(e.value)
+    register_mha(other, num_blocks=64)  # a limit per client: the other one still registers
+    c.unregister_kv_cache(second)
+    register_mha(c, num_blocks=64)  # room again
+
+
+def test_a_registration_refuses_requests_beyond_its_queue_limit():
+    import threading
+
+    from lmcache_mp.server.registrations import Entry
+    from lmcache_mp.server.validation import RequestFailure
+    from lmcache_mp.server.workers import SerialWorker
+
+    entry = Entry(None, SerialWorker("test-entry"))
+    gate, ran = threading.Event(), []
+    entry.run(lambda: (gate.wait(10), ran.append(1)), limit=2)  # running, held at the gate
+    entry.run(lambda: ran.append(2), limit=2)  # queued
+    with pytest.raises(RequestFailure, match="max_queued_requests"):
+        entry.run(lambda: ran.append(3), limit=2)
+    entry.run(lambda: ran.append(4))  # internal work (no limit) is never refused
+    gate.set()
+    entry.worker.stop(timeout=10)
+    assert ran == [1, 2, 4]
+    entry.run(lambda: ran.append(5), limit=2, inline=True)  # room again (inline: the worker is gone)
+    assert ran == [1, 2, 4, 5]

@@ -70,6 +70,12 @@ class ServerConfig:
         "256MiB", "arena slab (at most l1_size/16): one chunk of one rank must fit; each object size may hold "
                   "up to one slab of free slots, so smaller slabs waste less when sizes mix")
     lease_ttl: float = _setting(30.0, "seconds a lookup lease lives unless a retrieve or release ends it")
+    max_registrations_per_client: int = _setting(
+        64, "KV caches one client may have registered at once (more are refused: LIMIT_EXCEEDED)")
+    max_queued_requests: int = _setting(
+        1024, "stores and retrieves of one registration queued or running at once (more are refused: LIMIT_EXCEEDED)")
+    drain_timeout: float = _setting(
+        30.0, "seconds a stopping server (SIGTERM) gives the requests it took to finish")
     heartbeat_timeout: float = _setting(
         10.0, "seconds of client silence after which its leases and registrations are dropped")
     cpu_threads: int = _setting(0, "threads for CPU copies (0: one per core, at most 16)")
@@ -141,6 +147,9 @@ class ServerConfig:
             raise ValueError(f"l2_redis_ttl must not be negative, got {self.l2_redis_ttl}")
         if self.prefetch_timeout < 0:
             raise ValueError(f"prefetch_timeout must not be negative, got {self.prefetch_timeout}")
+        if self.max_registrations_per_client < 1 or self.max_queued_requests < 1 or self.drain_timeout < 0:
+            raise ValueError("max_registrations_per_client and max_queued_requests must be at least 1, "
+                             "drain_timeout not negative")
         if self.http_addr.lower() in ("", "off", "none"):
             self.http_addr = "off"
         else:

@@ -186,7 +186,8 @@ class MPCacheEngine(RegistrationHandling):
 
     def store(self, msg: p.Store, reply: Reply) -> None:
         entry = self._entry(msg.kv_id, msg.client_id)
-        entry.run(self._job(reply, lambda: self._run_store(entry, msg, reply)), self._cheap(entry, msg.hashes))
+        entry.run(self._job(reply, lambda: self._run_store(entry, msg, reply)), self._cheap(entry, msg.hashes),
+                  limit=self.config.max_queued_requests)
 
     def _cheap(self, entry: Entry, hashes: bytes) -> bool:
         """Whether a store or retrieve may run on the socket thread (when its registration is idle):
@@ -265,7 +266,8 @@ class MPCacheEngine(RegistrationHandling):
 
     def retrieve(self, msg: p.Retrieve, reply: Reply) -> None:
         entry = self._entry(msg.kv_id, msg.client_id)
-        entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply)), self._cheap(entry, msg.hashes))
+        entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply)), self._cheap(entry, msg.hashes),
+                  limit=self.config.max_queued_requests)
 
     @staticmethod
     def _check_deadline(msg: p.Retrieve) -> None:
@@ -526,9 +528,14 @@ class MPCacheEngine(RegistrationHandling):
             self.unregister_kv_cache(p.UnregisterKVCache(kv_id=kv_id))
         with self._lock:
             workers = list(self._workers)
+        deadline = time.monotonic() + self.config.drain_timeout
         for worker in workers:  # those unregistered before may still be closing their context
-            worker.stop(timeout=30)
-        self._bulk.stop(timeout=30)
+            worker.stop(timeout=max(0.0, deadline - time.monotonic()))
+        self._bulk.stop(timeout=max(0.0, deadline - time.monotonic()))
+        late = sum(w.alive() for w in workers)
+        if late:
+            logger.warning("%d KV caches still had work after the drain timeout (%.0f s); stopping anyway", late,
+                           self.config.drain_timeout)
         if self._events is not None:
             self._events.close()
         self.l1.clear()

@@ -52,8 +52,13 @@ class Entry:
         self._jobs = 0  # given and not finished
         self._running = threading.Lock()  # held by the job that runs
 
-    def run(self, job: Callable[[], None], inline: bool = False) -> None:
+    def run(self, job: Callable[[], None], inline: bool = False, limit: int = 0) -> None:
+        """limit: refuse the job (LIMIT_EXCEEDED) when that many are queued or running already."""
         with self._count_lock:
+            if limit and self._jobs >= limit:
+                raise RequestFailure(p.ErrorCode.LIMIT_EXCEEDED,
+                                     f"{self._jobs} requests of this KV cache are queued or running, the most "
+                                     "allowed (max_queued_requests); try again when some have finished")
             inline = inline and self._jobs == 0
             self._jobs += 1
         if inline:
@@ -90,6 +95,11 @@ class RegistrationHandling:
                 f"this server runs on the {self.device} device; it cannot take a {msg.device} KV cache",
             )
         self._touch(cid)
+        with self._lock:
+            mine = sum(e.ctx.reg.client_id == cid for e in self._entries.values())
+        if mine >= self.config.max_registrations_per_client:
+            raise over_limit(f"this client has {mine} KV caches registered, the most allowed "
+                             "(max_registrations_per_client); unregister one first")
         kv_id = secrets.randbits(63)  # unguessable, never reused: a stale id cannot hit another cache
         worker = SerialWorker(f"lmcache-kv-{kv_id & 0xFFFF:04x}")
         with self._lock:
