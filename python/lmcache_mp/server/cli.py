@@ -21,7 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="lmcache-mp-server",
         description="Standalone multiprocess KV-cache server for LLM inference engines. "
-        "`lmcache-mp-server keygen DIR` makes CURVE keys (see --curve-secret-key).",
+        "`lmcache-mp-server keygen DIR` makes CURVE keys (see --curve-secret-key); "
+        "`lmcache-mp-server doctor [settings]` checks whether a server with those settings would work here.",
         epilog="Every setting can also come from the environment (LMCACHE_MP_<NAME>, e.g. "
         "LMCACHE_MP_L1_SIZE=64GiB) or a TOML file (--config). Sizes accept units: 512MiB, 64GiB.",
     )
@@ -73,13 +74,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keygen"]:
         return keygen_main(argv[1:])
-    args = vars(_parser().parse_args(argv))
+    doctor = argv[:1] == ["doctor"]
+    args = vars(_parser().parse_args(argv[1:] if doctor else argv))
     config_file = args.pop("config")
     try:
         config = ServerConfig.from_sources(cli=args, config_file=config_file)
     except (ValueError, OSError) as e:
         print(f"lmcache-mp-server: {e}", file=sys.stderr)
         return 2
+    if doctor:
+        from lmcache_mp.server.doctor import run as run_doctor
+
+        return run_doctor(config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from lmcache_mp.native import build_info
     from lmcache_mp.server.server import run_cache_server

@@ -1,0 +1,276 @@
+"""`lmcache-mp-server doctor`: would a server with these settings work on this machine?
+
+Checks, each one line with OK, WARN or FAIL and, for a problem, what to do: the build (CUDA
+compiled in, for which architectures), the GPUs (names, UUIDs, compute capability against the
+build, NUMA node), CUDA IPC between two processes (a real export and open), page-locked memory
+(`ulimit -l`, /proc/meminfo) against --l1-size, /dev/shm for the CPU device, the endpoint and the
+HTTP address (bound and released), and each L2 target configured (reachable or not). Exit code 0
+only when nothing FAILs for the configured device.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+from urllib.parse import urlparse
+
+from lmcache_mp.config import ServerConfig, format_size
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+
+IPC_CHILD = """
+import sys
+from lmcache_mp import _C
+ev = _C.cuda.open_event(bytes.fromhex(sys.argv[1]), int(sys.argv[2]))
+_C.cuda.event_synchronize(ev)
+print("opened")
+"""
+
+
+class Report:
+    def __init__(self, out=None):
+        self.out, self.failed = out or sys.stdout, 0
+
+    def line(self, status: str, what: str, fix: str = "") -> None:
+        self.failed += status == FAIL
+        print(f"[{status:4s}] {what}" + (f"\n       -> {fix}" if fix else ""), file=self.out)
+
+
+def _gpus() -> list[dict]:
+    from lmcache_mp import _C
+
+    out = []
+    for d in range(_C.cuda.device_count()):
+        bus = _C.cuda.device_pci_bus_id(d).lower()
+        numa = None
+        try:
+            with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
+                numa = int(f.read())
+        except (OSError, ValueError):
+            pass
+        out.append({"device": d, "name": _C.cuda.device_name(d), "uuid": _C.cuda.device_uuid(d).hex(),
+                    "bus": bus, "numa": numa, "cc": _compute_capability(d)})
+    return out
+
+
+def _compute_capability(device: int) -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", str(device), "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.replace(".", "")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def check_build(r: Report, info: dict, device: str) -> None:
+    if info["cuda"]:
+        r.line(OK, f"build: lmcache-mp {info['version']}, CUDA data plane ({info['cuda_compiler']}, architectures "
+               f"{info['cuda_architectures']})")
+    else:
+        r.line(FAIL if device == "cuda" else OK, f"build: lmcache-mp {info['version']}, CPU only (no CUDA data plane)",
+               "reinstall with LMCACHE_MP_CUDA=ON (nvcc from PATH, or the registry's CUDA packages when there is "
+               "none)" if device == "cuda" else "")
+
+
+def check_gpus(r: Report, info: dict, device: str) -> list[dict]:
+    if not info["cuda"]:
+        if device != "cpu":
+            r.line(WARN, "GPUs: not checked (the build has no CUDA)")
+        return []
+    gpus = _gpus()
+    if not gpus:
+        r.line(FAIL if device == "cuda" else (WARN if device == "auto" else OK),
+               "GPUs: none visible (no NVIDIA driver, no device, or CUDA_VISIBLE_DEVICES hides them)",
+               "give this process every GPU of the node (in a container: --gpus all, or the device plugin)"
+               if device != "cpu" else "")
+        return []
+    archs = info["cuda_architectures"].split(",")
+    machine_code = {a.split("-")[0] for a in archs}  # "90-real": sm_90 code; "120": code and PTX
+    ptx = [int(a) for a in archs if a.isdigit()]
+    for g in gpus:
+        if not g["cc"] or g["cc"] in machine_code:
+            status, fix = OK, ""
+        elif any(p <= int(g["cc"]) for p in ptx):
+            status, fix = WARN, "runs through the driver's PTX compiler (a slow first start): rebuild with " \
+                                f"CMAKE_CUDA_ARCHITECTURES={g['cc']}"
+        else:
+            status, fix = FAIL, f"the build has no code for sm_{g['cc']}: rebuild with " \
+                                f"CMAKE_CUDA_ARCHITECTURES={g['cc']}"
+        numa = f", NUMA node {g['numa']}" if g["numa"] is not None and g["numa"] >= 0 else ""
+        r.line(status, f"GPU {g['device']}: {g['name']}, GPU-{_uuid(g['uuid'])}, sm_{g['cc'] or '?'}, "
+               f"PCI {g['bus']}{numa}", fix)
+    return gpus
+
+
+def _uuid(h: str) -> str:
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def check_ipc(r: Report, gpus: list[dict]) -> None:
+    if not gpus:
+        return
+    from lmcache_mp import _C
+
+    ev = None
+    try:
+        ev = _C.cuda.create_event(0, True)
+        handle = _C.cuda.event_ipc_handle(ev).hex()
+        out = subprocess.run([sys.executable, "-c", IPC_CHILD, handle, "0"], capture_output=True, text=True, timeout=60)
+        if out.returncode == 0 and "opened" in out.stdout:
+            r.line(OK, "CUDA IPC: another process opened this one's interprocess event")
+        else:
+            r.line(FAIL, f"CUDA IPC between two processes failed: {(out.stderr or out.stdout).strip()[-300:]}",
+                   "engines and the server must share the IPC namespace and see the same GPUs (Kubernetes: "
+                   "hostIPC or one pod; Docker: --ipc=host); see docs/DEPLOYMENT.md")
+    except Exception as e:  # noqa: BLE001 - reported
+        r.line(FAIL, f"CUDA IPC: {e}", "see docs/DEPLOYMENT.md")
+    finally:
+        if ev is not None:
+            _C.cuda.destroy_event(ev)
+
+
+def _meminfo() -> dict:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def check_memory(r: Report, config: ServerConfig, gpus: list[dict]) -> None:
+    l1 = int(config.l1_size)
+    mem = _meminfo()
+    avail = mem.get("MemAvailable", 0)
+    if avail and l1 > avail:
+        r.line(FAIL, f"memory: --l1-size {format_size(l1)} but {format_size(avail)} available",
+               f"lower --l1-size below {format_size(avail * 8 // 10)}")
+    elif avail:
+        r.line(OK, f"memory: --l1-size {format_size(l1)}, {format_size(avail)} available")
+    if gpus:  # L1 is page-locked on the cuda device
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= l1:
+            r.line(OK, "page-locked memory: " + ("unlimited" if soft == resource.RLIM_INFINITY or os.geteuid() == 0
+                                                else format_size(soft)) + " (ulimit -l)")
+        else:
+            r.line(WARN, f"page-locked memory limit (ulimit -l) {format_size(soft)} < --l1-size; CUDA pins with "
+                   "cudaHostRegister, which most drivers allow beyond it, but some set-ups refuse",
+                   "raise it: LimitMEMLOCK=infinity (systemd), or ulimit -l unlimited")
+
+
+def check_shm(r: Report, config: ServerConfig, gpus: list[dict]) -> None:
+    if config.device == "cuda" or (config.device == "auto" and gpus):
+        return
+    try:
+        total, _, free = shutil.disk_usage("/dev/shm")
+    except OSError as e:
+        r.line(FAIL, f"/dev/shm: {e}", "the CPU device shares KV caches through /dev/shm: mount it")
+        return
+    status = OK if free >= 1 << 30 else WARN
+    r.line(status, f"/dev/shm: {format_size(free)} free of {format_size(total)} (the CPU device's KV caches live "
+           "there)", "" if status == OK else "enlarge it (Docker: --shm-size=16g; Kubernetes: an emptyDir with "
+           "medium Memory)")
+
+
+def check_endpoint(r: Report, config: ServerConfig) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if config.url.startswith("ipc://") and os.path.exists(config.url[6:]):
+            r.line(WARN, f"endpoint {config.url}: the socket file exists (a server running, or left by one "
+                   "that was killed; a new server replaces it)")
+        else:
+            sock.bind(config.url)
+            r.line(OK, f"endpoint {config.url}: can be bound")
+    except zmq.ZMQError as e:
+        r.line(FAIL, f"endpoint {config.url}: {e}", "another server may be running there; pick another --url")
+    finally:
+        sock.close(0)
+        ctx.term()
+    if config.http_addr != "off":
+        from lmcache_mp.server.http import parse_addr
+
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(parse_addr(config.http_addr))
+                r.line(OK, f"HTTP {config.http_addr}: can be bound")
+            except OSError as e:
+                r.line(WARN, f"HTTP {config.http_addr}: {e.strerror} (the server would start without /metrics, "
+                       "/health)", "set --http-addr to a free address")
+
+
+def _reachable(host: str, port: int) -> str:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return ""
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+def check_l2(r: Report, config: ServerConfig) -> None:
+    if config.l2_disk:
+        path = config.l2_disk
+        parent = os.path.abspath(path)
+        while not os.path.isdir(parent):  # the server makes what is missing below the first that exists
+            parent = os.path.dirname(parent)
+        if os.access(parent, os.W_OK):
+            free = shutil.disk_usage(parent).free
+            r.line(OK, f"L2 disk {path}: writable, {format_size(free)} free")
+        else:
+            r.line(FAIL, f"L2 disk {path}: not writable", "create it, or give the server's user write access")
+    if config.l2_redis:
+        from lmcache_mp.storage.l2.resp import Connection, RespError
+        from lmcache_mp.storage.l2.valkey import _redacted, parse_url
+
+        where = parse_url(config.l2_redis)
+        for host, port in where.pop("seeds"):
+            try:
+                Connection(host, port, timeout=2, **where).call("PING")
+                r.line(OK, f"L2 valkey {host}:{port}: answers")
+            except (OSError, RespError) as e:
+                r.line(WARN, f"L2 valkey {host}:{port} ({_redacted(config.l2_redis)}): {e}",
+                       "the server still starts and serves from L1; check the address, password and TLS options")
+    if config.l2_mooncake:
+        host, _, port = config.l2_mooncake.rpartition(":")
+        err = _reachable(host, int(port))
+        meta = config.l2_mooncake_metadata
+        m = urlparse(meta) if meta else None
+        meta_err = _reachable(m.hostname, m.port or 80) if m and m.hostname else ""
+        try:
+            import mooncake.store  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - an ImportError, or libibverbs missing
+            r.line(WARN, f"L2 mooncake: the client does not load ({e})",
+                   "pip install 'lmcache-mp[mooncake]'; apt-get install libibverbs1")
+        if err or meta_err:
+            r.line(WARN, f"L2 mooncake master {config.l2_mooncake}: {err or 'ok'}; metadata {meta or '-'}: "
+                   f"{meta_err or 'ok'}", "the server still starts and serves from L1; start mooncake_master")
+        else:
+            r.line(OK, f"L2 mooncake master {config.l2_mooncake} and its metadata server: reachable")
+
+
+def run(config: ServerConfig, out=None) -> int:
+    from lmcache_mp.native import build_info
+
+    r = Report(out)
+    info = build_info()
+    check_build(r, info, config.device)
+    gpus = check_gpus(r, info, config.device)
+    check_ipc(r, gpus)
+    check_memory(r, config, gpus)
+    check_shm(r, config, gpus)
+    check_endpoint(r, config)
+    check_l2(r, config)
+    verdict = "would work" if not r.failed else f"would not work ({r.failed} problem(s) above)"
+    print(f"lmcache-mp-server with these settings (device {config.device}) {verdict}", file=r.out)
+    return 1 if r.failed else 0
