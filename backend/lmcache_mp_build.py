@@ -121,6 +121,8 @@ def _point_cmake_at_registry_cuda() -> None:
     shared = sorted(glob.glob(os.path.join(root, "lib", "libcudart.so.*")))
     if shared:
         os.environ["CMAKE_ARGS"] = f"{os.environ.get('CMAKE_ARGS', '')} -DCUDA_CUDART={shared[-1]}".strip()
+    # Some nvcc releases look for the libraries in lib64 only; the packages have lib.
+    os.environ["NVCC_APPEND_FLAGS"] = f"{os.environ.get('NVCC_APPEND_FLAGS', '')} -L{root}/lib".strip()
     os.environ["LMCACHE_MP_CUDA"] = "ON"  # from here on a CUDA build that fails is an error
     _say(f"CUDA from the registry's packages: {root}")
 
