@@ -85,7 +85,7 @@ def test_health_reports_an_l2_tier_that_is_down_and_stays_ready(servers, tmp_pat
 
 def test_the_default_http_address_taken_is_a_warning_another_an_error(servers, caplog):  # noqa: F811
     from lmcache_mp.config import DEFAULT_HTTP_ADDR
-    from lmcache_mp.server.http import parse_addr
+    from lmcache_mp.config import parse_addr
 
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
 import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
+from urllib.parse import urlparse
 
 ENV_PREFIX = "LMCACHE_MP_"
 DEVICES = ("auto", "cpu", "cuda")
@@ -153,13 +156,9 @@ class ServerConfig:
         if self.http_addr.lower() in ("", "off", "none"):
             self.http_addr = "off"
         else:
-            from lmcache_mp.server.http import parse_addr
-
             parse_addr(self.http_addr)
         if not re.match(r"^(tcp|ipc|inproc)://", self.url):
             raise ValueError(f"url must start with tcp://, ipc:// or inproc://, got {self.url!r}")
-        from lmcache_mp.server.curve import is_loopback_url
-
         if not self.curve_secret_key and not is_loopback_url(self.url):
             raise ValueError(f"binding {self.url} lets other machines in: it needs authentication. Run "
                              "`lmcache-mp-server keygen DIR` and pass --curve-secret-key DIR/server.key_secret "
@@ -223,6 +222,29 @@ class ServerConfig:
 
 
 _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"http_addr must be HOST:PORT (or off), got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback_url(url: str) -> bool:
+    """tcp:// on a loopback address, or not tcp at all (ipc://, inproc:// stay on this machine)."""
+    if not url.startswith("tcp://"):
+        return True
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # an interface name or a host name: resolve what it binds
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
 
 
 def _kind(name: str) -> str:

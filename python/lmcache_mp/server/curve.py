@@ -1,41 +1,22 @@
 """ZeroMQ CURVE for the server: encrypted, authenticated connections (pyzmq's zmq.auth).
 
 `lmcache-mp-server keygen DIR` makes DIR/server.key (public: give it to the clients),
-DIR/server.key_secret (the server's: --curve-secret-key), and one client key pair in
-DIR/clients/ (client.key, client.key_secret). With --curve-clients DIR/clients, only clients
-whose public key file is in that folder get past the handshake; without it, any client that
-knows the server's public key does. A client without the right keys gets no handshake, so no
+DIR/server.key_secret (the server's: --curve-secret-key), and one client key pair:
+DIR/clients/client.key (public) and DIR/client-secret/client.key_secret. With --curve-clients
+DIR/clients, only clients whose public key file is in that folder (read at start) get past the
+handshake; without it, any client that knows the server's public key does. A client without the right keys gets no handshake, so no
 request of its ever reaches the engine.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
-import socket
-from urllib.parse import urlparse
 
 import zmq
 import zmq.auth
 
 logger = logging.getLogger(__name__)
-
-
-def is_loopback_url(url: str) -> bool:
-    """tcp:// on a loopback address, or not tcp at all (ipc://, inproc:// stay on this machine)."""
-    if not url.startswith("tcp://"):
-        return True
-    host = urlparse(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # an interface name or a host name: resolve what it binds
-        try:
-            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
-        except OSError:
-            return False
 
 
 class CurveServer:
@@ -82,4 +63,4 @@ def keygen(directory: str) -> str:
     return (f"server:  --curve-secret-key {directory}/server.key_secret --curve-clients {directory}/clients\n"
             f"clients: LMCACHE_MP_CURVE_SERVER_KEY={directory}/server.key "
             f"LMCACHE_MP_CURVE_CLIENT_KEY={secret_dir}/client.key_secret\n"
-            f"(more clients: add their public .key files to {directory}/clients)")
+            f"(more clients: add their public .key files to {directory}/clients and restart the server)")

@@ -198,7 +198,7 @@ def check_endpoint(r: Report, config: ServerConfig) -> None:
         sock.close(0)
         ctx.term()
     if config.http_addr != "off":
-        from lmcache_mp.server.http import parse_addr
+        from lmcache_mp.config import parse_addr
 
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -18,16 +18,11 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from lmcache_mp.config import parse_addr
+
 logger = logging.getLogger(__name__)
 
 LIVE_STALL_S = 10.0
-
-
-def parse_addr(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"http_addr must be HOST:PORT (or off), got {addr!r}")
-    return host.strip("[]"), int(port)
 
 
 class HttpEndpoint:

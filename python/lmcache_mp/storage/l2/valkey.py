@@ -319,8 +319,8 @@ class ValkeyTier(L2Backend):
         return out
 
     def _streams(self, idx: list[int], window: int) -> list[list[int]]:
-        """Values (window set: gets; or puts, see put) spread over the node's connections, so that
-        several TCP streams move them at once; small commands stay on one."""
+        """The batches of large values (gets and puts, which set a window) spread over the node's
+        connections, so that several TCP streams move them at once; small commands stay on one."""
         k = min(self._connections, len(idx)) if window else 1
         return [idx[j::k] for j in range(k)]
 
