@@ -184,8 +184,9 @@ PYBIND11_MODULE(_C, m) {
       .def("validate", &KVLayout::validate);
 
   py::class_<HostArena>(m, "HostArena")
-      .def(py::init<uint64_t, uint64_t, bool, int>(), py::arg("capacity"), py::arg("slab_bytes"),
-           py::arg("pin") = false, py::arg("numa_node") = -1)
+      .def(py::init<uint64_t, uint64_t, bool, int, const std::string&>(), py::arg("capacity"),
+           py::arg("slab_bytes"), py::arg("pin") = false, py::arg("numa_node") = -1, py::arg("path") = "")
+      .def_property_readonly("reattached", &HostArena::reattached)
       .def_property_readonly("base", &HostArena::base)
       .def_property_readonly("capacity", &HostArena::capacity)
       .def_property_readonly("slab_bytes", &HostArena::slab_bytes)
@@ -194,6 +195,7 @@ PYBIND11_MODULE(_C, m) {
       .def("slot_bytes", &HostArena::slot_bytes, py::arg("size_class"))
       .def("allocate", &HostArena::allocate, py::arg("size_class"))
       .def("free", &HostArena::free, py::arg("offset"))
+      .def("claim", &HostArena::claim, py::arg("offset"), py::arg("size_class"))
       .def("free_slots", &HostArena::free_slots, py::arg("size_class"))
       .def("slots_per_slab", &HostArena::slots_per_slab, py::arg("size_class"))
       .def_property_readonly("num_classes", &HostArena::num_classes)

@@ -1,9 +1,12 @@
 #include "host_arena.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -30,7 +33,8 @@ void prefer_numa_node(void* addr, uint64_t len, int node) {
 }
 }  // namespace
 
-HostArena::HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_node) : pin_(pin) {
+HostArena::HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_node, const std::string& path)
+    : pin_(pin) {
   LMC_CHECK_ARG(slab_bytes >= kPage && slab_bytes % kPage == 0, "slab size must be a positive multiple of ",
                 kPage, " bytes, got ", slab_bytes);
   LMC_CHECK_ARG(capacity >= slab_bytes, "arena capacity (", capacity, " bytes) is smaller than one slab (",
@@ -40,9 +44,16 @@ HostArena::HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_
   const uint64_t n = capacity / slab_bytes;
   capacity_ = n * slab_bytes;
 
-  fd_ = static_cast<int>(syscall(SYS_memfd_create, "lmcache_mp_arena", 0u));
-  if (fd_ < 0) throw std::runtime_error(errno_text("memfd_create"));
-  if (ftruncate(fd_, static_cast<off_t>(capacity_)) != 0) {
+  if (path.empty()) {
+    fd_ = static_cast<int>(syscall(SYS_memfd_create, "lmcache_mp_arena", 0u));
+    if (fd_ < 0) throw std::runtime_error(errno_text("memfd_create"));
+  } else {
+    fd_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd_ < 0) throw std::runtime_error(errno_text(("opening the arena file " + path).c_str()));
+    struct stat st {};
+    reattached_ = fstat(fd_, &st) == 0 && static_cast<uint64_t>(st.st_size) == capacity_;
+  }
+  if (!reattached_ && ftruncate(fd_, static_cast<off_t>(capacity_)) != 0) {
     std::string e = errno_text("ftruncate of the arena");
     close(fd_);
     throw std::runtime_error(e);
@@ -160,16 +171,7 @@ int64_t HostArena::allocate(int cls) {
     if (free_slabs_.empty()) return -1;
     const int s = free_slabs_.back();
     free_slabs_.pop_back();
-    Slab& sl = slabs_[s];
-    sl.cls = cls;
-    sl.num_used = 0;
-    sl.draining = false;
-    sl.used.assign(c.slots_per_slab, 0);
-    sl.free_slots.resize(c.slots_per_slab);
-    for (uint32_t k = 0; k < c.slots_per_slab; ++k) sl.free_slots[k] = c.slots_per_slab - 1 - k;
-    c.partial.emplace(0, s);
-    ++c.slabs;
-    c.free_slots += c.slots_per_slab;
+    init_slab(s, cls);
   }
   // The fullest slab with a free slot: emptier slabs drain, so whole slabs free up for other sizes.
   auto it = std::prev(c.partial.end());
@@ -186,6 +188,50 @@ int64_t HostArena::allocate(int cls) {
   bytes_allocated_ += c.slot_bytes;
   ++objects_;
   return static_cast<int64_t>(s) * static_cast<int64_t>(slab_bytes_) + static_cast<int64_t>(slot * c.slot_bytes);
+}
+
+void HostArena::init_slab(int s, int cls) {
+  SizeClass& c = classes_[cls];
+  Slab& sl = slabs_[s];
+  sl.cls = cls;
+  sl.num_used = 0;
+  sl.draining = false;
+  sl.used.assign(c.slots_per_slab, 0);
+  sl.free_slots.resize(c.slots_per_slab);
+  for (uint32_t k = 0; k < c.slots_per_slab; ++k) sl.free_slots[k] = c.slots_per_slab - 1 - k;
+  c.partial.emplace(0, s);
+  ++c.slabs;
+  c.free_slots += c.slots_per_slab;
+}
+
+bool HostArena::claim(int64_t offset, int cls) {
+  std::lock_guard<std::mutex> lk(mu_);
+  check_class(cls);
+  if (offset < 0 || static_cast<uint64_t>(offset) >= capacity_) return false;
+  const int s = static_cast<int>(offset / static_cast<int64_t>(slab_bytes_));
+  SizeClass& c = classes_[cls];
+  const uint64_t in_slab = static_cast<uint64_t>(offset) - static_cast<uint64_t>(s) * slab_bytes_;
+  if (in_slab % c.slot_bytes != 0 || in_slab / c.slot_bytes >= c.slots_per_slab) return false;
+  const uint32_t slot = static_cast<uint32_t>(in_slab / c.slot_bytes);
+  Slab& sl = slabs_[s];
+  if (sl.cls < 0) {
+    auto it = std::find(free_slabs_.begin(), free_slabs_.end(), s);
+    if (it == free_slabs_.end()) return false;  // not pinned (yet), or withheld
+    free_slabs_.erase(it);
+    init_slab(s, cls);
+  } else if (sl.cls != cls || sl.draining || sl.used[slot]) {
+    return false;
+  }
+  c.partial.erase({sl.num_used, s});
+  sl.free_slots.erase(std::find(sl.free_slots.begin(), sl.free_slots.end(), slot));
+  sl.used[slot] = 1;
+  ++sl.num_used;
+  if (!sl.free_slots.empty()) c.partial.emplace(sl.num_used, s);
+  --c.free_slots;
+  ++c.objects;
+  bytes_allocated_ += c.slot_bytes;
+  ++objects_;
+  return true;
 }
 
 int64_t HostArena::slot_at(int64_t offset, int* slab) const {

@@ -58,7 +58,9 @@ struct PinStatus {
 class HostArena {
  public:
   // capacity is rounded down to whole slabs; numa_node < 0 leaves placement to the kernel.
-  HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_node);
+  // path: a file (on /dev/shm or hugetlbfs) that holds the arena instead of anonymous memory, so
+  // that its bytes outlive the process; an existing file of the same size is re-attached as it is.
+  HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_node, const std::string& path = "");
   ~HostArena();
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;
@@ -67,6 +69,8 @@ class HostArena {
   uint64_t capacity() const { return capacity_; }
   uint64_t slab_bytes() const { return slab_bytes_; }
   int fd() const { return fd_; }
+  // The arena's file existed with this size: its bytes are a previous server's.
+  bool reattached() const { return reattached_; }
 
   // The size class for objects of this many bytes (created on first use).
   int size_class(uint64_t object_bytes);
@@ -75,6 +79,9 @@ class HostArena {
   int64_t allocate(int size_class);
   // Returns a slot; throws InvalidArgument on an offset that is not an allocated slot.
   void free(int64_t offset);
+  // Takes the slot at offset for class cls (re-attaching a previous server's objects): false when
+  // it is not the start of a free slot of that class in a slab that is free or of that class.
+  bool claim(int64_t offset, int size_class);
   // Slots a class could still hand out without taking a slab from the pool (O(1)).
   int64_t free_slots(int size_class) const;
   uint32_t slots_per_slab(int size_class) const;
@@ -124,12 +131,14 @@ class HostArena {
   void check_slab(int slab) const;
   int64_t slot_at(int64_t offset, int* slab) const;  // validates an allocated object's offset
   void release_slab(int s);
+  void init_slab(int s, int cls);  // a free slab becomes one of class cls, all slots free
 
   uint8_t* base_ = nullptr;
   int fd_ = -1;
   uint64_t capacity_ = 0;
   uint64_t slab_bytes_ = 0;
   bool pin_ = false;
+  bool reattached_ = false;
 
   mutable std::mutex mu_;
   std::vector<Slab> slabs_;

@@ -123,3 +123,36 @@ def store_only(url: str, model: str, rank: int, world: int, seed: int, q, go=Non
         client.close()
     except BaseException:
         q.put(("fail", traceback.format_exc()))
+
+
+def persisted(url: str, phase: str, seed: int, q):
+    """phase "store": store 4 chunks of KV made from seed; "retrieve" (after a server restart):
+    retrieve them into fresh blocks and compare with the same KV made again."""
+    try:
+        import torch
+        from gpu_kv import make_cuda_kv
+
+        from lmcache_mp import Client, chunk_hashes
+
+        torch.cuda.set_device(0)
+        client = Client(url, timeout=60)
+        kv = make_cuda_kv("mha", torch.bfloat16, layers=4, blocks=128, block_size=BLOCK, seed=seed)
+        handle = client.register_kv_cache(kv.tensors, model="persist", world_size=1, rank=0)
+        n = 4
+        hashes = chunk_hashes(np.random.default_rng(seed).integers(0, 50000, n * CHUNK), client.chunk_size)
+        src, dst = np.arange(n * BPC), 64 + np.arange(n * BPC)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        want = [torch.randint(-30000, 30000, b.shape, device="cuda", generator=g, dtype=torch.int16).view(b.dtype)
+                for b in _blocks(kv, src)]
+        if phase == "store":
+            _write(kv, src, want)
+            torch.cuda.synchronize()
+            got = client.store(handle, hashes, src).result().chunks
+        else:
+            got = client.retrieve(handle, hashes, dst).result().loaded
+            if not _same(kv, dst, want):
+                raise AssertionError("the re-attached chunks differ from what was stored")
+        client.close()
+        q.put(("ok", got))
+    except BaseException:
+        q.put(("fail", traceback.format_exc()))

@@ -132,3 +132,46 @@ def test_bad_block_ids_are_rejected_before_any_copy(cuda_server):
         client.store(h, chunk_hashes(np.arange(CHUNK) + 1, client.chunk_size), [0, 1, 2, 99]).result()
     assert all(np.array_equal(a, b) for a, b in zip(before, kv.all_bytes()))
     client.close()
+
+
+def test_l1_persist_on_the_gpu_survives_sigkill(tmp_path):
+    """--l1-persist with page-locked L1: chunks stored from GPU blocks, the server killed, a new
+    one re-attaches them (after pinning) and retrieves them into GPU blocks byte-exact."""
+    import signal
+
+    from gpu_workers import persisted
+
+    from lmcache_mp import Client
+
+    path = f"/dev/shm/lmcache-mp-gpu-persist-{os.getpid()}"
+    url = f"ipc://{tmp_path}/server.sock"
+    cmd = [sys.executable, "-m", "lmcache_mp.server.cli", "--url", url, "--device", "cuda", "--l1-size", "1GiB",
+           "--chunk-size", str(CHUNK), "--l1-persist", path, "--http-addr", "off"]
+
+    def start(n):
+        log = open(tmp_path / f"server{n}.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.time() + 120
+        while True:
+            try:
+                Client(url, connect_timeout=1).close()
+                return proc
+            except Exception:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError((tmp_path / f"server{n}.log").read_text())
+                time.sleep(0.2)
+
+    try:
+        proc = start(1)
+        assert _run([(persisted, (url, "store", 7), {})]) == [4]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        proc = start(2)
+        assert "re-attached 4 chunks" in (tmp_path / "server2.log").read_text()
+        assert _run([(persisted, (url, "retrieve", 7), {})]) == [4]
+        proc.terminate()
+        assert proc.wait(60) == 0
+    finally:
+        for f in (path, path + ".journal"):
+            if os.path.exists(f):
+                os.unlink(f)

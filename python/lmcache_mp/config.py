@@ -72,6 +72,9 @@ class ServerConfig:
     slab_size: int | str = _setting(
         "256MiB", "arena slab (at most l1_size/16): one chunk of one rank must fit; each object size may hold "
                   "up to one slab of free slots, so smaller slabs waste less when sizes mix")
+    l1_persist: str = _setting(
+        "", "a file (on /dev/shm or hugetlbfs) that holds L1, with PATH.journal: a restarted server re-attaches the "
+        "chunks in it (SIGTERM or SIGKILL) and serves them at once (empty: L1 ends with the process)")
     lease_ttl: float = _setting(30.0, "seconds a lookup lease lives unless a retrieve or release ends it")
     max_registrations_per_client: int = _setting(
         64, "KV caches one client may have registered at once (more are refused: LIMIT_EXCEEDED)")

@@ -192,33 +192,42 @@ def test_engines_share_prefixes_through_the_server(run, prompts, baseline, model
         server.stop()
 
 
-def test_a_restarted_server_serves_from_its_disk(run, prompts, baseline, model_dir, workdir):
-    """Engine A stores through a server with a disk tier; the server restarts on the same
-    directory (its memory is empty); engine B gets its hits from the disk, token-identical."""
+@pytest.mark.parametrize("kept_in", ["disk", "l1_file"])
+def test_a_restarted_server_serves_the_old_chunks(kept_in, run, prompts, baseline, model_dir, workdir):
+    """Engine A stores through a server; the server restarts, and its chunks were kept on its
+    disk tier (its memory is empty) or in its L1 file (--l1-persist, re-attached); engine B gets
+    its hits from them, token-identical."""
     P, Q, shared = prompts
-    port, disk = free_port(), workdir / "l2-disk"
-    extra = ("--l2-disk", str(disk), "--l2-disk-size", "1GiB", "--l2-write", "all")
-    server = ServerProcess(port, workdir / "server_disk_1.log", *extra)
+    port = free_port()
+    l1_file = Path("/dev/shm") / f"lmcache-mp-e2e-l1-{port}"
+    if kept_in == "disk":
+        extra, proof = ("--l2-disk", str(workdir / "l2-disk"), "--l2-disk-size", "1GiB", "--l2-write", "all"), "found"
+    else:
+        extra, proof = ("--l1-persist", str(l1_file)), "re-attached"
+    server = ServerProcess(port, workdir / f"server_{kept_in}_1.log", *extra)
     try:
-        a = run("disk_A", P, server.url)
+        a = run(f"{kept_in}_A", P, server.url)
         assert a["outputs"] == baseline["outputs"][: len(P)]
     finally:
         server.stop()  # drains the disk writes
-    server = ServerProcess(port, workdir / "server_disk_2.log", *extra)
+    server = ServerProcess(port, workdir / f"server_{kept_in}_2.log", *extra)
     try:
-        assert "found" in (workdir / "server_disk_2.log").read_text()
-        b = run("disk_B", P + Q, server.url)
+        assert proof in (workdir / f"server_{kept_in}_2.log").read_text()
+        b = run(f"{kept_in}_B", P + Q, server.url)
         want = [expected_hit(len(p), len(p)) for p in P] + [expected_hit(len(q), n) for q, n in zip(Q, shared)]
         assert b["num_cached_tokens"] == want
         assert b["outputs"] == baseline["outputs"]
-        from lmcache_mp import Client
+        if kept_in == "disk":
+            from lmcache_mp import Client
 
-        with Client(server.url, timeout=10) as c:
-            l2 = c.status()["l2"]
-        # P's chunks came from the disk (Q's shared prefixes are P's, in memory by then)
-        assert l2["loaded"] >= sum(want[: len(P)]) // CHUNK and l2["tiers"][0]["corrupt"] == 0
+            with Client(server.url, timeout=10) as c:
+                l2 = c.status()["l2"]
+            # P's chunks came from the disk (Q's shared prefixes are P's, in memory by then)
+            assert l2["loaded"] >= sum(want[: len(P)]) // CHUNK and l2["tiers"][0]["corrupt"] == 0
     finally:
         server.stop()
+        for f in (l1_file, Path(f"{l1_file}.journal")):
+            f.unlink(missing_ok=True)
 
 
 def test_two_servers_share_one_valkey(run, prompts, baseline, model_dir, workdir):

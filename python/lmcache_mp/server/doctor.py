@@ -165,6 +165,21 @@ def check_memory(r: Report, config: ServerConfig, gpus: list[dict]) -> None:
                    "raise it: LimitMEMLOCK=infinity (systemd), or ulimit -l unlimited")
 
 
+def check_l1_persist(r: Report, config: ServerConfig) -> None:
+    if not config.l1_persist:
+        return
+    folder = os.path.dirname(os.path.abspath(config.l1_persist))
+    if not os.access(folder, os.W_OK):
+        r.line(FAIL, f"--l1-persist {config.l1_persist}: {folder} is not writable", "pick a file on /dev/shm")
+        return
+    have = os.path.getsize(config.l1_persist) if os.path.exists(config.l1_persist) else 0
+    free = shutil.disk_usage(folder).free + have
+    status = OK if free >= int(config.l1_size) else FAIL
+    r.line(status, f"--l1-persist {config.l1_persist}: {format_size(free)} available for {format_size(config.l1_size)}"
+           + (" (an arena file is there: a server re-attaches it)" if have else ""),
+           "" if status == OK else "enlarge /dev/shm (or the hugetlbfs mount), or lower --l1-size")
+
+
 def check_shm(r: Report, config: ServerConfig, gpus: list[dict]) -> None:
     if config.device == "cuda" or (config.device == "auto" and gpus):
         return
@@ -269,6 +284,7 @@ def run(config: ServerConfig, out=None) -> int:
     check_ipc(r, gpus)
     check_memory(r, config, gpus)
     check_shm(r, config, gpus)
+    check_l1_persist(r, config)
     check_endpoint(r, config)
     check_l2(r, config)
     verdict = "would work" if not r.failed else f"would not work ({r.failed} problem(s) above)"

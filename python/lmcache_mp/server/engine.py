@@ -39,6 +39,7 @@ from lmcache_mp.server.registrations import Entry, RegistrationHandling
 from lmcache_mp.server.replies import Reply, mark, mark_all
 from lmcache_mp.server.workers import SerialWorker
 from lmcache_mp.storage.l1 import L1Store
+from lmcache_mp.storage.l1_journal import L1Journal
 from lmcache_mp.storage.l2.tiers import L2Tiers
 from lmcache_mp.storage.leases import TooManyLeases
 
@@ -58,8 +59,19 @@ class MPCacheEngine(RegistrationHandling):
             set_cpu_threads(config.cpu_threads)
         pin = self.device == "cuda"
         numa = config.numa_node if config.numa_node >= 0 else (gpu_numa_node() if pin else -1)
-        self.arena = HostArena(config.l1_size, config.slab_size, pin, numa)
+        journal = None
+        if config.l1_persist:  # locked before the arena file is touched: one server per file
+            journal = L1Journal(config.l1_persist + ".journal", config.l1_size // config.slab_size * config.slab_size,
+                                config.slab_size)
+        try:
+            self.arena = HostArena(config.l1_size, config.slab_size, pin, numa, config.l1_persist)
+        except Exception:
+            if journal is not None:
+                journal.close()
+            raise
         self.l1 = L1Store(self.arena)
+        if journal is not None:
+            self._reattach(journal)
         self.l2 = self._open_l2(config)
         self._lock = threading.Lock()
         self._entries: dict[int, Entry] = {}
@@ -507,6 +519,18 @@ class MPCacheEngine(RegistrationHandling):
             out["l2"] = self.l2.stats()
         return out
 
+    def _reattach(self, journal: L1Journal) -> None:
+        """The chunks a previous server left in the arena file, at once (on the cuda device once
+        L1 is page-locked: no copy may touch memory that is not)."""
+        live = journal.read_live() if self.arena.reattached else {}
+        if live and self.device == "cuda":
+            logger.info("L1: waiting for the arena to be page-locked before re-attaching %d chunks", len(live))
+            self.arena.wait_pinned(3600.0)
+        self.l1.journal = journal
+        restored, dropped = self.l1.restore(live.values())
+        what = f"re-attached {restored} chunks of the previous server" + (f", dropped {dropped}" if dropped else "")
+        logger.info("L1 in %s: %s", self.config.l1_persist, what if self.arena.reattached else "a new arena file")
+
     @property
     def closing(self) -> bool:
         """close() has begun (the server drains, then stops)."""
@@ -538,7 +562,10 @@ class MPCacheEngine(RegistrationHandling):
                            self.config.drain_timeout)
         if self._events is not None:
             self._events.close()
-        self.l1.clear()
+        if self.l1.journal is not None:  # the chunks stay in the arena file for the next server
+            self.l1.journal.close()
+        else:
+            self.l1.clear()
         for hook in self._close_hooks:  # e.g. stop the transport once the last replies are out
             hook()
 

@@ -34,6 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
+from lmcache_mp.storage.l1_journal import commit_record, free_record
 from lmcache_mp.storage.leases import Lease, LeaseTable
 from lmcache_mp.storage.slab_moves import MAX_MOVES, SlabMove, SlabMoves
 
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 SHARED_RANK = -1  # rank of objects shared by every rank (MLA)
 SLICE = 256  # keys (lookups: key visits x ranks) per hold of the lock
+JOURNAL_RECORD_ESTIMATE = 160  # bytes of one chunk's journal record (a rewrite compares with this)
 
 
 class ObjectKey(NamedTuple):
@@ -96,6 +98,7 @@ class L1Store(SlabMoves):
         self._class_bytes: dict[int, int] = {}  # size class -> object bytes
         self._evicted: dict[int, int] = {}  # size class -> objects evicted
         self._committed = 0
+        self.journal = None  # an L1Journal when L1 outlives the server (l1_journal.py)
         self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "moved": 0, "slab_moves": 0,
                          "spilled": 0}
 
@@ -199,6 +202,8 @@ class L1Store(SlabMoves):
                 del self._spaces[self._space_of(obj.key)]
         if obj.committed:
             self._committed -= 1
+            if self.journal is not None:  # before the slot can go to anyone else
+                self.journal.write([free_record(obj.offset)], -1)
         del self._at[obj.offset]
         self.arena.free(obj.offset)
 
@@ -275,8 +280,37 @@ class L1Store(SlabMoves):
                 waiters += obj.waiters or ()
                 obj.waiters = None
             self.counters["stored"] += len(plan.objects)
+            if self.journal is not None and plan.objects:
+                self.journal.write([self._commit_record(o) for o in plan.objects], len(plan.objects))
+                if self.journal.wants_rewrite(self._committed * JOURNAL_RECORD_ESTIMATE):
+                    self.journal.rewrite([self._commit_record(o) for o in self._at.values() if o.committed])
         for fn in waiters:
             fn(True)
+
+    def _commit_record(self, obj: L1Object) -> bytes:
+        return commit_record(obj.offset, self._class_bytes[obj.size_class], obj.key, obj.format_key)
+
+    def restore(self, entries) -> tuple[int, int]:
+        """Re-attach a previous server's committed chunks (l1_journal.Entry, oldest first) at their
+        slots, before any request; the journal is then rewritten to what was restored. Returns
+        (restored, dropped): a slot that cannot be claimed or a key met twice is dropped."""
+        restored = dropped = 0
+        with self._lock:
+            for e in entries:
+                cls = self._size_class(e.object_bytes)
+                key = ObjectKey(*e.key)
+                if self._get(key) is not None or not self.arena.claim(e.offset, cls):
+                    dropped += 1
+                    continue
+                obj = L1Object(key=key, offset=e.offset, size_class=cls, nbytes=self.arena.slot_bytes(cls),
+                               format_key=e.format_key, committed=True)
+                self._put(obj)
+                self._committed += 1
+                self._park(obj)
+                restored += 1
+            if self.journal is not None:
+                self.journal.rewrite([self._commit_record(o) for o in self._at.values() if o.committed])
+        return restored, dropped
 
     def abort(self, plan: StorePlan) -> None:
         waiters = []

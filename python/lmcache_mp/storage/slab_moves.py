@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmcache_mp.storage.l1_journal import free_record
+
 MAX_MOVES = 3  # slab moves one allocation may try (a move is abandoned when a reader arrives)
 
 
@@ -92,10 +94,13 @@ class SlabMoves:
         for obj, dst in zip(move.objects, move.dst):
             obj.moving = False
             if copied and obj.readers == 0:
-                del self._at[obj.offset]
-                self.arena.free(obj.offset)
+                old = obj.offset
+                del self._at[old]
                 obj.offset = dst
                 self._at[dst] = obj
+                if self.journal is not None and obj.committed:  # one write: the chunk is at dst now
+                    self.journal.write([free_record(old), self._commit_record(obj)], 0)
+                self.arena.free(old)
                 self.counters["moved"] += 1
             else:
                 self.arena.free(dst)

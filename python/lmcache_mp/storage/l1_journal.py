@@ -1,0 +1,171 @@
+"""L1 that outlives the server (--l1-persist PATH): the arena is the file PATH (on /dev/shm or
+hugetlbfs) and PATH.journal says which of its slots hold which chunks, so that a restarted server
+re-attaches both and serves the old chunks at once.
+
+The journal is a header (magic, arena size, slab size, their XXH3) and records, each
+`u32 length | msgpack payload | u64 XXH3 of the payload`:
+
+    ["c", offset, object_bytes, model, world_size, rank, digest, salt, format_key]   committed
+    ["f", offset]                                                                     freed
+
+Records are written (one `write` per L1 operation, to a file in memory: it survives the process,
+SIGKILL included, as the arena does) *before* L1 hands a freed slot to anyone else, and after a
+chunk's bytes landed. So the last record of a slot tells the truth: a committed chunk whose slot
+has not been freed since holds exactly its bytes. Chunks being written at a crash have no commit
+record and are dropped; a torn or damaged record ends the replay there. Only one server may use
+a PATH at a time (an exclusive lock on the journal). A journal grown to several times what it
+describes is rewritten (to a temporary file, then renamed) from the live chunks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import struct
+from typing import NamedTuple
+
+import msgspec
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"LMCMPJ1\0"
+_HEAD = struct.Struct("<8sQQQ")  # magic, arena bytes, slab bytes, XXH3 of the three
+_LEN = struct.Struct("<I")
+_SUM = struct.Struct("<Q")
+COMPACT_MIN_BYTES = 64 << 20  # rewrite only past this size...
+COMPACT_FACTOR = 4  # ...and when this many times the live chunks' records
+
+_encode = msgspec.msgpack.encode
+_decode = msgspec.msgpack.decode
+_sum = xxhash.xxh3_64_intdigest
+
+
+class Entry(NamedTuple):
+    offset: int
+    object_bytes: int
+    key: tuple  # ObjectKey fields
+    format_key: tuple
+
+
+def _record(payload: bytes) -> bytes:
+    return _LEN.pack(len(payload)) + payload + _SUM.pack(_sum(payload))
+
+
+def commit_record(offset: int, object_bytes: int, key, format_key: tuple) -> bytes:
+    return _record(_encode(["c", offset, object_bytes, key.model, key.world_size, key.rank, key.digest, key.salt,
+                            format_key]))
+
+
+def free_record(offset: int) -> bytes:
+    return _record(_encode(["f", offset]))
+
+
+def _header(arena_bytes: int, slab_bytes: int) -> bytes:
+    fields = _HEAD.pack(MAGIC, arena_bytes, slab_bytes, 0)[:-8]
+    return fields + _SUM.pack(_sum(fields))
+
+
+def _tuple(v):
+    return tuple(_tuple(x) for x in v) if isinstance(v, list) else v
+
+
+def replay(data: bytes, arena_bytes: int, slab_bytes: int) -> tuple[dict[int, Entry], int, str]:
+    """The live chunks by offset, how many bytes were good, and why the replay stopped ("" at the end)."""
+    if data[:_HEAD.size] != _header(arena_bytes, slab_bytes):
+        return {}, 0, "the journal is of another arena (size or slab size changed) or damaged"
+    live: dict[int, Entry] = {}
+    pos = _HEAD.size
+    while pos < len(data):
+        if pos + _LEN.size > len(data):
+            return live, pos, "a torn record at the end"
+        (n,) = _LEN.unpack_from(data, pos)
+        end = pos + _LEN.size + n + _SUM.size
+        if end > len(data):
+            return live, pos, "a torn record at the end"
+        payload = data[pos + _LEN.size:pos + _LEN.size + n]
+        if _SUM.unpack_from(data, end - _SUM.size)[0] != _sum(payload):
+            return live, pos, f"a damaged record at byte {pos}"
+        try:
+            rec = _decode(payload)
+            if rec[0] == "c":
+                _, offset, object_bytes, model, world_size, rank, digest, salt, fmt = rec
+                live.pop(offset, None)  # (re-inserted: the dict keeps the order of the commits)
+                live[offset] = Entry(offset, object_bytes, (model, world_size, rank, digest, salt), _tuple(fmt))
+            elif rec[0] == "f":
+                live.pop(rec[1], None)
+            else:
+                raise ValueError(rec[0])
+        except (msgspec.DecodeError, ValueError, TypeError, IndexError) as e:
+            return live, pos, f"an unreadable record at byte {pos} ({e})"
+        pos = end
+    return live, pos, ""
+
+
+class L1Journal:
+    """The journal file of one arena; its writes are called with L1's lock held."""
+
+    def __init__(self, path: str, arena_bytes: int, slab_bytes: int):
+        self.path = path
+        self._head = _header(arena_bytes, slab_bytes)
+        self._arena_bytes, self._slab_bytes = arena_bytes, slab_bytes
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise RuntimeError(f"{path} is in use by another server (l1_persist needs a path of its own)") from None
+        self.bytes = os.fstat(self._fd).st_size
+        self.live_records = 0
+        self.closed = False
+
+    def read_live(self) -> dict[int, Entry]:
+        """The chunks the journal describes (empty for a new or foreign journal; logged)."""
+        data = os.pread(self._fd, self.bytes, 0) if self.bytes else b""
+        if not data:
+            return {}
+        live, good, why = replay(data, self._arena_bytes, self._slab_bytes)
+        if why:
+            logger.warning("L1 journal %s: %s; %d chunks before it are kept, the rest is dropped", self.path, why,
+                           len(live))
+        return live
+
+    def rewrite(self, records: list[bytes]) -> None:
+        """Replace the journal by the header and these records (atomically: a temporary file, then
+        a rename; the lock moves to the new file)."""
+        tmp = self.path + ".tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            data = self._head + b"".join(records)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(self._fd)
+        self._fd = fd
+        self.bytes = len(data)
+        self.live_records = len(records)
+
+    def write(self, records: list[bytes], live_delta: int) -> None:
+        if not records or self.closed:
+            return
+        data = b"".join(records)
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(self._fd, view, self.bytes + len(data) - len(view)):]
+        self.bytes += len(data)
+        self.live_records += live_delta
+
+    def wants_rewrite(self, live_bytes_estimate: int) -> bool:
+        return self.bytes > max(COMPACT_MIN_BYTES, COMPACT_FACTOR * live_bytes_estimate)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            os.close(self._fd)
+

@@ -1,0 +1,119 @@
+"""--l1-persist: L1 in a file with a journal, re-attached by a restarted server. Committed chunks
+come back byte-exact after SIGTERM and after SIGKILL (with stores in flight: what is served is
+exact, half-written chunks are dropped); a damaged journal keeps what comes before the damage;
+another arena size starts empty; one server per file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+
+import cpu_workers as w
+from lmcache_mp import Client, chunk_hashes
+from test_cli import ServerProcess
+from test_l2_tier import retrieved_exact, store_prompts
+from test_server_e2e import CHUNK, blocks_of, clients, register_mha, servers  # noqa: F401
+
+
+@pytest.fixture
+def persist_path():
+    path = Path("/dev/shm") / f"lmcache-mp-test-l1-{uuid.uuid4().hex[:8]}"
+    yield str(path)
+    for p in (path, Path(f"{path}.journal"), Path(f"{path}.journal.tmp")):
+        p.unlink(missing_ok=True)
+
+
+def test_a_restarted_server_serves_the_chunks_at_once(shm_files, servers, clients, persist_path):  # noqa: F811
+    settings = dict(l1_size="4MiB", l1_persist=persist_path)
+    srv = servers(**settings)
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    store_prompts(c, h, kv, [1, 2, 3])
+    c.clear()  # ... then 3 cleared: its chunks must not come back
+    store_prompts(c, h, kv, [1, 2])
+    c.close()
+    srv.stop()
+    srv = servers(**settings)
+    assert srv.engine.status()["l1"]["objects"] == 8
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    assert c.lookup(chunk_hashes(w.prompt(1, 4), CHUNK), model="m") == 4
+    assert retrieved_exact(c, h, kv, 1) == 4 and retrieved_exact(c, h, kv, 2) == 4
+    assert c.lookup(chunk_hashes(w.prompt(3, 4), CHUNK), model="m") == 0
+    store_prompts(c, h, kv, [4])  # and it goes on storing next to them
+    assert retrieved_exact(c, h, kv, 4) == 4
+
+
+def test_sigkill_keeps_committed_chunks_and_drops_half_written_ones(tmp_path, persist_path):
+    url = f"ipc://{tmp_path}/s.sock"
+    args = ["--url", url, "--device", "cpu", "--chunk-size", str(CHUNK), "--l1-size", "4MiB", "--l1-persist",
+            persist_path, "--http-addr", "off"]
+    srv = ServerProcess(args)
+    try:
+        srv.wait_for("ready")
+        c = Client(url)
+        kv, h = register_mha(c, num_blocks=128)
+        store_prompts(c, h, kv, list(range(100, 110)))
+        for j, more in enumerate(range(110, 114)):  # stores in flight at the kill
+            src = blocks_of(4, start=16 * j)
+            w.write_tokens(kv, "mha", src, w.reference(more, "mha", 4 * CHUNK))
+            c.store(h, chunk_hashes(w.prompt(more, 4), CHUNK), src)
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        c.close()
+    finally:
+        srv.kill()
+    srv = ServerProcess(args)
+    try:
+        srv.wait_for("ready")
+        assert "re-attached" in srv.wait_for("L1 in")
+        c = Client(url)
+        kv, h = register_mha(c, num_blocks=128)
+        for seed in range(100, 110):  # committed before the kill: all back, byte-exact
+            assert retrieved_exact(c, h, kv, seed) == 4
+        for seed in range(110, 114):  # in flight: whatever is served is exact
+            retrieved_exact(c, h, kv, seed)
+        c.close()
+    finally:
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(30)
+
+
+def test_a_damaged_journal_keeps_what_comes_before(shm_files, servers, clients, persist_path):  # noqa: F811
+    settings = dict(l1_size="4MiB", l1_persist=persist_path)
+    srv = servers(**settings)
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    store_prompts(c, h, kv, [1])
+    size = os.path.getsize(persist_path + ".journal")
+    store_prompts(c, h, kv, [2])
+    c.close()
+    srv.stop()
+    with open(persist_path + ".journal", "r+b") as f:  # a bit flip in the second prompt's records
+        f.seek(size + 10)
+        b = f.read(1)
+        f.seek(size + 10)
+        f.write(bytes([b[0] ^ 0x40]))
+    srv = servers(**settings)
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    assert retrieved_exact(c, h, kv, 1) == 4
+    assert c.lookup(chunk_hashes(w.prompt(2, 4), CHUNK), model="m") == 0
+
+
+def test_another_arena_size_starts_empty_and_one_server_per_file(shm_files, servers, clients,  # noqa: F811
+                                                                 persist_path):
+    srv = servers(l1_size="4MiB", l1_persist=persist_path)
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    store_prompts(c, h, kv, [1])
+    with pytest.raises(RuntimeError, match="in use by another server"):
+        servers(l1_size="4MiB", l1_persist=persist_path)
+    c.close()
+    srv.stop()
+    srv = servers(l1_size="8MiB", l1_persist=persist_path)
+    assert srv.engine.status()["l1"]["objects"] == 0
