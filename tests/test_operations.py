@@ -16,7 +16,8 @@ import pytest
 
 import cpu_workers as w
 from lmcache_mp import Client, ServerConfig, chunk_hashes
-from lmcache_mp.errors import ServerUnavailable
+from lmcache_mp import protocol as p
+from lmcache_mp.errors import RequestError, ServerUnavailable
 from lmcache_mp.server.cli import main as cli_main
 from test_l2_tier import retrieved_exact, store_prompts
 from test_server_e2e import CHUNK, clients, no_internal_errors, register_mha, servers  # noqa: F401
@@ -30,11 +31,14 @@ def get(addr: str, path: str) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {name} in /metrics")
+def metric(text: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise AssertionError(f"no {name} {labels} in /metrics")
 
 
 def test_http_endpoints_after_known_traffic(shm_files, servers, clients, no_internal_errors):  # noqa: F811
@@ -54,9 +58,22 @@ def test_http_endpoints_after_known_traffic(shm_files, servers, clients, no_inte
     assert metric(text, "lmcache_mp_stored_total") == 8 and metric(text, "lmcache_mp_l1_objects") == 8
     assert metric(text, "lmcache_mp_lookups_total") == 1 and metric(text, "lmcache_mp_hits_total") == 4
     assert metric(text, "lmcache_mp_registrations") == 1
+    assert metric(text, "lmcache_mp_requests_total", op="Store", outcome="OK") == 2
+    assert metric(text, "lmcache_mp_requests_total", op="Retrieve", outcome="OK") == 1
+    assert metric(text, "lmcache_mp_request_seconds_count", op="Store") == 2
+    assert metric(text, "lmcache_mp_request_seconds_bucket", op="Lookup", le="+Inf") == 1
+    assert metric(text, "lmcache_mp_bytes_moved_total", direction="store", device="cpu") == 8 * h.object_bytes
+    assert metric(text, "lmcache_mp_bytes_moved_total", direction="retrieve", device="cpu") == 4 * h.object_bytes
     code, body = get(addr, "/status")
     status = json.loads(body)
     assert code == 200 and status["url"] == srv.url and status["l1"]["objects"] == 8
+    with pytest.raises(RequestError):  # an error reply: counted by its code
+        c._call(p.Store(kv_id=1, hashes=b"h" * 16, block_ids=p.pack_block_ids(range(4)), client_id=c.client_id),
+                p.StoreReply, 5)
+    assert c.clear() == 8
+    text = get(addr, "/metrics")[1].decode()
+    assert metric(text, "lmcache_mp_requests_total", op="Store", outcome="UNKNOWN_REGISTRATION") == 1
+    assert metric(text, "lmcache_mp_l1_removed_total", reason="cleared") == 8
     assert get(addr, "/nope")[0] == 404
     endpoint = srv.engine.http_endpoint
     endpoint.ready = False  # as between binding and serving
@@ -165,8 +182,11 @@ def test_every_metric_of_the_dashboard_and_the_docs_exists(servers, tmp_path):  
     from pathlib import Path
 
     srv = servers(http_addr="127.0.0.1:0", l2_disk=str(tmp_path / "l2"), l2_disk_size="64MiB")
-    served = set(re.findall(r"^# HELP (lmcache_mp_\w+)", get(srv.engine.http, "/metrics")[1].decode(), re.M))
+    text = get(srv.engine.http, "/metrics")[1].decode()
+    served = set(re.findall(r"^# HELP (lmcache_mp_\w+)", text, re.M))
     served |= {m[:-len("_total")] for m in served if m.endswith("_total")}
+    served |= {m + suffix for m in re.findall(r"^# TYPE (lmcache_mp_\w+) histogram", text, re.M)
+               for suffix in ("_bucket", "_count", "_sum")}
     docs = Path(__file__).parent.parent / "docs"
     dashboard = json.loads((docs / "grafana-dashboard.json").read_text())
     exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])

@@ -87,6 +87,8 @@ class MPCacheEngine(RegistrationHandling):
         self._pinned = False  # the arena's background pinning has finished
         self.lane = ""  # the transport's local-lane address, told to clients in HELLO
         self.url = ""  # the bound endpoint
+        self.moved = {"store": 0, "retrieve": 0}  # bytes between KV caches and L1, by direction
+        self._moved_lock = threading.Lock()
         self.http = ""  # the HTTP listener's address ("" when none)
         # Every registration's thread, until it ended: close() waits for them all, so that no
         # context is torn down (driver calls, without the GIL) while the interpreter shuts down.
@@ -230,6 +232,7 @@ class MPCacheEngine(RegistrationHandling):
 
         def answer() -> None:  # once our bytes and those of the chunks others were writing landed
             def send(failed: int) -> None:
+                self._count_moved("store", len(plan.objects) * reg.object_bytes)
                 reply(p.StoreReply(stored=len(plan.objects), present=plan.present + len(plan.pending) - failed,
                                    skipped=plan.skipped + failed))
 
@@ -333,6 +336,7 @@ class MPCacheEngine(RegistrationHandling):
                                                   with_handle=True)
                 mark(reply, "submitted")
                 if early:
+                    self._count_moved("retrieve", len(objs) * reg.object_bytes)
                     reply(p.RetrieveReply(loaded=len(objs), event=handle))
 
                 def done(err: BaseException | None, stamps: tuple) -> None:
@@ -344,6 +348,7 @@ class MPCacheEngine(RegistrationHandling):
                     if early:
                         return
                     if err is None:
+                        self._count_moved("retrieve", len(objs) * reg.object_bytes)
                         reply(p.RetrieveReply(loaded=len(objs)))
                     else:
                         reply(p.Error(code=int(p.ErrorCode.DEVICE_ERROR), message=str(err)))
@@ -360,7 +365,12 @@ class MPCacheEngine(RegistrationHandling):
             reply(p.Error(code=int(code), message=str(e)))
             return
         self.l1.end_read(objs)
+        self._count_moved("retrieve", len(objs) * reg.object_bytes)
         reply(p.RetrieveReply(loaded=len(objs)))
+
+    def _count_moved(self, direction: str, nbytes: int) -> None:
+        with self._moved_lock:
+            self.moved[direction] += nbytes
 
     # ---- lookup and leases -------------------------------------------------------------------
 
@@ -507,6 +517,7 @@ class MPCacheEngine(RegistrationHandling):
             "uptime_s": round(time.time() - self.started, 1),
             "url": self.url,
             "http": self.http,
+            "bytes_moved": dict(self.moved),
             "device": self.device,
             "chunk_size": self.config.chunk_size,
             "clients": len(self._clients),

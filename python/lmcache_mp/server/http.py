@@ -34,7 +34,7 @@ class HttpEndpoint:
         self.engine, self.transport = engine, transport
         self.ready = False
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(StatusCollector(engine))
+        registry.register(StatusCollector(engine, transport.stats))
         self._registry = registry
         endpoint = self
 

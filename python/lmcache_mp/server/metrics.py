@@ -8,13 +8,21 @@ logger = logging.getLogger(__name__)
 
 
 class StatusCollector:
-    def __init__(self, engine):
+    def __init__(self, engine, requests=None):
         self.engine = engine
+        self.requests = requests  # the transport's RequestStats
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         st = self.engine.status()
+        if self.requests is not None:
+            yield from _request_metrics(self.requests.snapshot())
+        moved = CounterMetricFamily("lmcache_mp_bytes_moved", "bytes copied between KV caches and L1",
+                                    labels=["direction", "device"])
+        for direction, n in st["bytes_moved"].items():
+            moved.add_metric([direction, st["device"]], n)
+        yield moved
         l1 = st["l1"]
         yield GaugeMetricFamily("lmcache_mp_l1_capacity_bytes", "L1 host memory", value=l1["capacity"])
         yield GaugeMetricFamily("lmcache_mp_l1_used_bytes", "L1 bytes held by objects", value=l1["bytes_used"])
@@ -42,6 +50,12 @@ class StatusCollector:
                                 value=l1["pinning"]["bytes_pinned"])
         yield GaugeMetricFamily("lmcache_mp_registrations", "registered KV caches", value=len(st["registrations"]))
         yield GaugeMetricFamily("lmcache_mp_clients", "clients heard from recently", value=st["clients"])
+        reasons = CounterMetricFamily("lmcache_mp_l1_removed", "chunks L1 let go, by reason: capacity (evicted for "
+                                      "room), cleared (CLEAR), replaced (stored again in another layout)",
+                                      labels=["reason"])
+        for reason, field in (("capacity", "evicted"), ("cleared", "cleared"), ("replaced", "replaced")):
+            reasons.add_metric([reason], l1[field])
+        yield reasons
         for name, help_ in (("stored", "chunks stored"), ("evicted", "chunks evicted"), ("lookups", "lookups"),
                             ("hits", "chunks found by lookups"), ("leases_expired", "leases that timed out"),
                             ("moved", "objects moved to another slot so that a slab could change size"),
@@ -77,3 +91,24 @@ def _l2_metrics(l2: dict):
         for t in l2["tiers"]:
             c.add_metric([t["name"]], t.get(field, 0))
         yield c
+
+
+def _request_metrics(snap: dict):
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    from lmcache_mp.server.request_stats import BUCKETS
+
+    requests = CounterMetricFamily("lmcache_mp_requests", "replies by op and outcome (OK or the error code)",
+                                   labels=["op", "outcome"])
+    for (op, outcome), n in sorted(snap["counts"].items()):
+        requests.add_metric([op, outcome], n)
+    yield requests
+    seconds = HistogramMetricFamily("lmcache_mp_request_seconds", "from a request's arrival to its reply, by op",
+                                    labels=["op"])
+    for op, hist in sorted(snap["hist"].items()):
+        total, buckets = 0, []
+        for bound, n in zip([*map(str, BUCKETS), "+Inf"], hist):
+            total += n
+            buckets.append((bound, total))
+        seconds.add_metric([op], buckets, sum_value=snap["sums"][op])
+    yield seconds

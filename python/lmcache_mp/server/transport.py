@@ -19,6 +19,7 @@ import zmq
 from lmcache_mp import protocol as p
 from lmcache_mp.native import spin_poll
 from lmcache_mp.server.lane import Lane, LaneConn
+from lmcache_mp.server.request_stats import RequestStats
 from lmcache_mp.server.socket_files import share_with_group, socket_files_private
 
 logger = logging.getLogger(__name__)
@@ -30,15 +31,17 @@ _ZERO_ID = p.pack_request_id(0)
 class Responder:
     """The `Reply` of one request (see server/replies.py)."""
 
-    __slots__ = ("_transport", "_identity", "_req_id", "stamps")
+    __slots__ = ("_transport", "_identity", "_req_id", "stamps", "op", "t0")
 
     def __init__(self, transport: "Transport", identity: bytes, req_id: bytes, stamps: list | None):
         self._transport = transport
         self._identity = identity
         self._req_id = req_id
         self.stamps = stamps
+        self.op, self.t0 = "invalid", time.monotonic()  # the op once decoded
 
     def __call__(self, msg: p._Msg) -> None:
+        self._transport.stats.done(self.op, self.t0, msg)
         if self.stamps is not None:
             self.stamps.append(("replied", time.monotonic_ns()))
         self._transport._responded(self._identity, self._req_id, p.encode(msg), self.stamps)
@@ -47,14 +50,16 @@ class Responder:
 class LaneResponder:
     """The `Reply` of one request that came on the local lane."""
 
-    __slots__ = ("_conn", "_req_id", "stamps")
+    __slots__ = ("_conn", "_req_id", "stamps", "op", "t0", "_stats")
 
-    def __init__(self, conn: LaneConn, req_id: int, stamps: list | None):
+    def __init__(self, conn: LaneConn, req_id: int, stamps: list | None, stats: RequestStats):
         self._conn = conn
         self._req_id = req_id
         self.stamps = stamps
+        self.op, self.t0, self._stats = "invalid", time.monotonic(), stats
 
     def __call__(self, msg: p._Msg) -> None:
+        self._stats.done(self.op, self.t0, msg)
         body = p.encode(msg)
         trace = None
         if self.stamps is not None:
@@ -73,6 +78,7 @@ class Transport:
     def __init__(self, url: str, engine, context: zmq.Context | None = None, spin_us: int = 0,
                  lane: bool = True, ipc_group: str = "", curve=None):
         self.engine = engine
+        self.stats = RequestStats()
         self._spin = spin_us / 1e6
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -149,7 +155,9 @@ class Transport:
         if not (len(frames) == 3 or traced) or len(frames[1]) != 8:
             req_id = frames[1] if len(frames) >= 2 and len(frames[1]) == 8 else _ZERO_ID
             msg = "a request is two frames: an 8-byte request id and a body (and optionally a trace frame)"
-            self._send(identity, req_id, p.encode(p.Error(code=int(p.ErrorCode.BAD_REQUEST), message=msg)))
+            err = p.Error(code=int(p.ErrorCode.BAD_REQUEST), message=msg)
+            self.stats.done("invalid", time.monotonic(), err)
+            self._send(identity, req_id, p.encode(err))
             return
         reply = Responder(self, identity, frames[1], [("received", time.monotonic_ns())] if traced else None)
         self._dispatch(frames[2], reply)
@@ -160,7 +168,8 @@ class Transport:
         except ValueError:
             logger.debug("ignored a malformed lane datagram")
             return
-        self._dispatch(body, LaneResponder(conn, req_id, [("received", time.monotonic_ns())] if traced else None))
+        self._dispatch(body, LaneResponder(conn, req_id, [("received", time.monotonic_ns())] if traced else None,
+                                           self.stats))
 
     def _dispatch(self, body: bytes, reply) -> None:
         try:
@@ -168,6 +177,7 @@ class Transport:
         except p.FrameError as e:
             reply(p.Error(code=int(e.code), message=str(e)))
             return
+        reply.op = type(msg).__name__
         if reply.stamps is not None:
             reply.stamps.append(("decoded", time.monotonic_ns()))
         self.engine.handle(msg, reply)

@@ -100,7 +100,7 @@ class L1Store(SlabMoves):
         self._committed = 0
         self.journal = None  # an L1Journal when L1 outlives the server (l1_journal.py)
         self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "moved": 0, "slab_moves": 0,
-                         "spilled": 0}
+                         "spilled": 0, "cleared": 0, "replaced": 0}
 
     def _pause(self) -> None:
         """Between slices of one request: let a waiting thread take the lock (and the GIL)."""
@@ -239,6 +239,7 @@ class L1Store(SlabMoves):
                         plan.skipped = len(keys) - i
                         break
                     self._free(obj)  # stale bytes of another layout: replace them
+                    self.counters["replaced"] += 1
                     obj = None
                 if obj is not None:
                     if obj.committed:
@@ -492,6 +493,7 @@ class L1Store(SlabMoves):
                 for obj in victims:
                     self._free(obj)
                 removed += len(victims)
+                self.counters["cleared"] += len(victims)
                 if len(victims) < SLICE:
                     break
                 self._pause()
