@@ -117,3 +117,49 @@ def test_another_arena_size_starts_empty_and_one_server_per_file(shm_files, serv
     srv.stop()
     srv = servers(l1_size="8MiB", l1_persist=persist_path)
     assert srv.engine.status()["l1"]["objects"] == 0
+
+
+def test_moved_and_evicted_objects_are_journaled(persist_path):
+    """A slab changing size moves an object and evicts others: after a "restart" (a new arena on
+    the file, a new L1), exactly the resident objects come back, each with its own bytes."""
+    import numpy as np
+
+    from lmcache_mp.native import HostArena
+    from lmcache_mp.storage.l1 import L1Store, ObjectKey
+    from lmcache_mp.storage.l1_journal import L1Journal
+    from test_l1_sizes import SLAB, _fill, key
+
+    def open_l1():
+        journal = L1Journal(persist_path + ".journal", 2 * SLAB, SLAB)
+        arena = HostArena(2 * SLAB, SLAB, False, -1, persist_path)
+        l1 = L1Store(arena)
+        l1.journal = journal
+        l1.restore(journal.read_live().values() if arena.reattached else [])
+        return journal, arena, l1
+
+    journal, arena, l1 = open_l1()
+    small = [key(16000, i) for i in range(8)]  # both slabs full
+    for i, k in enumerate(small):
+        _fill(l1, arena, [k], 16000, i + 1)
+    _, lease = l1.lookup("m16000", 1, [small[3].digest], lock=True, owner=b"a")  # leased: moved, not evicted
+    for k in (small[0], small[4], small[5], small[6], small[7]):
+        l1.lookup("m16000", 1, [k.digest])
+    big = ObjectKey("big", 1, 0, b"x" * 16, b"")
+    _fill(l1, arena, [big], 60000, 99)  # 4 evicted, 1 moved (test_l1_sizes tells which)
+    assert l1.counters["moved"] == 1 and l1.counters["evicted"] == 4
+    resident = [k for k in small if l1.contains(k)]
+    assert small[3] in resident and l1.release(lease) == 1
+    journal.close()
+    del l1, arena
+
+    journal, arena, l1 = open_l1()
+    assert arena.reattached and l1.stats()["objects"] == len(resident) + 1
+    for i, k in enumerate(small):
+        assert l1.contains(k) == (k in resident)
+        if k in resident:
+            obj = l1._get(k)
+            assert (np.frombuffer(arena.view(obj.offset, 16000), dtype=np.uint8) == i + 1).all()
+    (obj,) = l1.begin_read([big], ("t", 60000))
+    assert (np.frombuffer(arena.view(obj.offset, 60000), dtype=np.uint8) == 99).all()
+    l1.end_read([obj])
+    journal.close()
