@@ -138,11 +138,11 @@ def test_a_traced_request_reports_its_stages_in_order(shm_files, server, lane): 
         fut = c.store(h, hashes, blocks_of(2))
         fut.result(10)
         stages = [s for s, _ in fut.trace]
-        assert stages == ["call", "client sent", "received", "decoded", "started", "planned", "copied", "replied",
-                          "sent", "client received", "client resolved"]
+        assert stages == ["call", "client sent", "received", "decoded", "started", "checked", "in L1", "planned",
+                          "copied", "replied", "sent", "client received", "client resolved"]
         times = [t for _, t in fut.trace]
         assert times[0] <= times[2] <= times[-1]  # one clock across both processes
-        assert times[2:9] == sorted(times[2:9])
+        assert times[2:11] == sorted(times[2:11])
         c.lookup(hashes, model="m")
         resolved = ["client resolved"] if lane else []  # on the lane a lookup is a future read by its caller
         assert [s for s, _ in c.last_trace()] == ["call", "client sent", "received", "decoded", "replied", "sent",

@@ -225,8 +225,10 @@ class MPCacheEngine(RegistrationHandling):
         self._check_open(entry)
         reg = entry.ctx.reg
         keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
+        mark(reply, "checked")
         self._touch(reg.client_id)
         plan = self.l1.begin_store(keys, reg.object_bytes, reg.spec.format_key())
+        mark(reply, "in L1")
         if plan.skipped:
             logger.debug("store skipped %d chunks: no evictable memory", plan.skipped)
 
@@ -300,9 +302,11 @@ class MPCacheEngine(RegistrationHandling):
             self._check_open(entry)
             reg = entry.ctx.reg
             keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt, distinct=True)
+            mark(reply, "checked")
             self._touch(reg.client_id)
             self._check_deadline(msg)
             objs = self.l1.begin_read(keys, reg.spec.format_key(), msg.lease)
+            mark(reply, "in L1")
         finally:
             if held:
                 self.l1.end_read(held)
