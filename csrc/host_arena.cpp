@@ -174,12 +174,21 @@ int64_t HostArena::allocate(int cls) {
     init_slab(s, cls);
   }
   // The fullest slab with a free slot: emptier slabs drain, so whole slabs free up for other sizes.
-  auto it = std::prev(c.partial.end());
-  const int s = it->second;
-  c.partial.erase(it);
+  const int s = std::prev(c.partial.end())->second;
+  const uint32_t slot = slabs_[s].free_slots.back();
+  take_slot(s, slot);
+  return static_cast<int64_t>(s) * static_cast<int64_t>(slab_bytes_) + static_cast<int64_t>(slot * c.slot_bytes);
+}
+
+void HostArena::take_slot(int s, uint32_t slot) {
   Slab& sl = slabs_[s];
-  const uint32_t slot = sl.free_slots.back();
-  sl.free_slots.pop_back();
+  SizeClass& c = classes_[sl.cls];
+  c.partial.erase({sl.num_used, s});
+  if (sl.free_slots.back() == slot) {
+    sl.free_slots.pop_back();
+  } else {
+    sl.free_slots.erase(std::find(sl.free_slots.begin(), sl.free_slots.end(), slot));
+  }
   sl.used[slot] = 1;
   ++sl.num_used;
   if (!sl.free_slots.empty()) c.partial.emplace(sl.num_used, s);
@@ -187,7 +196,6 @@ int64_t HostArena::allocate(int cls) {
   ++c.objects;
   bytes_allocated_ += c.slot_bytes;
   ++objects_;
-  return static_cast<int64_t>(s) * static_cast<int64_t>(slab_bytes_) + static_cast<int64_t>(slot * c.slot_bytes);
 }
 
 void HostArena::init_slab(int s, int cls) {
@@ -222,15 +230,7 @@ bool HostArena::claim(int64_t offset, int cls) {
   } else if (sl.cls != cls || sl.draining || sl.used[slot]) {
     return false;
   }
-  c.partial.erase({sl.num_used, s});
-  sl.free_slots.erase(std::find(sl.free_slots.begin(), sl.free_slots.end(), slot));
-  sl.used[slot] = 1;
-  ++sl.num_used;
-  if (!sl.free_slots.empty()) c.partial.emplace(sl.num_used, s);
-  --c.free_slots;
-  ++c.objects;
-  bytes_allocated_ += c.slot_bytes;
-  ++objects_;
+  take_slot(s, slot);
   return true;
 }
 

@@ -132,6 +132,7 @@ class HostArena {
   int64_t slot_at(int64_t offset, int* slab) const;  // validates an allocated object's offset
   void release_slab(int s);
   void init_slab(int s, int cls);  // a free slab becomes one of class cls, all slots free
+  void take_slot(int s, uint32_t slot);  // a free slot of slab s becomes an object
 
   uint8_t* base_ = nullptr;
   int fd_ = -1;

@@ -15,8 +15,8 @@ import pytest
 import cpu_workers as w
 from lmcache_mp import Client, chunk_hashes
 from test_cli import ServerProcess
-from test_l2_tier import retrieved_exact, store_prompts
-from test_server_e2e import CHUNK, blocks_of, clients, register_mha, servers  # noqa: F401
+from test_l2_tier import retrieved_exact, store_prompts, stores_in_flight
+from test_server_e2e import CHUNK, clients, register_mha, servers  # noqa: F401
 
 
 @pytest.fixture
@@ -58,10 +58,7 @@ def test_sigkill_keeps_committed_chunks_and_drops_half_written_ones(tmp_path, pe
         c = Client(url)
         kv, h = register_mha(c, num_blocks=128)
         store_prompts(c, h, kv, list(range(100, 110)))
-        for j, more in enumerate(range(110, 114)):  # stores in flight at the kill
-            src = blocks_of(4, start=16 * j)
-            w.write_tokens(kv, "mha", src, w.reference(more, "mha", 4 * CHUNK))
-            c.store(h, chunk_hashes(w.prompt(more, 4), CHUNK), src)
+        stores_in_flight(c, h, kv, range(110, 114))  # in flight at the kill
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(10)
         c.close()

@@ -41,6 +41,15 @@ def store_prompts(c, h, kv, seeds, chunks=4, srv=None):
                 writer_idle(srv)
 
 
+def stores_in_flight(c, h, kv, seeds):
+    """Start these 4-chunk stores without waiting for them, each from blocks of its own (nothing
+    overwrites them before the copy)."""
+    for j, seed in enumerate(seeds):
+        src = blocks_of(4, start=16 * j)
+        w.write_tokens(kv, "mha", src, w.reference(seed, "mha", 4 * CHUNK))
+        c.store(h, chunk_hashes(w.prompt(seed, 4), CHUNK), src)
+
+
 def writer_idle(srv):
     wait_until(lambda: srv.engine.status()["l2"]["idle"], 10, "the L2 writer to be idle")
 
@@ -344,10 +353,7 @@ def test_sigkill_during_writes_then_restart_serves_only_whole_objects(tmp_path):
         while len(_kv_files(path)) < 20:
             store_prompts(c, h, kv, [seed])
             seed += 1
-        for j, more in enumerate(range(seed, seed + 4)):  # stores and their disk writes in flight at the kill
-            src = blocks_of(4, start=16 * j)  # blocks of their own: nothing overwrites them before the copy
-            w.write_tokens(kv, "mha", src, w.reference(more, "mha", 4 * CHUNK))
-            c.store(h, chunk_hashes(w.prompt(more, 4), CHUNK), src)
+        stores_in_flight(c, h, kv, range(seed, seed + 4))  # their disk writes too, at the kill
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(10)
         c.close()

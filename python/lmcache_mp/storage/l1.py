@@ -203,7 +203,7 @@ class L1Store(SlabMoves):
         if obj.committed:
             self._committed -= 1
             if self.journal is not None:  # before the slot can go to anyone else
-                self.journal.write([free_record(obj.offset)], -1)
+                self.journal.write([free_record(obj.offset)])
         del self._at[obj.offset]
         self.arena.free(obj.offset)
 
@@ -282,7 +282,7 @@ class L1Store(SlabMoves):
                 obj.waiters = None
             self.counters["stored"] += len(plan.objects)
             if self.journal is not None and plan.objects:
-                self.journal.write([self._commit_record(o) for o in plan.objects], len(plan.objects))
+                self.journal.write([self._commit_record(o) for o in plan.objects])
                 if self.journal.wants_rewrite(self._committed * JOURNAL_RECORD_ESTIMATE):
                     self.journal.rewrite([self._commit_record(o) for o in self._at.values() if o.committed])
         for fn in waiters:

@@ -117,7 +117,6 @@ class L1Journal:
             os.close(self._fd)
             raise RuntimeError(f"{path} is in use by another server (l1_persist needs a path of its own)") from None
         self.bytes = os.fstat(self._fd).st_size
-        self.live_records = 0
         self.closed = False
 
     def read_live(self) -> dict[int, Entry]:
@@ -125,7 +124,7 @@ class L1Journal:
         data = os.pread(self._fd, self.bytes, 0) if self.bytes else b""
         if not data:
             return {}
-        live, good, why = replay(data, self._arena_bytes, self._slab_bytes)
+        live, _, why = replay(data, self._arena_bytes, self._slab_bytes)
         if why:
             logger.warning("L1 journal %s: %s; %d chunks before it are kept, the rest is dropped", self.path, why,
                            len(live))
@@ -149,9 +148,8 @@ class L1Journal:
         os.close(self._fd)
         self._fd = fd
         self.bytes = len(data)
-        self.live_records = len(records)
 
-    def write(self, records: list[bytes], live_delta: int) -> None:
+    def write(self, records: list[bytes]) -> None:
         if not records or self.closed:
             return
         data = b"".join(records)
@@ -159,7 +157,6 @@ class L1Journal:
         while view:
             view = view[os.pwrite(self._fd, view, self.bytes + len(data) - len(view)):]
         self.bytes += len(data)
-        self.live_records += live_delta
 
     def wants_rewrite(self, live_bytes_estimate: int) -> bool:
         return self.bytes > max(COMPACT_MIN_BYTES, COMPACT_FACTOR * live_bytes_estimate)

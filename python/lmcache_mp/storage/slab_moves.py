@@ -99,7 +99,7 @@ class SlabMoves:
                 obj.offset = dst
                 self._at[dst] = obj
                 if self.journal is not None and obj.committed:  # one write: the chunk is at dst now
-                    self.journal.write([free_record(old), self._commit_record(obj)], 0)
+                    self.journal.write([free_record(old), self._commit_record(obj)])
                 self.arena.free(old)
                 self.counters["moved"] += 1
             else:
