@@ -63,7 +63,6 @@ TransferEngine::TransferEngine(int device, const KVLayout& layout, int64_t chunk
     // engine's work instead of queueing behind it, so the copy engines never run dry.
     sides_[d].main = reinterpret_cast<cudaStream_t>(create_stream(device_, true));
     sides_[d].copy = reinterpret_cast<cudaStream_t>(create_stream(device_, true));
-    check(cudaEventCreateWithFlags(&sides_[d].copy_done, cudaEventDisableTiming), "cudaEventCreateWithFlags");
   }
 }
 
@@ -76,7 +75,6 @@ TransferEngine::~TransferEngine() {
       for (auto e : s.pool) cudaEventDestroy(e);
       for (auto e : s.slot_ready) cudaEventDestroy(e);
       for (auto e : s.slot_free) cudaEventDestroy(e);
-      if (s.copy_done) cudaEventDestroy(s.copy_done);
       if (s.staging) cudaFree(s.staging);
       cudaStreamDestroy(s.main);
       cudaStreamDestroy(s.copy);
@@ -167,10 +165,6 @@ void TransferEngine::enqueue_staged(Side& side, bool gather, const ChunkBatch& b
       launch_kv_copy(false, dlay_, t, width, ctas, opt_.threads, side.main);
       check(cudaEventRecord(side.slot_free[k], side.main), "cudaEventRecord");
     }
-  }
-  if (gather && !single_buffer) {  // completion is recorded on main: let it wait for the last DMA
-    check(cudaEventRecord(side.copy_done, copy), "cudaEventRecord");
-    check(cudaStreamWaitEvent(side.main, side.copy_done, 0), "cudaStreamWaitEvent");
   }
 }
 
@@ -277,9 +271,15 @@ uint64_t TransferEngine::submit(Direction dir, Mode mode, const ChunkBatch& b, u
   std::lock_guard<std::mutex> lk(side.mu);
   DeviceGuard g(device_);
   if (wait_event) check(cudaStreamWaitEvent(side.main, reinterpret_cast<cudaEvent_t>(wait_event), 0), "cudaStreamWaitEvent");
+  // The completion event goes on the stream that does the last copy: main, except for a staged
+  // gather, which ends with the copy stream's DMA (main's next kernels wait on the slots anyway).
+  cudaStream_t last = side.main;
   switch (mode) {
     case Mode::kDirect: enqueue_direct(side, gather, b, opt_.direct_ctas); break;
-    case Mode::kStaged: enqueue_staged(side, gather, b, false); break;
+    case Mode::kStaged:
+      enqueue_staged(side, gather, b, false);
+      if (gather) last = side.copy;
+      break;
     case Mode::kDma: enqueue_dma(side, gather, b, true, true); break;
     case Mode::kSegmentLoop: enqueue_dma(side, gather, b, false, false); break;
     case Mode::kBatchUncoalesced: enqueue_dma(side, gather, b, false, true); break;
@@ -287,13 +287,15 @@ uint64_t TransferEngine::submit(Direction dir, Mode mode, const ChunkBatch& b, u
     default: throw InvalidArgument("unknown transfer mode");
   }
   const int ev = take_event(side);
-  check(cudaEventRecord(side.pool[ev], side.main), "cudaEventRecord");
+  check(cudaEventRecord(side.pool[ev], last), "cudaEventRecord");
   if (completion_handle) *completion_handle = side.pool_handles[ev];
+  const int d = gather ? 0 : 1;
   std::lock_guard<std::mutex> tl(ticket_mu_);
   const uint64_t id = next_ticket_++;
-  tickets_.push_back(Ticket{id, gather ? 0 : 1, ev});
+  tickets_.push_back(Ticket{id, d, ev});
   ++stats_.submitted;
-  ticket_cv_.notify_all();  // under the lock: a waiter cannot miss it between its check and its sleep
+  submitted_[d].fetch_add(1, std::memory_order_release);
+  ticket_cv_[d].notify_all();  // under the lock: a waiter cannot miss it between its check and its sleep
   return id;
 }
 
@@ -370,11 +372,17 @@ TransferEngine::Completion TransferEngine::wait_next(Direction d, int64_t spin_u
     while (!claim()) {
       if (stop_waiting_) return out;  // ticket 0
       if (std::chrono::steady_clock::now() < spin_until) {
+        // Spin on the direction's count, off the lock: the submitting thread takes it unhindered.
+        const uint64_t seen = submitted_[dir].load(std::memory_order_acquire);
         lk.unlock();
-        cpu_relax();
+        unsigned n = 0;
+        while (submitted_[dir].load(std::memory_order_acquire) == seen) {
+          cpu_relax();
+          if (++n % 64 == 0 && (stop_flag_.load(std::memory_order_acquire) || std::chrono::steady_clock::now() >= spin_until)) break;
+        }
         lk.lock();
       } else {
-        ticket_cv_.wait(lk);
+        ticket_cv_[dir].wait(lk);
       }
     }
   }
@@ -390,8 +398,9 @@ void TransferEngine::stop_waiting() {
   {
     std::lock_guard<std::mutex> lk(ticket_mu_);
     stop_waiting_ = true;
+    stop_flag_.store(true, std::memory_order_release);
   }
-  ticket_cv_.notify_all();
+  for (auto& cv : ticket_cv_) cv.notify_all();
 }
 
 bool TransferEngine::query(uint64_t ticket) {

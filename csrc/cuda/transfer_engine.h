@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -106,7 +107,6 @@ class TransferEngine {
     std::vector<cudaEvent_t> slot_ready;  // pack done (gather) / upload done (scatter)
     std::vector<cudaEvent_t> slot_free;   // slot may be overwritten
     int next_slot = 0;
-    cudaEvent_t copy_done = nullptr;
   };
 
   int take_event(Side& side);
@@ -133,8 +133,12 @@ class TransferEngine {
 
   mutable std::mutex ticket_mu_;
   std::deque<Ticket> tickets_;  // in flight
-  std::condition_variable ticket_cv_;  // a ticket was submitted, or stop_waiting()
+  // Per direction: a ticket of it was submitted, or stop_waiting(). A store wakes only the
+  // store waiter; the count lets a spinning waiter watch for work without taking ticket_mu_.
+  std::condition_variable ticket_cv_[2];
+  std::atomic<uint64_t> submitted_[2] = {0, 0};
   bool stop_waiting_ = false;
+  std::atomic<bool> stop_flag_{false};  // stop_waiting_, for spinning waiters off the lock
   uint64_t next_ticket_ = 1;
   EngineStats stats_;
 };

@@ -410,13 +410,16 @@ def decode_reply(body: bytes) -> Reply:
     return _reply_decoder.decode(body)
 
 
+_BLOCK_ID_MAX = int(np.iinfo(BLOCK_ID_DTYPE).max)
+
+
 def pack_block_ids(block_ids) -> bytes:
     ids = np.asarray(block_ids)
     if ids.size == 0 and ids.dtype.kind == "f":  # np.asarray([]) is float64: no chunks, no ids
         return b""
     if ids.dtype.kind not in "iu":
         raise ValueError(f"block ids must be integers, got dtype {ids.dtype}")
-    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(BLOCK_ID_DTYPE).max):
+    if ids.size and (ids.min() < 0 or ids.max() > _BLOCK_ID_MAX):
         raise ValueError("block ids must be in [0, 2**31)")
     return np.ascontiguousarray(ids, dtype=BLOCK_ID_DTYPE).tobytes()
 

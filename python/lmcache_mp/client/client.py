@@ -27,7 +27,7 @@ import zmq
 from lmcache_mp import protocol as p
 from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_stream
 from lmcache_mp.client.curve import apply_curve
-from lmcache_mp.client.io_thread import IOThread, add_trace
+from lmcache_mp.client.io_thread import _EVENTS, _POLLIN, IOThread, add_trace
 from lmcache_mp.client.leases import HeldLeases, LookupResult
 from lmcache_mp.client.tensors import DescribedCache, describe_kv_caches
 from lmcache_mp.errors import ProtocolMismatch, RequestError, ServerUnavailable
@@ -233,7 +233,7 @@ class Client:
             now = time.monotonic()
             if now > deadline:
                 raise ServerUnavailable(f"no reply to {type(msg).__name__} from {self.url} within {timeout:.3g} s")
-            if not sock.get(zmq.EVENTS) & zmq.POLLIN:  # poll for the reply a while before sleeping
+            if not sock.get(_EVENTS) & _POLLIN:  # poll for the reply a while before sleeping
                 spin_poll(self._local.fds, int(max(0.0, spin_until - now) * 1e6), int((deadline - now) * 1000) + 1)
                 continue
             frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -271,6 +271,7 @@ class Client:
                      salt: bytes = b"", timeout: float | None = None) -> "Future[LookupResult]":
         """lookup() without waiting: a lookup with lock may wait on the server while chunks found
         in L2 are brought into L1 (up to its prefetch timeout)."""
+        stamps = [("call", time.monotonic_ns())] if self.trace else None
         packed = pack_hashes(hashes)
         msg = p.Lookup(client_id=self.client_id, model=model, world_size=world_size, hashes=packed, lock=lock,
                        salt=salt)
@@ -281,7 +282,7 @@ class Client:
                 self._leases.add(r.lease, model, world_size, salt, unpack_hashes(packed[: r.hits * DIGEST_BYTES]))
             return LookupResult(r.hits, r.lease)
 
-        return self._async(msg, timeout, convert, None)
+        return self._async(msg, timeout, convert, None, stamps=stamps)
 
     def release(self, hashes: bytes | Iterable[bytes] | None = None, *, lease: int | None = None,
                 model: str | None = None, world_size: int = 1, salt: bytes = b"",
@@ -375,6 +376,7 @@ class Client:
         """Copy these chunks' blocks into the server. The future resolves once the bytes are in
         host memory (the blocks may then be reused). On CUDA the server first waits for the work
         queued so far on `stream` (default: the current stream), so the KV may still be in flight."""
+        stamps = [("call", time.monotonic_ns())] if self.trace else None
         packed, ids = self._request_args(handle, hashes, block_ids)
         event, ev_handle, settled = None, b"", None
         if handle.events is not None:
@@ -388,7 +390,7 @@ class Client:
             r = self._checked(reply, p.StoreReply)
             return StoreResult(r.stored, r.present, r.skipped)
 
-        return self._async(msg, timeout, convert, settled)
+        return self._async(msg, timeout, convert, settled, stamps=stamps)
 
     def retrieve(self, handle: KVCacheHandle, hashes: bytes | Iterable[bytes], block_ids, *, salt: bytes = b"",
                  stream: Any = None, wait: str = "host", lease: int = 0, deadline: float | None = None,
@@ -404,6 +406,7 @@ class Client:
         CUDA: the server waits for the work queued so far on `stream` before writing. wait="host"
         resolves the future when the bytes are in the blocks; wait="stream" resolves it as soon as
         `stream` has been made to wait for the copy (the host never blocks on the copy)."""
+        stamps = [("call", time.monotonic_ns())] if self.trace else None
         if wait not in ("host", "stream"):
             raise ValueError("wait must be 'host' or 'stream'")
         packed, ids = self._request_args(handle, hashes, block_ids)
@@ -427,7 +430,7 @@ class Client:
                 _C.cuda.stream_wait_event(stream_ptr, self._opened.get(dev, r.event))
             return RetrieveResult(r.loaded)
 
-        return self._async(msg, timeout, convert, settled, expires=deadline is None)
+        return self._async(msg, timeout, convert, settled, expires=deadline is None, stamps=stamps)
 
     @staticmethod
     def _stream_ptr(handle: KVCacheHandle, stream: Any) -> int:
@@ -435,10 +438,11 @@ class Client:
             return current_stream(handle.described.device_index)
         return int(getattr(stream, "cuda_stream", stream))
 
-    def _async(self, msg: p._Msg, timeout: float | None, convert, settled, expires: bool = True) -> Future:
+    def _async(self, msg: p._Msg, timeout: float | None, convert, settled, expires: bool = True,
+               stamps: list | None = None) -> Future:
+        """stamps: the trace of a traced call, begun when it was called."""
         if self._closed or self._io is None:
             raise ServerUnavailable("the client is closed")
-        stamps = [("call", time.monotonic_ns())] if self.trace else None
         return self._io.request(msg, self.timeout if timeout is None else timeout, convert, settled, expires, stamps)
 
     def _checked(self, reply: Any, expected: type) -> Any:

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 # Called with the decoded reply; returns the future's result or raises.
 Converter = Callable[[Any], Any]
 WAITER_BACKOFF = 0.001  # while a caller reads the socket, queued requests are retried this often
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum flags cost a microsecond a test
 
 
 def add_trace(stamps: list, trace: bytes | None) -> None:
@@ -182,7 +183,7 @@ class IOThread:
                 error = e
             else:
                 # The send may have taken the fd's signal of a reply someone should read.
-                wake = self._track(rid, pend) or bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
+                wake = self._track(rid, pend) or bool(self._sock.get(_EVENTS) & _POLLIN)
             if queued:
                 self._unsent.popleft()
         if error is not None:
@@ -291,7 +292,7 @@ class IOThread:
             self._waiters += 1
         try:
             while True:
-                self._receive()
+                self._receive(fut)
                 if fut.done():
                     return True
                 now = time.monotonic()
@@ -313,11 +314,14 @@ class IOThread:
             if orphans:  # replies nobody reads now: the I/O thread watches the socket again
                 self._wakeup()
 
-    def _receive(self) -> None:
-        """Read every reply there is and settle its future (outside the lock: callbacks run)."""
+    def _receive(self, until: Future | None = None) -> None:
+        """Read every reply there is and settle its future (outside the lock: callbacks run);
+        stop early once `until` is settled (its caller returns at once: the rest can wait)."""
+        if self._receive_lane(until):
+            return
         while True:
             with self._lock:
-                if not self._open or not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+                if not self._open or not self._sock.get(_EVENTS) & _POLLIN:
                     break
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
                 if len(frames) not in (2, 3) or len(frames[0]) != 8:
@@ -325,15 +329,18 @@ class IOThread:
                     continue
                 pend = self._pending.pop(p.unpack_request_id(frames[0]), None)
             self._deliver(pend, frames[1], frames[2] if len(frames) == 3 else None)
+
+    def _receive_lane(self, until: Future | None) -> bool:
+        """The local lane's part of _receive; True once `until` is settled."""
         while self._lane is not None:
             with self._lock:
                 lane = self._lane
                 if lane is None or not self._open:
-                    return
+                    return False
                 try:
                     data = lane.recv(p.LANE_MAX_BYTES, socket.MSG_DONTWAIT)
                 except BlockingIOError:
-                    return
+                    return False
                 except OSError:
                     data = b""
                 pend = None
@@ -346,8 +353,11 @@ class IOThread:
                     pend = self._pending.pop(rid, None)
             if not data:
                 self._drop_lane(lane, "the server closed it")
-                return
+                return False
             self._deliver(pend, body, trace)
+            if until is not None and until.done():
+                return True
+        return False
 
     def _deliver(self, pend: _Pending | None, body: bytes, trace: bytes | None) -> None:
         if pend is None:
@@ -379,8 +389,10 @@ class IOThread:
             fut.set_exception(error)
         else:
             fut.set_result(result)
+        mine = getattr(self._local, "waker", None)  # this thread is awake: no need to wake it
         for waker in list(getattr(fut, "wakers", ())):  # threads reading the socket for it may sleep
-            os.eventfd_write(waker.fd, 1)
+            if waker is not mine:
+                os.eventfd_write(waker.fd, 1)
 
     # ---- on the I/O thread --------------------------------------------------------------------
 
@@ -441,7 +453,7 @@ class IOThread:
                 # this thread when it stops with replies left to read. Else sleep on the socket's
                 # fd, unless it has news.
                 watch = self._waiters == 0
-                events = self._sock.get(zmq.EVENTS) if watch else 0
+                events = self._sock.get(_EVENTS) if watch else 0
             if not watch and self._unsent:
                 wake_at = min(wake_at, now + WAITER_BACKOFF)
             elif events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):

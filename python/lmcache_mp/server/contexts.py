@@ -10,6 +10,7 @@ must fit inside the memory it names before any address is used.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -54,7 +55,8 @@ def describe_layers(req: p.RegisterKVCache) -> LayoutSpec:
 
 @dataclass
 class Registration:
-    """What every context records about its registration."""
+    """What every context records about its registration (derived values computed once: every
+    request reads them)."""
 
     kv_id: int
     client_id: bytes
@@ -64,18 +66,22 @@ class Registration:
     spec: LayoutSpec
     chunk_size: int
 
-    @property
+    @functools.cached_property
     def shared(self) -> bool:
         """MLA caches hold the same bytes on every rank: one object serves all of them."""
         return self.spec.kind == "mla"
 
-    @property
+    @functools.cached_property
     def object_bytes(self) -> int:
         return self.spec.object_bytes(self.chunk_size)
 
-    @property
+    @functools.cached_property
     def blocks_per_chunk(self) -> int:
         return self.chunk_size // self.spec.block_size
+
+    @functools.cached_property
+    def format_key(self) -> tuple:
+        return self.spec.format_key()
 
 
 def _check_extent(spec: LayoutSpec, i: int, offset: int, size: int) -> None:

@@ -227,7 +227,7 @@ class MPCacheEngine(RegistrationHandling):
         keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
         mark(reply, "checked")
         self._touch(reg.client_id)
-        plan = self.l1.begin_store(keys, reg.object_bytes, reg.spec.format_key())
+        plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key)
         mark(reply, "in L1")
         if plan.skipped:
             logger.debug("store skipped %d chunks: no evictable memory", plan.skipped)
@@ -249,7 +249,7 @@ class MPCacheEngine(RegistrationHandling):
         if not plan.objects:
             answer()
             return
-        block_ids = ids[plan.indices].reshape(-1)
+        block_ids = (ids if len(plan.indices) == len(ids) else ids[plan.indices]).reshape(-1)
         ptrs = self._object_ptrs(plan.objects)
         capacity = plan.objects[0].nbytes
         mark(reply, "planned")
@@ -305,7 +305,7 @@ class MPCacheEngine(RegistrationHandling):
             mark(reply, "checked")
             self._touch(reg.client_id)
             self._check_deadline(msg)
-            objs = self.l1.begin_read(keys, reg.spec.format_key(), msg.lease)
+            objs = self.l1.begin_read(keys, reg.format_key, msg.lease)
             mark(reply, "in L1")
         finally:
             if held:

@@ -43,12 +43,14 @@ class SlabMoves:
     def _allocate(self, cls: int, may_move: bool) -> int | SlabMove:
         """A slot of class cls: its offset, -1 when nothing evictable is left, or a slab move
         the caller runs without the lock (then asks again)."""
-        donors = [c for c in range(self.arena.num_classes) if c != cls]
+        donors = None  # listed only when the arena has no free slot of cls (not the usual case)
         spilled = False
         while True:
             off = self.arena.allocate(cls)
             if off >= 0:
                 return off
+            if donors is None:
+                donors = [c for c in range(self.arena.num_classes) if c != cls]
             for donor in donors if may_move else ():
                 move = self._plan_slab_move(donor)
                 if move is not None:
