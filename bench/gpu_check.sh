@@ -31,13 +31,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pc
 for step in $STEPS; do
   case $step in
     build) run build 400 python3 -m pip install -v --no-build-isolation --no-deps . || break ;;
-    latency)  # small requests: 200 each, traced, next to the raw copy and a bare round trip
-      for spec in "llama1 --chunks 1" "llama1direct --chunks 1 --transfer-mode direct" \
-          "mla8 --layout mla --layers 8 --chunks 1" "llama4 --chunks 4"; do
+    latency)  # small requests: 400 each (every other one traced), next to the raw copy and a bare round trip
+      for spec in "llama1 --chunks 1 --trace" "llama1direct --chunks 1 --transfer-mode direct --trace" \
+          "mla8 --layout mla --layers 8 --chunks 1 --trace" "llama4 --chunks 4 --requests 200"; do
         set -- $spec
         name=$1; shift
-        run "latency_$name" 300 python3 bench/bench_server.py "$@" --requests 200 --workers 1 --lookups 500 \
-          --repeat 50 --trace --json "$LOG/bench_server_latency_$name.json"
+        run "latency_$name" 300 python3 bench/bench_server.py --requests 400 --workers 1 --lookups 1000 \
+          --repeat 50 "$@" --json "$LOG/bench_server_latency_$name.json"
       done ;;
     crossproc)  # a small request while the engine's process uses the GPU (other CUDA context)
       run crossproc_mla 300 python3 bench/bench_cross_process.py --json "$LOG/bench_cross_process_mla.json"

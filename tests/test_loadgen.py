@@ -35,6 +35,22 @@ def test_two_workers_store_and_retrieve_every_byte(server, tmp_path, capsys):
     assert server.engine.status()["registrations"] == []  # the workers unregistered their caches
 
 
+def test_trace_times_every_other_request_and_the_others_give_the_latencies(server, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    rc = loadgen.main(["--url", server.url, "--device", "cpu", "--layers", "2", "--heads", "2", "--head-size", "64",
+                       "--block-size", "16", "--chunks", "1", "--requests", "6", "--lookups", "8", "--trace",
+                       "--json", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["mismatches"] == 0 and row["loaded_chunks"] == 6
+    stages = row["trace_us"]["store"]
+    assert {"call -> client sent", "planned -> copied", "whole request"} <= set(stages)
+    assert stages["whole request"] >= stages["planned -> copied"] > 0
+    assert "trace of store (3 requests" in printed.out and "trace of lookup (4 requests" in printed.out
+    assert row["store_ms_p50"] > 0 and row["lookup_us_p50"] > 0
+
+
 def test_no_server_is_a_clear_error(capsys):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

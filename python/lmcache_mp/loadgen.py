@@ -334,7 +334,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--skew", type=float, default=1.0,
                     help="--mix: prompt popularity ~ 1/rank**skew (0: uniform; default 1)")
     ap.add_argument("--trace", action="store_true",
-                    help="time every request's stages on client and server and print the medians")
+                    help="time the stages of every other request on client and server and print the medians "
+                         "(the latencies come from the untraced ones)")
     ap.add_argument("--json", help="write the results here")
     return ap
 

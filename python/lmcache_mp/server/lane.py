@@ -18,6 +18,7 @@ import os
 import secrets
 import socket
 import threading
+from typing import Iterator
 
 from lmcache_mp import protocol as p
 from lmcache_mp.server.socket_files import share_with_group, socket_files_private
@@ -104,23 +105,22 @@ class Lane:
             self.conns.append(LaneConn(sock))
             self.version += 1
 
-    def read(self, conn: LaneConn) -> list[bytes]:
-        """The datagrams waiting on conn (a batch); a closed connection is dropped."""
-        out = []
+    def read(self, conn: LaneConn) -> Iterator[bytes]:
+        """The datagrams waiting on conn (a batch), each as soon as it is read: the first request
+        is handled before the read that finds nothing more; a closed connection is dropped."""
         for _ in range(READ_BATCH):
             try:
                 data = conn.sock.recv(p.LANE_MAX_BYTES)
             except BlockingIOError:
-                break
+                return
             except OSError:
                 data = b""
             if not data:  # the client went away
                 self.conns.remove(conn)
                 self.version += 1
                 conn.close()
-                break
-            out.append(data)
-        return out
+                return
+            yield data
 
     def close(self) -> None:
         for c in self.conns:
