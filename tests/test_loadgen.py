@@ -47,6 +47,8 @@ def test_trace_times_every_other_request_and_the_others_give_the_latencies(serve
     stages = row["trace_us"]["store"]
     assert {"call -> client sent", "planned -> copied", "whole request"} <= set(stages)
     assert stages["whole request"] >= stages["planned -> copied"] > 0
+    tails = row["trace_p99_us"]["store"]
+    assert tails.keys() == stages.keys() and all(tails[k] >= stages[k] for k in stages)
     assert "trace of store (3 requests" in printed.out and "trace of lookup (4 requests" in printed.out
     assert row["store_ms_p50"] > 0 and row["lookup_us_p50"] > 0
 

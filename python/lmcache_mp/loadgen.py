@@ -247,6 +247,7 @@ def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
     if any(traces.values()):
         print_traces(traces)
         row["trace_us"] = {k: dict(summarize_traces(v)) for k, v in traces.items() if v}
+        row["trace_p99_us"] = {k: dict(summarize_traces(v, 0.99)) for k, v in traces.items() if v}
     record = {"summary": row, "workers_detail": infos, "l1_after": after, "seconds": time.monotonic() - t_run}
     problems = []
     if row["mismatches"]:

@@ -43,17 +43,20 @@ def segments(trace: list[tuple[str, int]]) -> list[tuple[str, float]]:
     return [(f"{a} -> {b}", (tb - ta) / 1e3) for (a, ta), (b, tb) in zip(stamps, stamps[1:])]
 
 
-def summarize(traces: list[list[tuple[str, int]]]) -> list[tuple[str, float]]:
-    """Median microseconds of every segment over the traces, in the order they occur; the last
-    row is the whole request."""
+def summarize(traces: list[list[tuple[str, int]]], quantile: float = 0.5) -> list[tuple[str, float]]:
+    """That quantile (default: the median) of every segment over the traces, in microseconds,
+    in the order they occur; the last row is the whole request."""
+    def q(values: list[float]) -> float:
+        return statistics.median(values) if quantile == 0.5 else sorted(values)[int(quantile * (len(values) - 1))]
+
     by_segment: dict[str, list[float]] = {}
     for t in traces:
         for name, us in segments(t):
             by_segment.setdefault(name, []).append(us)
-    rows = [(name, statistics.median(v)) for name, v in by_segment.items()]
+    rows = [(name, q(v)) for name, v in by_segment.items()]
     total = [(max(s for _, s in t) - min(s for _, s in t)) / 1e3 for t in traces if t]
     if total:
-        rows.append(("whole request", statistics.median(total)))
+        rows.append(("whole request", q(total)))
     return rows
 
 
@@ -61,6 +64,6 @@ def print_traces(by_kind: dict[str, list]) -> None:
     for kind, traces in by_kind.items():
         if not traces:
             continue
-        print(f"trace of {kind} ({len(traces)} requests, median us per stage):")
-        for name, us in summarize(traces):
-            print(f"  {name:40s} {us:9.1f}")
+        print(f"trace of {kind} ({len(traces)} requests, us per stage: median, p99):")
+        for (name, us), (_, tail) in zip(summarize(traces), summarize(traces, 0.99)):
+            print(f"  {name:40s} {us:9.1f} {tail:9.1f}")
