@@ -375,10 +375,9 @@ TransferEngine::Completion TransferEngine::wait_next(Direction d, int64_t spin_u
         // Spin on the direction's count, off the lock: the submitting thread takes it unhindered.
         const uint64_t seen = submitted_[dir].load(std::memory_order_acquire);
         lk.unlock();
-        unsigned n = 0;
-        while (submitted_[dir].load(std::memory_order_acquire) == seen) {
+        for (unsigned n = 1; submitted_[dir].load(std::memory_order_acquire) == seen; ++n) {
           cpu_relax();
-          if (++n % 64 == 0 && (stop_flag_.load(std::memory_order_acquire) || std::chrono::steady_clock::now() >= spin_until)) break;
+          if (n % 64 == 0 && (stop_waiting_ || std::chrono::steady_clock::now() >= spin_until)) break;
         }
         lk.lock();
       } else {
@@ -398,7 +397,6 @@ void TransferEngine::stop_waiting() {
   {
     std::lock_guard<std::mutex> lk(ticket_mu_);
     stop_waiting_ = true;
-    stop_flag_.store(true, std::memory_order_release);
   }
   for (auto& cv : ticket_cv_) cv.notify_all();
 }

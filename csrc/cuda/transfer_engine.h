@@ -137,8 +137,7 @@ class TransferEngine {
   // store waiter; the count lets a spinning waiter watch for work without taking ticket_mu_.
   std::condition_variable ticket_cv_[2];
   std::atomic<uint64_t> submitted_[2] = {0, 0};
-  bool stop_waiting_ = false;
-  std::atomic<bool> stop_flag_{false};  // stop_waiting_, for spinning waiters off the lock
+  std::atomic<bool> stop_waiting_{false};  // also read by spinning waiters, off the lock
   uint64_t next_ticket_ = 1;
   EngineStats stats_;
 };
