@@ -103,6 +103,38 @@ def test_a_reply_left_when_the_last_caller_stops_waiting_is_read_by_the_io_threa
         srv.stop()
 
 
+def test_a_caller_that_leaves_with_its_reply_leaves_the_next_one_to_the_io_thread(shm_files):
+    """Two lane replies land back to back while a caller waits for the first: it returns with its
+    own at once, and the I/O thread reads the other (not at the next heartbeat)."""
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="4MiB", chunk_size=CHUNK)).start()
+    held: list = []
+
+    def store(engine, msg, reply):  # the first reply is held until the second is ready: both leave together
+        if not held:
+            MPCacheEngine.store(engine, msg, held.append)
+            held.append(reply)
+        else:
+            def both(m):
+                threading.Timer(0.05, lambda: (held[1](held[0]), reply(m))).start()
+            MPCacheEngine.store(engine, msg, both)
+
+    srv.engine._handlers = {**MPCacheEngine._handlers, p.Store: store}
+    c = Client(srv.url, heartbeat_interval=30, spin_us=2000)
+    try:
+        assert c._io.has_lane
+        kv, h = register_mha(c)
+        first = c.store(h, chunk_hashes(w.prompt(0, 1), CHUNK), blocks_of(1))
+        second = c.store(h, chunk_hashes(w.prompt(1, 1), CHUNK), blocks_of(1, start=len(blocks_of(1))))
+        assert first.result(10).chunks == 1
+        t0 = time.monotonic()
+        done, _ = cf.wait([second], timeout=5)
+        assert done and second.result(0).chunks == 1
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        c.close()
+        srv.stop()
+
+
 def test_a_waiting_caller_gets_an_error_not_a_hang_when_the_server_stalls(shm_files):
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB",
                          "--chunk-size", str(CHUNK)])
