@@ -15,7 +15,7 @@ import pytest
 import cpu_workers as w
 from lmcache_mp import Client, chunk_hashes
 from test_cli import ServerProcess
-from test_l2_tier import retrieved_exact, store_prompts, stores_in_flight
+from test_l2_tier import kill_with_stores_in_flight, retrieved_exact, store_prompts
 from test_server_e2e import CHUNK, clients, register_mha, servers  # noqa: F401
 
 
@@ -58,10 +58,7 @@ def test_sigkill_keeps_committed_chunks_and_drops_half_written_ones(tmp_path, pe
         c = Client(url)
         kv, h = register_mha(c, num_blocks=128)
         store_prompts(c, h, kv, list(range(100, 110)))
-        stores_in_flight(c, h, kv, range(110, 114))  # in flight at the kill
-        os.kill(srv.proc.pid, signal.SIGKILL)
-        srv.proc.wait(10)
-        c.close()
+        kill_with_stores_in_flight(srv, c, h, kv, range(110, 114))
     finally:
         srv.kill()
     srv = ServerProcess(args)

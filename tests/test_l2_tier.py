@@ -41,13 +41,16 @@ def store_prompts(c, h, kv, seeds, chunks=4, srv=None):
                 writer_idle(srv)
 
 
-def stores_in_flight(c, h, kv, seeds):
+def kill_with_stores_in_flight(srv, c, h, kv, seeds):
     """Start these 4-chunk stores without waiting for them, each from blocks of its own (nothing
-    overwrites them before the copy)."""
+    overwrites them before the copy), SIGKILL the server process meanwhile, and close the client."""
     for j, seed in enumerate(seeds):
         src = blocks_of(4, start=16 * j)
         w.write_tokens(kv, "mha", src, w.reference(seed, "mha", 4 * CHUNK))
         c.store(h, chunk_hashes(w.prompt(seed, 4), CHUNK), src)
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(10)
+    c.close()
 
 
 def writer_idle(srv):
@@ -353,10 +356,7 @@ def test_sigkill_during_writes_then_restart_serves_only_whole_objects(tmp_path):
         while len(_kv_files(path)) < 20:
             store_prompts(c, h, kv, [seed])
             seed += 1
-        stores_in_flight(c, h, kv, range(seed, seed + 4))  # their disk writes too, at the kill
-        os.kill(srv.proc.pid, signal.SIGKILL)
-        srv.proc.wait(10)
-        c.close()
+        kill_with_stores_in_flight(srv, c, h, kv, range(seed, seed + 4))  # their disk writes too
     finally:
         srv.kill()
     srv2 = ServerProcess(args)

@@ -5,6 +5,7 @@ threads poll before they sleep, and traced requests report their stages."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import signal
 import threading
@@ -72,10 +73,28 @@ def test_every_way_of_waiting_gets_the_bytes_back(shm_files, server, spin_us, la
         c.close()
 
 
+@contextlib.contextmanager
+def server_storing_with(store):
+    """An in-process CPU server whose STOREs go through store(engine, msg, reply)."""
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="4MiB", chunk_size=CHUNK)).start()
+    srv.engine._handlers = {**MPCacheEngine._handlers, p.Store: store}
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def assert_read_at_once(fut) -> None:
+    """A store's future nobody waits on settles within a second or so (not at the next heartbeat)."""
+    t0 = time.monotonic()
+    done, _ = cf.wait([fut], timeout=5)
+    assert done and fut.result(0).chunks == 1
+    assert time.monotonic() - t0 < 1.5
+
+
 def test_a_reply_left_when_the_last_caller_stops_waiting_is_read_by_the_io_thread(shm_files):
     """While a caller waits, the I/O thread keeps off the socket; a reply that comes after the
     caller is done (nobody waits for it) is still read at once, not at the next heartbeat."""
-    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="4MiB", chunk_size=CHUNK)).start()
     slow: set[int] = set()
 
     def store(engine, msg, reply):  # the slow registration's replies leave 0.3 s late
@@ -84,55 +103,46 @@ def test_a_reply_left_when_the_last_caller_stops_waiting_is_read_by_the_io_threa
         else:
             MPCacheEngine.store(engine, msg, reply)
 
-    srv.engine._handlers = {**MPCacheEngine._handlers, p.Store: store}
-    c = Client(srv.url, heartbeat_interval=30)
-    try:
-        kv, fast = register_mha(c)
-        kv2, late = register_mha(c, model="m2")
-        slow.add(late.kv_id)
-        w.write_tokens(kv2, "mha", blocks_of(1), w.reference(0, "mha", CHUNK))
-        pending = c.store(late, chunk_hashes(w.prompt(0, 1), CHUNK), blocks_of(1))
-        assert c.store(fast, chunk_hashes(w.prompt(1, 1), CHUNK), blocks_of(1)).result(10).chunks == 1
-        assert not pending.done()
-        t0 = time.monotonic()
-        done, _ = cf.wait([pending], timeout=5)
-        assert done and pending.result(0).chunks == 1
-        assert time.monotonic() - t0 < 1.5
-    finally:
-        c.close()
-        srv.stop()
+    with server_storing_with(store) as srv:
+        c = Client(srv.url, heartbeat_interval=30)
+        try:
+            kv, fast = register_mha(c)
+            kv2, late = register_mha(c, model="m2")
+            slow.add(late.kv_id)
+            w.write_tokens(kv2, "mha", blocks_of(1), w.reference(0, "mha", CHUNK))
+            pending = c.store(late, chunk_hashes(w.prompt(0, 1), CHUNK), blocks_of(1))
+            assert c.store(fast, chunk_hashes(w.prompt(1, 1), CHUNK), blocks_of(1)).result(10).chunks == 1
+            assert not pending.done()
+            assert_read_at_once(pending)
+        finally:
+            c.close()
 
 
 def test_a_caller_that_leaves_with_its_reply_leaves_the_next_one_to_the_io_thread(shm_files):
     """Two lane replies land back to back while a caller waits for the first: it returns with its
     own at once, and the I/O thread reads the other (not at the next heartbeat)."""
-    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="4MiB", chunk_size=CHUNK)).start()
-    held: list = []
+    held: dict = {}
 
     def store(engine, msg, reply):  # the first reply is held until the second is ready: both leave together
         if not held:
-            MPCacheEngine.store(engine, msg, held.append)
-            held.append(reply)
+            held["reply"] = reply
+            MPCacheEngine.store(engine, msg, lambda m: held.update(msg=m))
         else:
             def both(m):
-                threading.Timer(0.05, lambda: (held[1](held[0]), reply(m))).start()
+                threading.Timer(0.05, lambda: (held["reply"](held["msg"]), reply(m))).start()
             MPCacheEngine.store(engine, msg, both)
 
-    srv.engine._handlers = {**MPCacheEngine._handlers, p.Store: store}
-    c = Client(srv.url, heartbeat_interval=30, spin_us=2000)
-    try:
-        assert c._io.has_lane
-        kv, h = register_mha(c)
-        first = c.store(h, chunk_hashes(w.prompt(0, 1), CHUNK), blocks_of(1))
-        second = c.store(h, chunk_hashes(w.prompt(1, 1), CHUNK), blocks_of(1, start=len(blocks_of(1))))
-        assert first.result(10).chunks == 1
-        t0 = time.monotonic()
-        done, _ = cf.wait([second], timeout=5)
-        assert done and second.result(0).chunks == 1
-        assert time.monotonic() - t0 < 1.5
-    finally:
-        c.close()
-        srv.stop()
+    with server_storing_with(store) as srv:
+        c = Client(srv.url, heartbeat_interval=30, spin_us=2000)
+        try:
+            assert c._io.has_lane
+            kv, h = register_mha(c)
+            first = c.store(h, chunk_hashes(w.prompt(0, 1), CHUNK), blocks_of(1))
+            second = c.store(h, chunk_hashes(w.prompt(1, 1), CHUNK), blocks_of(1, start=len(blocks_of(1))))
+            assert first.result(10).chunks == 1
+            assert_read_at_once(second)
+        finally:
+            c.close()
 
 
 def test_a_waiting_caller_gets_an_error_not_a_hang_when_the_server_stalls(shm_files):

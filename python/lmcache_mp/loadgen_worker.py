@@ -100,6 +100,12 @@ def count_mismatches(kv: list, kind: str, src: np.ndarray, dst: np.ndarray, n: i
     return int(bad.sum().item())
 
 
+def waited(fut):
+    """The future, once it has its result."""
+    fut.result()
+    return fut
+
+
 def _worker(cfg: dict, wid: int, barrier) -> dict:
     """cfg: url, device, geometry (a LAYOUTS entry), model (name prefix), chunks, requests,
     lookups, tp, workers, run, timeout, gpu_uuids (one per worker on cuda)."""
@@ -129,6 +135,19 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
 
     client = Client(cfg["url"], timeout=timeout, name=f"bench-w{wid}")
     traces: dict[str, list] = {"store": [], "lookup": [], "retrieve": []}
+
+    def timed(i: int, kind: str, latencies: list, call, trace_of):
+        """call() as request i: traced (its trace, trace_of(result), goes to traces[kind]) or
+        timed (into latencies)."""
+        client.trace = traced(i)
+        t0 = time.perf_counter()
+        result = call()
+        dt = time.perf_counter() - t0
+        if client.trace:
+            traces[kind].append(trace_of(result) + [("returned", time.monotonic_ns())])
+        else:
+            latencies.append(dt)
+        return result
     chunk = client.chunk_size
     bpc = chunk // lay["block_size"]
     n = cfg["chunks"]
@@ -168,15 +187,8 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
     lat_store, stored, present, skipped = [], 0, 0, 0
     t_phase = time.perf_counter()
     for r in range(R):
-        client.trace = traced(r)
-        t0 = time.perf_counter()
-        fut = client.store(handle, hashes[r], src[r])
-        res = fut.result()
-        dt = time.perf_counter() - t0
-        if client.trace:
-            traces["store"].append(fut.trace + [("returned", time.monotonic_ns())])
-        else:
-            lat_store.append(dt)
+        res = timed(r, "store", lat_store, lambda: waited(client.store(handle, hashes[r], src[r])),
+                    lambda fut: fut.trace).result()
         stored, present, skipped = stored + res.stored, present + res.present, skipped + res.skipped
     store_wall = time.perf_counter() - t_phase
     barrier.wait(timeout)
@@ -194,14 +206,8 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
     for i in range(cfg["lookups"]):
         if bare is not None:  # alternately, so that both see the same machine state
             lat_bare.append(bare())
-        client.trace = traced(i)
-        t0 = time.perf_counter()
-        hits = client.lookup(hashes[i % R], model=model, world_size=world)
-        dt = time.perf_counter() - t0
-        if client.trace:
-            traces["lookup"].append(client.last_trace() + [("returned", time.monotonic_ns())])
-        else:
-            lat_lookup.append(dt)
+        hits = timed(i, "lookup", lat_lookup, lambda: client.lookup(hashes[i % R], model=model, world_size=world),
+                     lambda _: client.last_trace())
         lookup_short += hits != n
     if bare is not None:
         bare.close()
@@ -211,15 +217,9 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
     lat_retrieve, loaded_per_request = [], []
     t_phase = time.perf_counter()
     for r in range(R):
-        client.trace = traced(r)
-        t0 = time.perf_counter()
-        fut = client.retrieve(handle, hashes[r], dst[r], wait="host")
-        res = fut.result()
-        dt = time.perf_counter() - t0
-        if client.trace:
-            traces["retrieve"].append(fut.trace + [("returned", time.monotonic_ns())])
-        else:
-            lat_retrieve.append(dt)
+        res = timed(r, "retrieve", lat_retrieve,
+                    lambda: waited(client.retrieve(handle, hashes[r], dst[r], wait="host")),
+                    lambda fut: fut.trace).result()
         loaded_per_request.append(res.loaded)
     retrieve_wall = time.perf_counter() - t_phase
     barrier.wait(timeout)  # nobody verifies while another worker is still timing

@@ -4,8 +4,8 @@
 DIR/server.key_secret (the server's: --curve-secret-key), and one client key pair:
 DIR/clients/client.key (public) and DIR/client-secret/client.key_secret. With --curve-clients
 DIR/clients, only clients whose public key file is in that folder (read at start) get past the
-handshake; without it, any client that knows the server's public key does. A client without the right keys gets no handshake, so no
-request of its ever reaches the engine.
+handshake; without it, any client that knows the server's public key does. A client without the
+right keys gets no handshake, so no request of its ever reaches the engine.
 """
 
 from __future__ import annotations
