@@ -569,9 +569,11 @@ def test_tensor_parallel_two_ranks(server, engines):
         b.close()
 
 
-def store_in_one_engine_load_in_another(url: str, *, kind: str, world_size: int, device: str = "cpu") -> None:
+def store_in_one_engine_load_in_another(url: str, *, kind: str, world_size: int, device: str = "cpu",
+                                        between=None) -> None:
     """Engine A stores a prompt's full chunks from every rank; a fresh engine B, with other
-    block ids, loads them and must see every rank's bytes exactly, with no lease left over."""
+    block ids, loads them and must see every rank's bytes exactly, with no lease left over.
+    between(), when given, runs after A and returns the server URL B talks to."""
     # One namespace per layout: a server shared by several of these runs keeps them apart.
     cfg = dict(world_size=world_size, device=device, kind=kind, lookup_timeout=5.0, model=f"tiny-{kind}")
     a = Engine(url, **cfg)
@@ -584,6 +586,8 @@ def store_in_one_engine_load_in_another(url: str, *, kind: str, world_size: int,
             assert [w.stats["stored_chunks"] for w in a.workers] == [333 // CS] + [0] * (world_size - 1)
     finally:
         a.close()
+    if between is not None:
+        url = between()
     b = Engine(url, **cfg)
     try:
         b.free = b.free[::-1]  # other blocks than engine A's
@@ -641,6 +645,30 @@ def test_chunks_of_another_block_packing_are_load_errors_not_garbage(server):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_every_cache_layout_round_trips(server, kind, world_size):
     store_in_one_engine_load_in_another(server.url, kind=kind, world_size=world_size)
+
+
+@pytest.mark.parametrize("kind", ["opaque", "opaque_nhd", "mha", "mla"])
+def test_every_cache_layout_comes_back_from_the_disk_tier(kind, tmp_path):
+    """A chunk's format goes to L2 with its bytes and comes back equal to its layout's (an opaque
+    layout's is nested): engine A stores through one server, which writes its chunks to disk and
+    stops; engine B loads them through a fresh server on that disk, every byte, no load error."""
+    cfg = ServerConfig(url="tcp://127.0.0.1:0", l1_size="64MiB", device="cpu", chunk_size=CS,
+                       l2_disk=str(tmp_path), l2_disk_size="64MiB", l2_write="all")
+    servers = [Server(cfg).start()]
+
+    def restart() -> str:
+        servers[0].stop()  # drains the disk writes
+        servers.append(Server(cfg).start())
+        return servers[1].url
+
+    try:
+        store_in_one_engine_load_in_another(servers[0].url, kind=kind, world_size=2, between=restart)
+        st = servers[1].engine.status()
+        assert st["l2"]["loaded"] == (333 // CS) * (1 if kind == "mla" else 2)
+        assert st["l1"]["format_mismatches"] == 0
+    finally:
+        for srv in servers:
+            srv.stop()
 
 
 def test_server_restart_is_survived(engines):

@@ -59,7 +59,8 @@ class StatusCollector:
         for name, help_ in (("stored", "chunks stored"), ("evicted", "chunks evicted"), ("lookups", "lookups"),
                             ("hits", "chunks found by lookups"), ("leases_expired", "leases that timed out"),
                             ("moved", "objects moved to another slot so that a slab could change size"),
-                            ("slab_moves", "slabs drained for another object size")):
+                            ("slab_moves", "slabs drained for another object size"),
+                            ("format_mismatches", "reads that stopped at a chunk stored in another format")):
             yield CounterMetricFamily(f"lmcache_mp_{name}", help_, value=l1[name])
         if "l2" in st:
             yield from _l2_metrics(st["l2"])

@@ -100,7 +100,8 @@ class L1Store(SlabMoves):
         self._committed = 0
         self.journal = None  # an L1Journal when L1 outlives the server (l1_journal.py)
         self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "moved": 0, "slab_moves": 0,
-                         "spilled": 0, "cleared": 0, "replaced": 0}
+                         "spilled": 0, "cleared": 0, "replaced": 0, "format_mismatches": 0}
+        self._mismatches_logged: set[str] = set()
 
     def _pause(self) -> None:
         """Between slices of one request: let a waiting thread take the lock (and the GIL)."""
@@ -367,7 +368,10 @@ class L1Store(SlabMoves):
                     self._pause()
                     held = self._leases.get(lease)  # it may have expired meanwhile
                 obj = self._get(key)
-                if obj is None or not obj.committed or obj.format_key != format_key:
+                if obj is None or not obj.committed:
+                    break
+                if obj.format_key != format_key:
+                    self._format_mismatch(key.model, obj.format_key, format_key)
                     break
                 obj.readers += 1
                 obj.spill = False  # read again: stays in L1
@@ -376,6 +380,17 @@ class L1Store(SlabMoves):
                     self._leases.consume(held, obj)
                 out.append(obj)
         return out
+
+    def _format_mismatch(self, model: str, held: tuple, wanted: tuple) -> None:
+        """A read stopped at a chunk whose bytes are of another format: counted, and logged once
+        per pair of formats (the engine recomputes such chunks; a steady rate of them is a bug)."""
+        self.counters["format_mismatches"] += 1
+        pair = repr((held, wanted))
+        if pair in self._mismatches_logged or len(self._mismatches_logged) >= 64:
+            return
+        self._mismatches_logged.add(pair)
+        logger.warning("a read of model %s stopped at a chunk stored in format %s, not the reader's %s: "
+                       "its bytes are not copied", model, held, wanted)
 
     def end_read(self, objs: Sequence[L1Object]) -> None:
         with self._lock:

@@ -67,8 +67,10 @@ def _header(arena_bytes: int, slab_bytes: int) -> bytes:
     return fields + _SUM.pack(_sum(fields))
 
 
-def _tuple(v):
-    return tuple(_tuple(x) for x in v) if isinstance(v, list) else v
+def format_key_from(value) -> tuple:
+    """A format key read back from msgpack, which gives lists: tuples again at every depth, so
+    that it compares equal to the layout's own (an opaque layout's block order is nested)."""
+    return tuple(format_key_from(x) if isinstance(x, list) else x for x in value)
 
 
 def replay(data: bytes, arena_bytes: int, slab_bytes: int) -> tuple[dict[int, Entry], int, str]:
@@ -92,7 +94,8 @@ def replay(data: bytes, arena_bytes: int, slab_bytes: int) -> tuple[dict[int, En
             if rec[0] == "c":
                 _, offset, object_bytes, model, world_size, rank, digest, salt, fmt = rec
                 live.pop(offset, None)  # (re-inserted: the dict keeps the order of the commits)
-                live[offset] = Entry(offset, object_bytes, (model, world_size, rank, digest, salt), _tuple(fmt))
+                key = (model, world_size, rank, digest, salt)
+                live[offset] = Entry(offset, object_bytes, key, format_key_from(fmt))
             elif rec[0] == "f":
                 live.pop(rec[1], None)
             else:

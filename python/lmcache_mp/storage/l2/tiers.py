@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple, Sequence
 import msgspec
 
 from lmcache_mp.storage.l1 import SHARED_RANK, L1Object, L1Store, ObjectKey, StorePlan
+from lmcache_mp.storage.l1_journal import format_key_from
 from lmcache_mp.storage.l2 import CORRUPT, FORMAT_MISMATCH, IO_ERROR, MISS, L2Backend
 
 logger = logging.getLogger(__name__)
@@ -394,7 +395,7 @@ class L2Tiers:
         return done
 
     def _load_batch(self, batch: list[Found]) -> int:
-        fmt = tuple(_decode(batch[0].fmt))
+        fmt = format_key_from(_decode(batch[0].fmt))
         plan = self.l1.begin_store([f.key for f in batch], batch[0].nbytes, fmt)
         results: list[int] = []
         if plan.objects:
