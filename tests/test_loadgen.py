@@ -31,6 +31,8 @@ def test_two_workers_store_and_retrieve_every_byte(server, tmp_path, capsys):
     assert row["requested_chunks"] == row["stored_chunks"] == row["loaded_chunks"] == 2 * 2 * 4
     assert row["store_GBps"] > 0 and row["retrieve_GBps"] > 0
     assert row["store_ms_p50"] > 0 and row["lookup_us_p99"] > 0
+    assert 0 < row["bare_rt_us_p50"] <= row["bare_rt_us_p99"]  # the echo process's round trip, beside the lookups
+    assert "the bare round trip's own p99" in printed.out
     assert "store GB/s" in printed.out and "x D2H" not in printed.out  # no ceiling, no ratio columns
     assert server.engine.status()["registrations"] == []  # the workers unregistered their caches
 
