@@ -619,9 +619,10 @@ def test_tensor_blocks_larger_than_the_engine_block_are_refused(server, caplog):
         worker.close()
 
 
-def test_chunks_of_another_block_packing_are_load_errors_not_garbage(server):
+def test_chunks_of_another_block_packing_are_load_errors_not_garbage(server, caplog):
     """Same model name, same logical shape, other order of the bytes in a block: the server
-    refuses to copy the objects, the engine is told, and the blocks are recomputed."""
+    refuses to copy the objects, the engine is told, and the blocks are recomputed; both sides
+    say so in their logs, and the server counts it."""
     toks = prompt(50, 300)
     a = Engine(server.url, kind="opaque_nhd", lookup_timeout=5.0)
     try:
@@ -631,10 +632,15 @@ def test_chunks_of_another_block_packing_are_load_errors_not_garbage(server):
         a.close()
     b = Engine(server.url, kind="opaque", lookup_timeout=5.0)
     try:
-        ext, blocks, plan = b.prefill("r", toks)
+        with caplog.at_level(logging.WARNING, logger="lmcache_mp"):
+            ext, blocks, plan = b.prefill("r", toks)
         assert ext == 4 * CS  # lookups know keys, not layouts
         assert b.load_errors == set(blocks[: 4 * BPC])
         assert b.workers[0].stats["loaded_chunks"] == 0
+        logged = [r.getMessage() for r in caplog.records]
+        assert any("loaded 0 of the 4 chunks its lookup found" in m for m in logged), logged
+        assert sum("stopped at a chunk stored in format" in m for m in logged) == 1, logged
+        assert server.engine.status()["l1"]["format_mismatches"] == 1
         assert all(not block_view(c[layer], blocks[0]).any() for c in b.caches for layer in range(LAYERS))
         b.finish("r")
     finally:

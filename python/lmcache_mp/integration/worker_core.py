@@ -68,6 +68,7 @@ class WorkerCore:
         self._load_errors: set[int] = set()
         self._store_failure_logged = False
         self._load_failure_logged = False
+        self._short_load_logged = False
         self._register_failure_logged = False
         self.stats = {"loaded_chunks": 0, "failed_load_chunks": 0, "stored_chunks": 0, "store_errors": 0}
         self._closed = False
@@ -155,11 +156,12 @@ class WorkerCore:
         deadline = self._load_deadline
         loading, self._loading = self._loading, []
         for t, fut in loading:
-            loaded = 0
+            loaded, answered = 0, False
             if fut is not None:
                 t0 = time.monotonic()
                 try:
                     loaded = int(fut.result(timeout=max(0.0, deadline - t0)).loaded)
+                    answered = True
                 except cf.TimeoutError:
                     # A copy that started before the deadline may still be writing (a stalled
                     # server): the request keeps its blocks until the server answers. While it
@@ -175,7 +177,13 @@ class WorkerCore:
                 self.stats["failed_load_chunks"] += n - loaded
                 bpc = len(t.block_ids) // n if n else 0
                 self._load_errors.update(t.block_ids[max(loaded * bpc, t.num_scratch_blocks) :])
-                logger.debug("lmcache-mp: request %s loaded %d of %d chunks", t.req_id, loaded, n)
+                if answered and not self._short_load_logged:  # an answer, shorter than the lookup said
+                    self._short_load_logged = True
+                    logger.warning("lmcache-mp: request %s loaded %d of the %d chunks its lookup found; the rest are "
+                                   "recomputed (the server's log says why; further short loads at debug level)",
+                                   t.req_id, loaded, n)
+                else:
+                    logger.debug("lmcache-mp: request %s loaded %d of %d chunks", t.req_id, loaded, n)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
