@@ -31,6 +31,7 @@ pytestmark = [
 HERE = Path(__file__).resolve().parent
 CHUNK = 64  # server chunk size: a multiple of vLLM's block size 32
 MAX_TOKENS = 16
+BLOCK_BYTES = 2 * 2 * 32 * 2 * 32 * 4  # one vLLM block of the tiny model: layers x K,V x tokens x heads x dims x float32
 ENGINE_TIMEOUT = 300
 
 
@@ -404,7 +405,7 @@ def test_preemption_with_a_small_kv_cache(run, prompts, workdir):
     loads what they stored before. Outputs match an engine without the connector."""
     P, Q, _ = prompts
     batch = P[:4] + Q[:2]
-    small = ("--kv-cache-bytes", str(40 * 16384), "--max-tokens", "48")
+    small = ("--kv-cache-bytes", str(40 * BLOCK_BYTES), "--max-tokens", "48")
     base = run("small_baseline", batch, None, *small)
     server = ServerProcess(free_port(), workdir / "server_small.log")
     try:
