@@ -85,7 +85,7 @@ def test_serves_a_client_and_exits_cleanly_on_sigterm(sock_path, shm_files):
     env = dict(os.environ, LMCACHE_MP_CHUNK_SIZE="64", LMCACHE_MP_L1_SIZE="32MiB", PYTHONUNBUFFERED="1")
     srv = ServerProcess(["--url", url, "--device", "cpu", "--chunk-size", "32", "--lease-ttl", "12"], env=env)
     try:
-        ready = srv.wait_for("ready")
+        ready = srv.wait_for("ready: serving on")
         assert url in ready
         banner = "\n".join(srv.lines)
         assert f"lmcache-mp {__version__}" in banner
@@ -121,7 +121,7 @@ def test_serves_a_client_and_exits_cleanly_on_sigterm(sock_path, shm_files):
 def test_sigint_also_stops_it(sock_path):
     srv = ServerProcess(["--url", f"ipc://{sock_path}", "--device", "cpu", "--l1-size", "16MiB"])
     try:
-        srv.wait_for("ready")
+        srv.wait_for("ready: serving on")
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(20) == 0
         assert not sock_path.exists()
@@ -134,7 +134,7 @@ def test_config_file(sock_path, tmp_path):
     conf.write_text(f'[server]\nurl = "ipc://{sock_path}"\ndevice = "cpu"\nl1_size = "16MiB"\nchunk_size = 48\n')
     srv = ServerProcess(["--config", str(conf)])
     try:
-        srv.wait_for("ready")
+        srv.wait_for("ready: serving on")
         with Client(f"ipc://{sock_path}") as client:
             assert client.chunk_size == 48
         srv.proc.terminate()
@@ -164,7 +164,7 @@ def test_bad_settings_exit_2_with_a_message(args, env, message):
 def test_an_endpoint_in_use_fails_with_a_clear_message(sock_path):
     first = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB"])
     try:
-        url = first.wait_for("ready").split("serving on ")[1].strip()
+        url = first.wait_for("ready: serving on").split("serving on ")[1].strip()
         out = subprocess.run(server_command() + ["--url", url, "--device", "cpu", "--l1-size", "16MiB"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 1

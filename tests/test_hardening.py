@@ -130,6 +130,41 @@ def test_a_retrieve_past_its_deadline_writes_nothing(shm_files, server):
         c.close()
 
 
+def test_a_stalled_server_costs_a_scheduler_step_one_lookup_block_however_many_requests_wait():
+    """The server stops answering (SIGSTOP) while eight new requests are looked up. A step of the
+    engine's scheduler waits lookup_block for all of them together, not for each, and the next
+    step has a budget of its own; once the server is back the lookups are answered."""
+    from lmcache_mp.integration.connector_core import ConnectorConfig, SchedulerCore
+    from test_connector_core import BS, CS, matched, prompt
+
+    srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "64MiB",
+                         "--chunk-size", str(CS), "--heartbeat-timeout", "60"])
+    url = srv.wait_for("ready: serving on").split("serving on ")[1].strip()
+    block = 0.2
+    sched = SchedulerCore(ConnectorConfig(url=url, model="tiny", block_size=BS, lookup_block=block,
+                                          lookup_timeout=30.0, connect_timeout=5.0))
+    try:
+        sched.start()
+        assert matched(sched, "warm", prompt(99, 300), 0) == 0  # connected, chunk size known
+        toks = {f"r{i}": prompt(i, 300) for i in range(8)}
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        wait_until(lambda: stopped(srv.proc.pid), 5, "the server to stop")  # SIGSTOP lands asynchronously
+        try:
+            for _ in range(2):  # two steps of the engine
+                t0 = time.monotonic()
+                got = [sched.num_new_matched_tokens(rid, t, 0) for rid, t in toks.items()]
+                took = time.monotonic() - t0
+                assert got == [None] * 8  # not known yet: the engine asks again at its next step
+                assert block * 0.75 < took < 3 * block  # one budget for the step, not eight
+                sched.build_plan([])
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert [matched(sched, rid, t, 0) for rid, t in toks.items()] == [0] * 8  # answered: misses
+    finally:
+        sched.close()
+        srv.kill()
+
+
 def test_a_stalled_server_never_writes_into_blocks_after_the_engine_gave_up(shm_files):
     """The server is stopped (SIGSTOP) while a load is in flight. The worker gives up at its
     deadline and the engine recomputes, but the request keeps its blocks until the server has
@@ -138,7 +173,7 @@ def test_a_stalled_server_never_writes_into_blocks_after_the_engine_gave_up(shm_
 
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "64MiB",
                          "--chunk-size", str(CS), "--heartbeat-timeout", "60"])
-    url = srv.wait_for("ready").split("serving on ")[1].strip()
+    url = srv.wait_for("ready: serving on").split("serving on ")[1].strip()
     engines = []
     try:
         a = Engine(url)

@@ -50,7 +50,7 @@ def big():
     """A server process, a client with a 65,536-block cache registered, and hashes for all of it."""
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "64MiB",
                          "--chunk-size", str(CHUNK), "--heartbeat-timeout", "60"])
-    line = srv.wait_for("ready")
+    line = srv.wait_for("ready: serving on")
     url = line.split("serving on ")[1].strip()
     client = Client(url, timeout=60)
     kv = [shared_cpu_tensor((N, CHUNK, 8), torch.bfloat16)]  # MLA-like: 256 B per chunk

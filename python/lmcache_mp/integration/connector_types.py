@@ -24,7 +24,7 @@ class ConnectorConfig:
     block_size: int = 16
     world_size: int = 1
     lookup_timeout: float = 2.0  # longest a request waits for its lookup (unscheduled; a miss after that)
-    lookup_block: float = 0.005  # longest the scheduler loop waits for a lookup before it asks again next step
+    lookup_block: float = 0.005  # longest one scheduler step waits for lookups (all together); then next step
     request_timeout: float = 10.0  # client default for other calls
     connect_timeout: float = 2.0  # how long start-up waits for the first connection
     retry_interval: float = 5.0  # least time between connection attempts / after a failure

@@ -65,6 +65,7 @@ class SchedulerCore:
                       "lookup_us_total": 0, "lookup_us_max": 0}  # time the scheduler loop spent in lookups
         self._hits_logged: tuple[float, int, int] | None = None
         self._first_hit_logged = False
+        self._block_left = config.lookup_block  # what this step may still wait for lookups, all together
 
     def start(self) -> None:
         self.link.connect(wait=self.cfg.connect_timeout)
@@ -188,11 +189,13 @@ class SchedulerCore:
             self.link.report_failure(exc)
 
     def _lookup_done(self, tr: _Tracked) -> bool:
-        """Take the lookup's answer if it came within lookup_block (most come in one round trip);
-        False if it is still on its way."""
+        """Take the lookup's answer if it comes within what is left of this step's lookup_block
+        (most come in one round trip); False if it is still on its way. The budget is the step's,
+        not each request's: a server that stops answering costs a step lookup_block once, however
+        many requests wait for their lookups."""
         t0 = time.perf_counter()
         try:
-            found = tr.pending.result(timeout=self.cfg.lookup_block)
+            found = tr.pending.result(timeout=max(0.0, self._block_left))
         except cf.TimeoutError:
             return False
         except ServerUnavailable as exc:
@@ -207,6 +210,7 @@ class SchedulerCore:
             return True
         finally:
             us = int((time.perf_counter() - t0) * 1e6)
+            self._block_left -= us / 1e6
             self.stats["lookup_us_total"] += us
             self.stats["lookup_us_max"] = max(self.stats["lookup_us_max"], us)
             if tr.pending is not None and tr.pending.done():
@@ -308,6 +312,7 @@ class SchedulerCore:
         self._drop_lease(tr, upto=first)  # the load consumes the lease on chunks [first, hit)
 
     def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
+        self._block_left = self.cfg.lookup_block  # the engine's next step starts its own budget
         plan = StepPlan(loads=self._pending_loads, preempted=list(preempted))
         self._pending_loads = []
         cs = self._chunk_size
