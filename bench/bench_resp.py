@@ -6,8 +6,8 @@ port without persistence, then moves --count values of --mib MiB:
   tcp        one raw TCP stream of the same bytes over loopback, to a reader that discards them (ceiling)
   resp       lmcache_mp.storage.l2.resp: SET from the buffer as it is (sendmsg), GET with recv_into
              straight into a preallocated buffer
-  redis-py   redis.Redis: SET of a bytes object, GET returning a new bytes object copied into the
-             buffer (as a tier would have to)
+  redis-py   redis.Redis, when installed (pip install redis; the server does not use it): SET of a
+             bytes object, GET returning a new bytes object copied into the buffer (as a tier would have to)
 
 The tier itself (header and checksum included) is measured by `bench_l2.py --backend valkey`.
 
