@@ -177,6 +177,23 @@ def test_curve_keys_from_the_environment_and_any_client_knowing_the_server_key(s
         c.close()
 
 
+def test_two_curve_servers_in_one_process(servers, keys):  # noqa: F811
+    """Each server authenticates in a ZeroMQ context of its own (one ZAP endpoint per context)."""
+    a = servers(curve_secret_key=keys["server_secret"], curve_clients=keys["clients"])
+    b = servers(curve_secret_key=keys["server_secret"], curve_clients=keys["clients"])
+    for srv in (a, b):
+        with Client(srv.url, connect_timeout=5, curve_server_key=keys["server_public"],
+                    curve_client_key=keys["client_secret"]) as c:
+            assert c.ping() >= 0
+        with pytest.raises(ServerUnavailable):  # and each still checks the client's key
+            Client(srv.url, connect_timeout=0.5, curve_server_key=keys["server_public"],
+                   curve_client_key=keys["other_client"])
+    a.stop()
+    with Client(b.url, connect_timeout=5, curve_server_key=keys["server_public"],
+                curve_client_key=keys["client_secret"]) as c:
+        assert c.ping() >= 0  # one stopping leaves the other's authenticator running
+
+
 def test_every_metric_of_the_dashboard_and_the_docs_exists(servers, tmp_path):  # noqa: F811
     import re
     from pathlib import Path

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import zmq
 import zmq.auth
@@ -20,9 +21,11 @@ logger = logging.getLogger(__name__)
 
 
 class CurveServer:
-    """Applies the server's keys to the ROUTER socket and runs the authenticator (ZAP) thread."""
+    """Applies the server's keys to the ROUTER socket and runs the authenticator (ZAP) thread, in
+    a ZeroMQ context of its own (`context`, for the server's socket too): a context has one ZAP
+    endpoint, so two servers in one process each need theirs."""
 
-    def __init__(self, ctx: zmq.Context, secret_key_file: str, clients_dir: str = ""):
+    def __init__(self, secret_key_file: str, clients_dir: str = ""):
         from zmq.auth.thread import ThreadAuthenticator
 
         public, secret = zmq.auth.load_certificate(secret_key_file)
@@ -31,7 +34,8 @@ class CurveServer:
         if clients_dir and not os.path.isdir(clients_dir):
             raise ValueError(f"curve_clients: {clients_dir} is not a folder of client public keys")
         self.public, self._secret = public, secret
-        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("lmcache_mp.auth"))
+        self.context = zmq.Context()
+        self._auth = ThreadAuthenticator(self.context, log=logging.getLogger("lmcache_mp.auth"))
         self._auth.start()
         self._auth.configure_curve(domain="*", location=clients_dir or zmq.auth.CURVE_ALLOW_ANY)
         logger.info("CURVE: server key %s, clients %s", public.decode(),
@@ -43,7 +47,9 @@ class CurveServer:
         sock.curve_server = True
 
     def stop(self) -> None:
+        """After the server's socket: the context ends once that socket is closed."""
         self._auth.stop()
+        threading.Thread(target=self.context.term, name="lmcache-mp-curve-term", daemon=True).start()
 
 
 def keygen(directory: str) -> str:

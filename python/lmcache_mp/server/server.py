@@ -6,8 +6,6 @@ import logging
 import signal
 import threading
 
-import zmq
-
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.server.engine import MPCacheEngine
 from lmcache_mp.server.transport import Transport
@@ -28,16 +26,19 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
         if config.curve_secret_key:
             from lmcache_mp.server.curve import CurveServer
 
-            curve = CurveServer(zmq.Context.instance(), config.curve_secret_key, config.curve_clients)
-            engine.add_close_hook(curve.stop)
-        transport = Transport(config.url, engine, spin_us=config.spin_us, lane=config.local_lane,
-                              ipc_group=config.ipc_group, curve=curve)
+            curve = CurveServer(config.curve_secret_key, config.curve_clients)
+        transport = Transport(config.url, engine, context=curve.context if curve else None, spin_us=config.spin_us,
+                              lane=config.local_lane, ipc_group=config.ipc_group, curve=curve)
     except Exception:
+        if curve is not None:
+            curve.stop()
         engine.close()
         raise
     engine.url = transport.url
     engine.lane = transport.lane.address if transport.lane is not None else ""
     engine.add_close_hook(transport.stop)
+    if curve is not None:  # after the socket closes: no handshake goes unchecked meanwhile
+        engine.add_close_hook(curve.stop)
     http = None
     try:
         http = _http_endpoint(config, engine, transport)
