@@ -57,6 +57,10 @@ class ServerProcess:
                     raise AssertionError(f"no {text!r} in the server log:\n" + "\n".join(self.lines))
                 self._cond.wait(min(left, 0.2))
 
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> str:
+        """The URL the server serves on, once it says it is ready."""
+        return self.wait_for("ready: serving on", timeout).split("serving on ")[1].strip()
+
     def log(self) -> str:
         self._reader.join(10)
         return "\n".join(self.lines)
@@ -121,7 +125,7 @@ def test_serves_a_client_and_exits_cleanly_on_sigterm(sock_path, shm_files):
 def test_sigint_also_stops_it(sock_path):
     srv = ServerProcess(["--url", f"ipc://{sock_path}", "--device", "cpu", "--l1-size", "16MiB"])
     try:
-        srv.wait_for("ready: serving on")
+        srv.wait_ready()
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(20) == 0
         assert not sock_path.exists()
@@ -134,7 +138,7 @@ def test_config_file(sock_path, tmp_path):
     conf.write_text(f'[server]\nurl = "ipc://{sock_path}"\ndevice = "cpu"\nl1_size = "16MiB"\nchunk_size = 48\n')
     srv = ServerProcess(["--config", str(conf)])
     try:
-        srv.wait_for("ready: serving on")
+        srv.wait_ready()
         with Client(f"ipc://{sock_path}") as client:
             assert client.chunk_size == 48
         srv.proc.terminate()
@@ -164,7 +168,7 @@ def test_bad_settings_exit_2_with_a_message(args, env, message):
 def test_an_endpoint_in_use_fails_with_a_clear_message(sock_path):
     first = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB"])
     try:
-        url = first.wait_for("ready: serving on").split("serving on ")[1].strip()
+        url = first.wait_ready()
         out = subprocess.run(server_command() + ["--url", url, "--device", "cpu", "--l1-size", "16MiB"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 1

@@ -114,7 +114,7 @@ def _rss_anon_kib(pid: int) -> int:
 def test_a_live_server_answers_every_fuzzed_frame_and_keeps_serving(shm_files):
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB", "--chunk-size", "32",
                          "--heartbeat-timeout", "2"])
-    url = srv.wait_for("ready").split("serving on ")[1].strip()
+    url = srv.wait_ready()
     real = Client(url, timeout=20, heartbeat_interval=0.25)
     target = Client(url, timeout=20, heartbeat_interval=0.25)  # owns the cache the fuzzed frames name
     ctx = zmq.Context()
@@ -190,7 +190,7 @@ def test_the_local_lane_answers_every_fuzzed_datagram_and_keeps_serving(shm_file
     import socket
 
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB", "--chunk-size", "32"])
-    url = srv.wait_for("ready").split("serving on ")[1].strip()
+    url = srv.wait_ready()
     real = Client(url, timeout=20)
     assert real._io.has_lane
     lane = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

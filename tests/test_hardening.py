@@ -139,7 +139,7 @@ def test_a_stalled_server_costs_a_scheduler_step_one_lookup_block_however_many_r
 
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "64MiB",
                          "--chunk-size", str(CS), "--heartbeat-timeout", "60"])
-    url = srv.wait_for("ready: serving on").split("serving on ")[1].strip()
+    url = srv.wait_ready()
     block = 0.2
     sched = SchedulerCore(ConnectorConfig(url=url, model="tiny", block_size=BS, lookup_block=block,
                                           lookup_timeout=30.0, connect_timeout=5.0))
@@ -173,7 +173,7 @@ def test_a_stalled_server_never_writes_into_blocks_after_the_engine_gave_up(shm_
 
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "64MiB",
                          "--chunk-size", str(CS), "--heartbeat-timeout", "60"])
-    url = srv.wait_for("ready: serving on").split("serving on ")[1].strip()
+    url = srv.wait_ready()
     engines = []
     try:
         a = Engine(url)

@@ -54,7 +54,7 @@ def test_sigkill_keeps_committed_chunks_and_drops_half_written_ones(tmp_path, pe
             persist_path, "--http-addr", "off"]
     srv = ServerProcess(args)
     try:
-        srv.wait_for("ready")
+        srv.wait_ready()
         c = Client(url)
         kv, h = register_mha(c, num_blocks=128)
         store_prompts(c, h, kv, list(range(100, 110)))
@@ -63,7 +63,7 @@ def test_sigkill_keeps_committed_chunks_and_drops_half_written_ones(tmp_path, pe
         srv.kill()
     srv = ServerProcess(args)
     try:
-        srv.wait_for("ready")
+        srv.wait_ready()
         assert "re-attached" in srv.wait_for("L1 in")
         c = Client(url)
         kv, h = register_mha(c, num_blocks=128)

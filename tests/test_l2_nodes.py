@@ -48,7 +48,7 @@ class Node:
         self.url = f"ipc://{tmp_path}/{name}.sock"
         self.proc = ServerProcess(["--url", self.url, "--device", "cpu", "--chunk-size", str(CHUNK),
                                    "--l1-size", "1MiB", "--l2-write", "all", *args_of(settings)])
-        self.proc.wait_for("ready: serving on")
+        self.proc.wait_ready()
         self.client = Client(self.url, heartbeat_interval=0.25)
         self.kv, self.handle = register_mha(self.client, num_blocks=128)
         wait_until(lambda: all(t.get("connected", True) for t in self.l2()["tiers"]), 30, "the L2 set-up")

@@ -349,7 +349,7 @@ def test_sigkill_during_writes_then_restart_serves_only_whole_objects(tmp_path):
             "--l2-disk", str(path), "--l2-disk-size", "64MiB", "--l2-write", "all"]
     srv = ServerProcess(args)
     try:
-        srv.wait_for("ready: serving on")
+        srv.wait_ready()
         c = Client(url)
         kv, h = register_mha(c, num_blocks=128)
         seed = 100
@@ -361,7 +361,7 @@ def test_sigkill_during_writes_then_restart_serves_only_whole_objects(tmp_path):
         srv.kill()
     srv2 = ServerProcess(args)
     try:
-        srv2.wait_for("ready: serving on")
+        srv2.wait_ready()
         c = Client(url)
         kv, h = register_mha(c, num_blocks=128)
         served = 0

@@ -50,8 +50,7 @@ def big():
     """A server process, a client with a 65,536-block cache registered, and hashes for all of it."""
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "64MiB",
                          "--chunk-size", str(CHUNK), "--heartbeat-timeout", "60"])
-    line = srv.wait_for("ready: serving on")
-    url = line.split("serving on ")[1].strip()
+    url = srv.wait_ready()
     client = Client(url, timeout=60)
     kv = [shared_cpu_tensor((N, CHUNK, 8), torch.bfloat16)]  # MLA-like: 256 B per chunk
     kv[0].view(torch.int16).copy_(torch.arange(N * CHUNK * 8, dtype=torch.int32).view(N, CHUNK, 8).to(torch.int16))

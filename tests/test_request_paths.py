@@ -148,7 +148,7 @@ def test_a_caller_that_leaves_with_its_reply_leaves_the_next_one_to_the_io_threa
 def test_a_waiting_caller_gets_an_error_not_a_hang_when_the_server_stalls(shm_files):
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB",
                          "--chunk-size", str(CHUNK)])
-    url = srv.wait_for("ready").split("serving on ")[1].strip()
+    url = srv.wait_ready()
     c = Client(url, spin_us=2000)
     try:
         kv, h = register_mha(c)
@@ -197,7 +197,7 @@ def test_the_local_lane_is_used_when_reachable_and_comes_back_after_a_restart(sh
     url = f"ipc://{tmp_path}/srv.sock"
     args = ["--url", url, "--device", "cpu", "--l1-size", "16MiB", "--chunk-size", str(CHUNK)]
     srv = ServerProcess(args)
-    srv.wait_for("ready")
+    srv.wait_ready()
     c = Client(url, heartbeat_interval=0.2)
     try:
         assert c.server_info["lane"] == f"{tmp_path}/srv.sock.lane" and c._io.has_lane
@@ -214,7 +214,7 @@ def test_the_local_lane_is_used_when_reachable_and_comes_back_after_a_restart(sh
         with pytest.raises(ServerUnavailable):
             c.lookup(hashes, model="m", timeout=0.5)
         srv = ServerProcess(args)
-        srv.wait_for("ready")
+        srv.wait_ready()
         deadline = time.monotonic() + 20
         while not (c._io.has_lane and h.kv_id in c.status()["mine"]):
             assert time.monotonic() < deadline, "the client did not come back on the lane"
@@ -232,7 +232,7 @@ def test_the_local_lane_is_used_when_reachable_and_comes_back_after_a_restart(sh
 def test_without_a_reachable_lane_the_client_uses_zeromq(shm_files):
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB",
                          "--chunk-size", str(CHUNK), "--local-lane", "false"])
-    url = srv.wait_for("ready").split("serving on ")[1].strip()
+    url = srv.wait_ready()
     c = Client(url)
     try:
         assert c.server_info["lane"] == "" and not c._io.has_lane

@@ -27,7 +27,7 @@ import zmq
 from lmcache_mp import protocol as p
 from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_stream
 from lmcache_mp.client.curve import apply_curve
-from lmcache_mp.client.io_thread import _EVENTS, _POLLIN, IOThread, add_trace
+from lmcache_mp.client.io_thread import ZMQ_EVENTS, ZMQ_POLLIN, IOThread, add_trace
 from lmcache_mp.client.leases import HeldLeases, LookupResult
 from lmcache_mp.client.tensors import DescribedCache, describe_kv_caches
 from lmcache_mp.errors import ProtocolMismatch, RequestError, ServerUnavailable
@@ -233,7 +233,7 @@ class Client:
             now = time.monotonic()
             if now > deadline:
                 raise ServerUnavailable(f"no reply to {type(msg).__name__} from {self.url} within {timeout:.3g} s")
-            if not sock.get(_EVENTS) & _POLLIN:  # poll for the reply a while before sleeping
+            if not sock.get(ZMQ_EVENTS) & ZMQ_POLLIN:  # poll for the reply a while before sleeping
                 spin_poll(self._local.fds, int(max(0.0, spin_until - now) * 1e6), int((deadline - now) * 1000) + 1)
                 continue
             frames = sock.recv_multipart(zmq.NOBLOCK)

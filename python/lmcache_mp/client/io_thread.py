@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 # Called with the decoded reply; returns the future's result or raises.
 Converter = Callable[[Any], Any]
 WAITER_BACKOFF = 0.001  # while a caller reads the socket, queued requests are retried this often
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum flags cost a microsecond a test
+# plain ints: pyzmq's enum flags cost a microsecond a test
+ZMQ_EVENTS, ZMQ_POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 def add_trace(stamps: list, trace: bytes | None) -> None:
@@ -183,7 +184,7 @@ class IOThread:
                 error = e
             else:
                 # The send may have taken the fd's signal of a reply someone should read.
-                wake = self._track(rid, pend) or bool(self._sock.get(_EVENTS) & _POLLIN)
+                wake = self._track(rid, pend) or bool(self._sock.get(ZMQ_EVENTS) & ZMQ_POLLIN)
             if queued:
                 self._unsent.popleft()
         if error is not None:
@@ -321,7 +322,7 @@ class IOThread:
             return
         while True:
             with self._lock:
-                if not self._open or not self._sock.get(_EVENTS) & _POLLIN:
+                if not self._open or not self._sock.get(ZMQ_EVENTS) & ZMQ_POLLIN:
                     break
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
                 if len(frames) not in (2, 3) or len(frames[0]) != 8:
@@ -453,7 +454,7 @@ class IOThread:
                 # this thread when it stops with replies left to read. Else sleep on the socket's
                 # fd, unless it has news.
                 watch = self._waiters == 0
-                events = self._sock.get(_EVENTS) if watch else 0
+                events = self._sock.get(ZMQ_EVENTS) if watch else 0
             if not watch and self._unsent:
                 wake_at = min(wake_at, now + WAITER_BACKOFF)
             elif events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):
