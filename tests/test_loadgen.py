@@ -94,3 +94,63 @@ def test_mix_of_two_layouts_reports_hit_ratios_next_to_an_ideal_lru(tmp_path, ca
         else:  # 2.5x the L1 in all: the ideal LRU misses too, and we stay close to it
             assert r["evicted"] > 0 and r["ideal_hit_ratio"] < 0.7
             assert r["hit_ratio"] >= 0.9 * r["ideal_hit_ratio"], r
+
+
+def test_trace_checks_the_slow_requests_and_times_requests_after_idle_gaps(server, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    rc = loadgen.main(["--url", server.url, "--device", "cpu", "--layers", "2", "--heads", "2", "--head-size", "64",
+                       "--block-size", "16", "--chunks", "1", "--requests", "6", "--lookups", "8", "--trace",
+                       "--json", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    result = json.loads(out.read_text())
+    row = result["rows"][0]
+    assert row["machine_stalls"]["seconds"] > 0  # the probe watched the run
+    for kind, timed in (("store", 3), ("lookup", 4), ("retrieve", 3)):
+        tails = row["tails"][kind]
+        assert tails["p50_ms"] > 0 and all(ms > 2 * tails["p50_ms"] for _, _, ms, *_ in tails["slow"])
+        assert len(result["runs"][0]["workers_detail"][0]["spans_ns"][kind]) == timed
+    for kind in ("lookup", "retrieve"):
+        idle = row["idle_us"][kind]
+        assert idle["whole_us"] > 0 and idle["hot_us"] > 0
+    assert len(row["trace_slowest"]["store"]) == 3
+    assert "stall probe" in printed.out and "retrieve after 5 idle gaps" in printed.out
+
+
+def test_slow_requests_are_lined_up_with_what_they_met():
+    from lmcache_mp.loadgen_tails import attribute
+
+    ms = 1_000_000
+    spans = [(i * 10 * ms, i * 10 * ms + ms) for i in range(10)]  # 1 ms each, 10 ms apart
+    spans[3] = (30 * ms, 34 * ms)  # slow: meets the probe's stall
+    spans[6] = (60 * ms, 63 * ms)  # slow: meets a collection of the worker and one of the server
+    spans[8] = (80 * ms, 83 * ms)  # slow: meets nothing
+    stalls = [(5 * ms, 2 * ms), (31 * ms, ms // 2), (32 * ms, ms)]
+    t = attribute([(spans, [(61 * ms, ms // 4, 0)])], stalls, server_gc=[(62 * ms, ms // 10, 1)])
+    assert t["p50_ms"] == 1.0
+    assert [(w, i, ms_) for w, i, ms_, *_ in t["slow"]] == [(0, 3, 4.0), (0, 6, 3.0), (0, 8, 3.0)]
+    assert t["slow"][0][3:] == (1000.0, 0.0, 0.0)  # the longest stall within it
+    assert t["slow"][1][3:] == (0.0, 250.0, 100.0)
+    assert (t["with_stall"], t["with_gc"], t["with_server_gc"], t["with_none"]) == (1, 1, 1, 1)
+    assert t["share_with_stall"] == 1 / 10
+    assert attribute([([], [])], [], []) == {}
+
+
+def test_the_stall_probe_sees_a_stop_of_its_process():
+    import os
+    import signal
+    import time
+
+    from lmcache_mp.loadgen_tails import machine_stalls, stall_probe
+
+    with stall_probe() as probe:
+        os.kill(probe.pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        os.kill(probe.pid, signal.SIGCONT)
+        time.sleep(0.05)
+    assert max(n for _, n in probe.stalls) >= 80_000_000
+    m = machine_stalls(probe)
+    assert m["over_50us"] >= 1 and m["longest_us"] >= 80_000 and m["seconds"] >= 0.15
+    with stall_probe(enabled=False) as off:
+        pass
+    assert off.stalls == [] and machine_stalls(off) == {}

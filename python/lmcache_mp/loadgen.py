@@ -28,7 +28,9 @@ import time
 
 import numpy as np
 
-from lmcache_mp.loadgen_trace import echo_peer, print_traces
+from lmcache_mp.loadgen_tails import attribute, machine_stalls, print_tails, stall_probe
+from lmcache_mp.loadgen_trace import echo_peer, print_idle, print_traces
+from lmcache_mp.loadgen_trace import slowest as slowest_traces
 from lmcache_mp.loadgen_trace import summarize as summarize_traces
 from lmcache_mp.loadgen_worker import DTYPE_BYTES, LAYOUTS, kv_shape, object_bytes, worker_main
 
@@ -231,8 +233,10 @@ def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
     lay, chunks = settings["geometry"], settings["chunks"]
     gpus_used = min(workers, len(uuids)) if settings["device"] == "cuda" else 0
     evicted_before = client.status()["l1"].get("evicted", 0)
-    res = run_workers(settings, workers, uuids)
-    after = client.status()["l1"]
+    with stall_probe(enabled=bool(settings.get("trace"))) as probe:  # it takes a CPU: only when tracing
+        res = run_workers(settings, workers, uuids)
+    status_after = client.status()
+    after = status_after["l1"]
     if "error" in res:
         for wid, msg in sorted(res["error"].items()):
             print(f"--- worker {wid} of the {workers}-worker run failed:\n{msg}", file=sys.stderr)
@@ -248,7 +252,19 @@ def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
         print_traces(traces)
         row["trace_us"] = {k: dict(summarize_traces(v)) for k, v in traces.items() if v}
         row["trace_p99_us"] = {k: dict(summarize_traces(v, 0.99)) for k, v in traces.items() if v}
-    record = {"summary": row, "workers_detail": infos, "l1_after": after, "seconds": time.monotonic() - t_run}
+        row["trace_slowest"] = {k: slowest_traces(v) for k, v in traces.items() if v}
+    idle = {k: [t for i in infos for t in i.get("idle_traces", {}).get(k, [])] for k in ("lookup", "retrieve")}
+    if any(idle.values()):
+        row["idle_us"] = print_idle(idle, traces, {"lookup": row["lookup_us_p50"],
+                                                   "retrieve": row["retrieve_ms_p50"] * 1e3})
+    server_gc = status_after.get("gc", {}).get("recent", [])
+    row["tails"] = {k: attribute([(i["spans_ns"][k], i["gc_pauses_ns"]) for i in infos], probe.stalls, server_gc)
+                    for k in ("store", "lookup", "retrieve")}
+    row["machine_stalls"] = machine_stalls(probe)
+    print_tails(row["tails"], row["machine_stalls"])
+    record = {"summary": row, "workers_detail": infos, "l1_after": after, "server_gc": status_after.get("gc"),
+              "seconds": time.monotonic() - t_run,
+              "probe_stalls_ns": [s for s in probe.stalls if s[1] > 50_000]}
     problems = []
     if row["mismatches"]:
         problems.append(f"{row['mismatches']} chunks came back with other bytes than were stored (corruption)")

@@ -3,7 +3,7 @@ phases against a running server, and a bit-for-bit check of everything retrieved
 
 Spawned by `lmcache_mp.loadgen.run_workers` (so torch is imported here only inside functions:
 the package must stay importable without it). Each worker fills its KV cache with random bits
-and then, phases separated by barriers:
+and then, phases separated by barriers, each begun by one untimed warm-up request:
 
   store     `requests` requests of `chunks` chunks each (distinct tokens -> distinct chunk
             hashes), one at a time, each from a different permutation of the first half of
@@ -13,19 +13,25 @@ and then, phases separated by barriers:
 
 then checks every retrieved request against its source blocks (the last timed retrieve in
 place, the others retrieved again untimed): chunks not loaded are *missing* (evicted, or never
-stored), loaded chunks whose bits differ are *mismatches* (corruption).
+stored), loaded chunks whose bits differ are *mismatches* (corruption). Last, a few traced
+lookups and retrieves, each after 20 ms without requests (an engine sends its requests once per
+step, and the server's threads may go to sleep in between).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 import traceback
 
 import numpy as np
 
+from lmcache_mp.server.gc_pauses import GCPauses
+
 DTYPE_BYTES = 2  # bfloat16
+IDLE_REQUESTS, IDLE_GAP_S = 5, 0.02  # lookups and retrieves that each come after this long without requests
 LAYOUTS = {
     "llama3-8b": dict(kind="mha", layers=32, heads=8, head_size=128, block_size=16),
     "mla": dict(kind="mla", layers=61, dim=576, block_size=16),
@@ -100,6 +106,12 @@ def count_mismatches(kv: list, kind: str, src: np.ndarray, dst: np.ndarray, n: i
     return int(bad.sum().item())
 
 
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def waited(fut):
     """The future, once it has its result."""
     fut.result()
@@ -135,18 +147,20 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
 
     client = Client(cfg["url"], timeout=timeout, name=f"bench-w{wid}")
     traces: dict[str, list] = {"store": [], "lookup": [], "retrieve": []}
+    spans: dict[str, list] = {"store": [], "lookup": [], "retrieve": []}  # (start, end) ns of the timed ones
 
     def timed(i: int, kind: str, latencies: list, call, trace_of):
         """call() as request i: traced (its trace, trace_of(result), goes to traces[kind]) or
-        timed (into latencies)."""
+        timed (into latencies and spans[kind])."""
         client.trace = traced(i)
-        t0 = time.perf_counter()
+        t0 = time.monotonic_ns()
         result = call()
-        dt = time.perf_counter() - t0
+        t1 = time.monotonic_ns()
         if client.trace:
-            traces[kind].append(trace_of(result) + [("returned", time.monotonic_ns())])
+            traces[kind].append(trace_of(result) + [("returned", t1)])
         else:
-            latencies.append(dt)
+            latencies.append((t1 - t0) / 1e9)
+            spans[kind].append((t0, t1))
         return result
     chunk = client.chunk_size
     bpc = chunk // lay["block_size"]
@@ -173,17 +187,22 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
     src = [request_ids((r, 0), half, 0) for r in range(R)]
     dst = [request_ids((r, 1), half, half) for r in range(R)]
 
-    # Warm-up (untimed): one chunk each way, on blocks of their own.
+    # Each phase starts with one untimed request of a warm-up chunk (blocks of its own): after a
+    # barrier the server's threads and the GPU have sat idle, and the first request pays for
+    # waking them (the idle requests at the end measure that on purpose).
     warm_ids = np.arange(2 * half, nb, dtype=np.int64)
     warm_hash = chunk_hashes(request_tokens(tok_seed + (R, 9), chunk), chunk)
-    if client.store(handle, warm_hash, warm_ids).result().chunks != 1:
-        raise RuntimeError("warm-up store failed")
-    barrier.wait(timeout)  # a shared (MLA) chunk may be another rank's, still being written until then
-    if client.retrieve(handle, warm_hash, warm_ids).result().loaded != 1:
-        raise RuntimeError("warm-up retrieve failed")
+
+    # An engine freezes its start-up heap out of the garbage collector once warmed up (vLLM's
+    # freeze_gc_heap), so a collection walks only what it allocated since: so does this one.
+    gc.collect()
+    gc.freeze()
 
     # (a) store
+    gc_pauses = GCPauses(keep=None)  # the tails are checked against them
     barrier.wait(timeout)
+    if client.store(handle, warm_hash, warm_ids).result().chunks != 1:
+        raise RuntimeError("warm-up store failed")
     lat_store, stored, present, skipped = [], 0, 0, 0
     t_phase = time.perf_counter()
     for r in range(R):
@@ -199,8 +218,10 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
             for reg in client.status()["registrations"] if str(reg.get("model", "")).startswith(cfg["model"])
         ]
 
-    # (b) lookup
+    # (b) lookup (a shared MLA chunk may be another rank's: every rank stored its own by now)
     barrier.wait(timeout)
+    if client.lookup(warm_hash, model=model, world_size=world) != 1:
+        raise RuntimeError("warm-up lookup found nothing")
     lat_lookup, lat_bare, lookup_short = [], [], 0
     bare = BareRoundTrip(cfg["echo_url"], client, model, world, hashes[0]) if cfg.get("echo_url") else None
     for i in range(cfg["lookups"]):
@@ -214,6 +235,8 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
 
     # (c) retrieve
     barrier.wait(timeout)
+    if client.retrieve(handle, warm_hash, warm_ids).result().loaded != 1:
+        raise RuntimeError("warm-up retrieve failed")
     lat_retrieve, loaded_per_request = [], []
     t_phase = time.perf_counter()
     for r in range(R):
@@ -222,6 +245,8 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
                     lambda fut: fut.trace).result()
         loaded_per_request.append(res.loaded)
     retrieve_wall = time.perf_counter() - t_phase
+    gc_pauses.close()
+    pauses = list(gc_pauses.recent)
     barrier.wait(timeout)  # nobody verifies while another worker is still timing
 
     # verification: the last timed retrieve in place, every other request retrieved again
@@ -231,12 +256,27 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
         res = client.retrieve(handle, hashes[r], dst[r]).result()
         missing += n - res.loaded
         mismatches += count_mismatches(kv, lay["kind"], src[r], dst[r], n, res.loaded)
+
+    # after a quiet gap, as an engine's requests come (one per step, not back to back), traced;
+    # the engine computes meanwhile, so this thread stays busy (a sleeping one would add its
+    # own wake-up to the request)
+    idle: dict[str, list] = {"lookup": [], "retrieve": []}
+    client.trace = True
+    for k in range(IDLE_REQUESTS):
+        busy(IDLE_GAP_S)
+        client.lookup(hashes[k % R], model=model, world_size=world)
+        idle["lookup"].append(client.last_trace() + [("returned", time.monotonic_ns())])
+        busy(IDLE_GAP_S)
+        fut = waited(client.retrieve(handle, hashes[k % R], dst[k % R], wait="host"))
+        idle["retrieve"].append(fut.trace + [("returned", time.monotonic_ns())])
+    client.trace = False
+
     barrier.wait(timeout)
     client.unregister_kv_cache(handle)
     client.close()
     info.update(
         store_latency_s=lat_store, retrieve_latency_s=lat_retrieve, lookup_latency_s=lat_lookup,
-        bare_latency_s=lat_bare, traces=traces if trace else {},
+        bare_latency_s=lat_bare, traces=traces if trace else {}, idle_traces=idle, spans_ns=spans, gc_pauses_ns=pauses,
         store_wall_s=store_wall, retrieve_wall_s=retrieve_wall,
         stored_chunks=stored, present_chunks=present, skipped_chunks=skipped,
         loaded_chunks=int(sum(loaded_per_request)), requested_chunks=R * n,

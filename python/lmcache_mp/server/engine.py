@@ -33,6 +33,7 @@ from lmcache_mp.config import ServerConfig, format_size
 from lmcache_mp.native import HostArena, set_cpu_threads
 from lmcache_mp.server.contexts import IpcEventCache, IpcMemoryCache
 from lmcache_mp.server.devices import gpu_numa_node, resolve_device
+from lmcache_mp.server.gc_pauses import GCPauses
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.validation import RequestFailure, chunk_request, over_limit
 from lmcache_mp.server.registrations import Entry, RegistrationHandling
@@ -96,6 +97,7 @@ class MPCacheEngine(RegistrationHandling):
         self._close_hooks: list[Callable[[], None]] = []
         self._closed = False
         self.started = time.time()
+        self.gc_pauses = GCPauses()
         logger.info(
             "L1: %s of %s host memory (slabs of %s%s)",
             format_size(self.arena.capacity), "pinned" if pin else "shared",
@@ -526,6 +528,7 @@ class MPCacheEngine(RegistrationHandling):
             "chunk_size": self.config.chunk_size,
             "clients": len(self._clients),
             "registrations": regs,
+            "gc": self.gc_pauses.stats(),
             "l1": {**self.l1.stats(), "capacity": arena["capacity"],
                    "bytes_free": arena["free_slabs"] * arena["slab_bytes"],  # whole slabs, any size
                    "sizes": self.l1.size_stats(), "arena": arena, "pinning": dict(self.arena.pin_status())},
@@ -583,6 +586,7 @@ class MPCacheEngine(RegistrationHandling):
             self.l1.clear()
         for hook in self._close_hooks:  # e.g. stop the transport once the last replies are out
             hook()
+        self.gc_pauses.close()
 
     _handlers = {
         p.Hello: _hello,

@@ -62,6 +62,13 @@ class StatusCollector:
                             ("slab_moves", "slabs drained for another object size"),
                             ("format_mismatches", "reads that stopped at a chunk stored in another format")):
             yield CounterMetricFamily(f"lmcache_mp_{name}", help_, value=l1[name])
+        gcs = CounterMetricFamily("lmcache_mp_gc_collections", "garbage collections of the server process (each "
+                                  "stops every thread), by generation", labels=["generation"])
+        for gen, n in enumerate(st["gc"]["collections"]):
+            gcs.add_metric([str(gen)], n)
+        yield gcs
+        yield CounterMetricFamily("lmcache_mp_gc_seconds", "time the server process spent in garbage collections",
+                                  value=st["gc"]["seconds"])
         if "l2" in st:
             yield from _l2_metrics(st["l2"])
 

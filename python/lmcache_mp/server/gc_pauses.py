@@ -1,0 +1,41 @@
+"""The garbage collections of this process. Each one stops every Python thread, the socket thread
+included, so they are part of what a request can wait for: counted for the status ("gc") and
+/metrics, and the latest ones kept so that a benchmark can line its slow requests up with them."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import time
+
+
+class GCPauses:
+    def __init__(self, keep: int | None = 128):
+        self.recent: collections.deque = collections.deque(maxlen=keep)  # (start ns, length ns, generation)
+        self.collections = [0, 0, 0]  # per generation
+        self.seconds = 0.0
+        self.longest_s = 0.0
+        self._start = 0
+        gc.callbacks.append(self._seen)
+
+    def _seen(self, phase: str, info: dict) -> None:
+        now = time.monotonic_ns()
+        if phase == "start":
+            self._start = now
+            return
+        length, gen = now - self._start, info["generation"]
+        self.recent.append((self._start, length, gen))
+        self.collections[gen] += 1
+        self.seconds += length / 1e9
+        self.longest_s = max(self.longest_s, length / 1e9)
+
+    def stats(self) -> dict:
+        """Collections per generation, their total and longest time, and the latest ones as
+        (start, length, generation) with CLOCK_MONOTONIC nanoseconds."""
+        return {"collections": list(self.collections), "seconds": self.seconds, "longest_s": self.longest_s,
+                "recent": list(self.recent)}
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._seen)
