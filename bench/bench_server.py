@@ -230,9 +230,7 @@ def main() -> int:
     ap.add_argument("--transfer-mode", default="auto", choices=("auto", "direct", "staged", "dma"))
     ap.add_argument("--repeat", type=int, default=5, help="ceiling: timed copies (median)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a worker waits on a request or barrier")
-    ap.add_argument("--trace", action="store_true",
-                    help="time the stages of every other request on client and server and print the medians "
-                         "(the latencies come from the untraced ones)")
+    loadgen.add_tail_args(ap)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     args.workers = [int(w) for w in str(args.workers).split(",") if w.strip()]

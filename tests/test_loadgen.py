@@ -53,6 +53,7 @@ def test_trace_times_every_other_request_and_the_others_give_the_latencies(serve
     assert tails.keys() == stages.keys() and all(tails[k] >= stages[k] for k in stages)
     assert "trace of store (3 requests" in printed.out and "trace of lookup (4 requests" in printed.out
     assert row["store_ms_p50"] > 0 and row["lookup_us_p50"] > 0
+    assert row["machine_stalls"] == {} and "stall probe" not in printed.out  # only when asked for: it takes a core
 
 
 def test_no_server_is_a_clear_error(capsys):
@@ -96,11 +97,11 @@ def test_mix_of_two_layouts_reports_hit_ratios_next_to_an_ideal_lru(tmp_path, ca
             assert r["hit_ratio"] >= 0.9 * r["ideal_hit_ratio"], r
 
 
-def test_trace_checks_the_slow_requests_and_times_requests_after_idle_gaps(server, tmp_path, capsys):
+def test_slow_requests_checked_against_a_stall_probe_and_requests_after_idle_gaps(server, tmp_path, capsys):
     out = tmp_path / "run.json"
     rc = loadgen.main(["--url", server.url, "--device", "cpu", "--layers", "2", "--heads", "2", "--head-size", "64",
                        "--block-size", "16", "--chunks", "1", "--requests", "6", "--lookups", "8", "--trace",
-                       "--json", str(out)])
+                       "--stall-probe", "--json", str(out)])
     printed = capsys.readouterr()
     assert rc == 0, printed.err
     result = json.loads(out.read_text())

@@ -78,7 +78,8 @@ def worker_settings(args, url: str, lay: dict, model: str, run: int) -> dict:
     """What every worker of a run gets (args: device, chunks, requests, lookups, tp, timeout)."""
     return dict(url=url, device=args.device, geometry=lay, model=model, chunks=args.chunks,
                 requests=args.requests, lookups=args.lookups, tp=args.tp, run=run, timeout=args.timeout,
-                trace=getattr(args, "trace", False), echo_url=getattr(args, "echo_url", None))
+                trace=getattr(args, "trace", False), stall_probe=getattr(args, "stall_probe", False),
+                echo_url=getattr(args, "echo_url", None))
 
 
 def banner(args, obj: int, req_bytes: int, gpu_names: list[str]) -> str:
@@ -233,7 +234,7 @@ def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
     lay, chunks = settings["geometry"], settings["chunks"]
     gpus_used = min(workers, len(uuids)) if settings["device"] == "cuda" else 0
     evicted_before = client.status()["l1"].get("evicted", 0)
-    with stall_probe(enabled=bool(settings.get("trace"))) as probe:  # it takes a CPU: only when tracing
+    with stall_probe(enabled=bool(settings.get("stall_probe"))) as probe:
         res = run_workers(settings, workers, uuids)
     status_after = client.status()
     after = status_after["l1"]
@@ -351,11 +352,19 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", type=int, default=32, help="--mix: distinct prompts per worker (default 32)")
     ap.add_argument("--skew", type=float, default=1.0,
                     help="--mix: prompt popularity ~ 1/rank**skew (0: uniform; default 1)")
+    add_tail_args(ap)
+    ap.add_argument("--json", help="write the results here")
+    return ap
+
+
+def add_tail_args(ap: argparse.ArgumentParser) -> None:
+    """--trace and --stall-probe (also bench/bench_server.py's)."""
     ap.add_argument("--trace", action="store_true",
                     help="time the stages of every other request on client and server and print the medians "
                          "(the latencies come from the untraced ones)")
-    ap.add_argument("--json", help="write the results here")
-    return ap
+    ap.add_argument("--stall-probe", action="store_true",
+                    help="run a process that only reads the clock beside the workers, and check the slow "
+                         "requests against its stalls (it takes a CPU core of its own)")
 
 
 def main(argv: list[str] | None = None) -> int:
