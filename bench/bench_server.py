@@ -43,7 +43,7 @@ import numpy as np
 
 from lmcache_mp import loadgen
 from lmcache_mp.loadgen_trace import echo_peer
-from lmcache_mp.loadgen_worker import LAYOUTS, object_bytes
+from lmcache_mp.loadgen_worker import LAYOUTS, WARM_UP, object_bytes
 
 CHUNK = 256
 SLAB = 256 << 20
@@ -198,7 +198,7 @@ def l1_plan(args, obj: int) -> tuple[int, int, int]:
     slab = max(SLAB, -(-obj // 4096) * 4096)
     slot = -(-obj // SLOT_ALIGN) * SLOT_ALIGN
     per_slab = slab // slot
-    objects = max(args.workers) * (args.requests * args.chunks + 1)  # + one warm-up chunk each
+    objects = max(args.workers) * (args.requests * args.chunks + WARM_UP)  # + the warm-up chunks
     slabs = max(4, math.ceil(objects / per_slab) + 1)
     return slabs * slab, slab, objects
 

@@ -13,6 +13,7 @@ import pytest
 
 import lmcache_mp
 from lmcache_mp import loadgen
+from lmcache_mp.loadgen_worker import WARM_UP
 from lmcache_mp.server.metrics import StatusCollector
 
 LLAMA, MLA8 = 32 << 20, 8 * 256 * 576 * 2  # object bytes at the default 256-token chunk
@@ -32,7 +33,8 @@ def _sizes(srv) -> dict:
 
 def test_a_second_layout_keeps_its_working_set_and_the_first_layouts_old_chunks_make_room(server, tmp_path):
     first, second = tmp_path / "first.json", tmp_path / "second.json"
-    # 41 chunks of 32 MiB into 1 GiB: the first run itself overflows (its own misses are expected).
+    # 40 + WARM_UP chunks of 32 MiB into 1 GiB: the first run itself overflows (its own misses are
+    # expected).
     loadgen.main(["--url", server.url, "--chunks", "4", "--requests", "10", "--lookups", "20",
                   "--json", str(first)])
     assert _sizes(server)[LLAMA]["objects"] == 32  # L1 is full of the first layout's chunks
@@ -44,9 +46,9 @@ def test_a_second_layout_keeps_its_working_set_and_the_first_layouts_old_chunks_
     assert rc == 0
     sizes = _sizes(server)
     assert sizes[MLA8]["evicted"] == 0, "a chunk of the working set was evicted"
-    assert sizes[MLA8]["objects"] == 16 * 12 + 1  # + the warm-up chunk
+    assert sizes[MLA8]["objects"] == 16 * 12 + WARM_UP  # + the warm-up chunks
     evicted_llama = sizes[LLAMA]["evicted"]
-    assert evicted_llama > 9 and sizes[LLAMA]["objects"] == 41 - evicted_llama
+    assert evicted_llama > 9 and sizes[LLAMA]["objects"] == 40 + WARM_UP - evicted_llama
     # Memory moved to the new size a slab at a time, and what is idle stays within the bound.
     slab = server.engine.arena.slab_bytes
     for s in sizes.values():
@@ -57,7 +59,7 @@ def test_a_second_layout_keeps_its_working_set_and_the_first_layouts_old_chunks_
                for m in StatusCollector(server.engine).collect() for smp in m.samples}
     assert metrics["lmcache_mp_l1_size_evicted_total", str(MLA8)] == 0
     assert metrics["lmcache_mp_l1_size_evicted_total", str(LLAMA)] == evicted_llama
-    assert metrics["lmcache_mp_l1_size_objects", str(MLA8)] == 16 * 12 + 1
+    assert metrics["lmcache_mp_l1_size_objects", str(MLA8)] == 16 * 12 + WARM_UP
     for metric, field in (("used_bytes", "bytes_used"), ("free_bytes", "bytes_free"),
                           ("fragmented_bytes", "bytes_fragmented"), ("slabs", "slabs")):
         assert metrics[f"lmcache_mp_l1_size_{metric}", str(LLAMA)] == sizes[LLAMA][field]

@@ -258,3 +258,20 @@ def test_a_registration_refuses_requests_beyond_its_queue_limit():
     assert ran == [1, 2, 4]
     entry.run(lambda: ran.append(5), limit=2, inline=True)  # room again (inline: the worker is gone)
     assert ran == [1, 2, 4, 5]
+
+
+def test_settling_freezes_only_when_the_process_is_only_a_server():
+    from lmcache_mp.server.gc_pauses import settle, settle_after_setup
+
+    frozen = gc.get_freeze_count()
+    try:
+        settle()  # an embedded server: the host program's heap is not ours to freeze
+        assert gc.get_freeze_count() == frozen
+        settle_after_setup(True)
+        young = [[] for _ in range(10)]  # noqa: F841  (alive: frozen, not collected)
+        settle()
+        assert gc.get_freeze_count() >= frozen + 11 and gc.get_count()[0] < 10
+    finally:
+        settle_after_setup(False)
+        if not frozen:  # nothing else here had frozen anything
+            gc.unfreeze()

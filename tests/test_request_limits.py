@@ -200,12 +200,14 @@ def server_process_settings():
     import sys
 
     from lmcache_mp.server.cli import tune_process
+    from lmcache_mp.server.gc_pauses import settle_after_setup
 
     interval, thresholds = sys.getswitchinterval(), gc.get_threshold()
     tune_process()
     yield
     sys.setswitchinterval(interval)
     gc.set_threshold(*thresholds)
+    settle_after_setup(False)
     gc.unfreeze()
 
 

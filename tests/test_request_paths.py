@@ -20,8 +20,16 @@ from lmcache_mp import protocol as p
 from lmcache_mp.native import spin_poll
 from lmcache_mp.server.engine import MPCacheEngine
 from test_cli import ServerProcess
-from test_hardening import server  # noqa: F401  (fixture)
 from test_server_e2e import CHUNK, blocks_of, register_mha, stopped, wait_until
+
+
+@pytest.fixture
+def server():
+    """The default heartbeat timeout: a loaded test machine may hold a client's heartbeat for a
+    second (test_hardening's server forgets a client after one)."""
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="1MiB", chunk_size=CHUNK)).start()
+    yield srv
+    srv.stop()
 
 
 def test_spin_poll_returns_the_ready_fd_or_times_out():

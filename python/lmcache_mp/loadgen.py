@@ -32,7 +32,7 @@ from lmcache_mp.loadgen_tails import attribute, machine_stalls, print_tails, sta
 from lmcache_mp.loadgen_trace import echo_peer, print_idle, print_traces
 from lmcache_mp.loadgen_trace import slowest as slowest_traces
 from lmcache_mp.loadgen_trace import summarize as summarize_traces
-from lmcache_mp.loadgen_worker import DTYPE_BYTES, LAYOUTS, kv_shape, object_bytes, worker_main
+from lmcache_mp.loadgen_worker import DTYPE_BYTES, LAYOUTS, WARM_UP, kv_shape, object_bytes, worker_main
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
 TABLE_NOTE = "GB/s = 1e9 bytes/s, bytes of all workers / slowest worker's phase wall time"
@@ -423,7 +423,7 @@ def _bench(args, lay: dict, client) -> int:
         return 2
     obj = object_bytes(lay, chunk)
     req_bytes = args.chunks * obj
-    need = args.workers * (args.requests * args.chunks + 1) * obj  # + one warm-up chunk each
+    need = args.workers * (args.requests * args.chunks + WARM_UP) * obj  # + the warm-up chunks
     capacity = status["l1"].get("capacity", 0)
     if need > capacity:
         print(f"warning: this run stores {format_size(need)}, more than the server's L1 of {format_size(capacity)}: "

@@ -3,7 +3,7 @@ phases against a running server, and a bit-for-bit check of everything retrieved
 
 Spawned by `lmcache_mp.loadgen.run_workers` (so torch is imported here only inside functions:
 the package must stay importable without it). Each worker fills its KV cache with random bits
-and then, phases separated by barriers, each begun by one untimed warm-up request:
+and then, phases separated by barriers, each begun by WARM_UP untimed requests:
 
   store     `requests` requests of `chunks` chunks each (distinct tokens -> distinct chunk
             hashes), one at a time, each from a different permutation of the first half of
@@ -31,6 +31,7 @@ import numpy as np
 from lmcache_mp.server.gc_pauses import GCPauses
 
 DTYPE_BYTES = 2  # bfloat16
+WARM_UP = 3  # untimed requests that begin each phase, of chunks of their own
 IDLE_REQUESTS, IDLE_GAP_S = 5, 0.02  # lookups and retrieves that each come after this long without requests
 LAYOUTS = {
     "llama3-8b": dict(kind="mha", layers=32, heads=8, head_size=128, block_size=16),
@@ -187,11 +188,11 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
     src = [request_ids((r, 0), half, 0) for r in range(R)]
     dst = [request_ids((r, 1), half, half) for r in range(R)]
 
-    # Each phase starts with one untimed request of a warm-up chunk (blocks of its own): after a
-    # barrier the server's threads and the GPU have sat idle, and the first request pays for
+    # Each phase starts with untimed requests of warm-up chunks (blocks of their own): after a
+    # barrier the server's threads and the GPU have sat idle, and the first requests pay for
     # waking them (the idle requests at the end measure that on purpose).
     warm_ids = np.arange(2 * half, nb, dtype=np.int64)
-    warm_hash = chunk_hashes(request_tokens(tok_seed + (R, 9), chunk), chunk)
+    warm = [chunk_hashes(request_tokens(tok_seed + (R, 9, k), chunk), chunk) for k in range(WARM_UP)]
 
     # An engine freezes its start-up heap out of the garbage collector once warmed up (vLLM's
     # freeze_gc_heap), so a collection walks only what it allocated since: so does this one.
@@ -201,7 +202,7 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
     # (a) store
     gc_pauses = GCPauses(keep=None)  # the tails are checked against them
     barrier.wait(timeout)
-    if client.store(handle, warm_hash, warm_ids).result().chunks != 1:
+    if any(client.store(handle, h, warm_ids).result().chunks != 1 for h in warm):
         raise RuntimeError("warm-up store failed")
     lat_store, stored, present, skipped = [], 0, 0, 0
     t_phase = time.perf_counter()
@@ -220,8 +221,8 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
 
     # (b) lookup (a shared MLA chunk may be another rank's: every rank stored its own by now)
     barrier.wait(timeout)
-    if client.lookup(warm_hash, model=model, world_size=world) != 1:
-        raise RuntimeError("warm-up lookup found nothing")
+    for h in warm:  # (in a run that overflows L1 they may be gone: that is counted below, not here)
+        client.lookup(h, model=model, world_size=world)
     lat_lookup, lat_bare, lookup_short = [], [], 0
     bare = BareRoundTrip(cfg["echo_url"], client, model, world, hashes[0]) if cfg.get("echo_url") else None
     for i in range(cfg["lookups"]):
@@ -235,8 +236,8 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
 
     # (c) retrieve
     barrier.wait(timeout)
-    if client.retrieve(handle, warm_hash, warm_ids).result().loaded != 1:
-        raise RuntimeError("warm-up retrieve failed")
+    for h in warm:
+        client.retrieve(handle, h, warm_ids).result()
     lat_retrieve, loaded_per_request = [], []
     t_phase = time.perf_counter()
     for r in range(R):

@@ -13,6 +13,7 @@ import sys
 
 from lmcache_mp._version import __version__
 from lmcache_mp.config import ServerConfig, format_size
+from lmcache_mp.server.gc_pauses import settle_after_setup
 
 logger = logging.getLogger("lmcache_mp")
 
@@ -48,11 +49,13 @@ def tune_process() -> None:
     while a worker thread runs Python: hand the GIL over every 1 ms instead of 5. Full garbage
     collections walk every tracked object (the L1 index holds one per chunk: 130 ms for 262,144
     chunks here), so they never run on their own; young generations are still collected, and
-    the index itself holds no reference cycles (objects are freed by reference counting)."""
+    the index itself holds no reference cycles (objects are freed by reference counting). What
+    start-up and each registration make is frozen out of the collector once made (gc_pauses)."""
     sys.setswitchinterval(0.001)
-    gc.freeze()  # what start-up made stays out of every collection
+    gc.freeze()  # what imports made stays out of every collection
     gen0, gen1, _ = gc.get_threshold()
     gc.set_threshold(gen0, gen1, 1 << 30)
+    settle_after_setup(True)
 
 
 def keygen_main(argv: list[str]) -> int:

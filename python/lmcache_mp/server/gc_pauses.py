@@ -1,6 +1,11 @@
 """The garbage collections of this process. Each one stops every Python thread, the socket thread
 included, so they are part of what a request can wait for: counted for the status ("gc") and
-/metrics, and the latest ones kept so that a benchmark can line its slow requests up with them."""
+/metrics, and the latest ones kept so that a benchmark can line its slow requests up with them.
+
+In a process that is only a cache server (`settle_after_setup(True)`, by the command line),
+what start-up and each registration made lives long: it is frozen out of the collector, so a
+young collection walks only what requests made since the last one (the first collection after a
+registration walked its objects: ~0.2 ms on the request that met it, against tens of µs)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,22 @@ import collections
 import contextlib
 import gc
 import time
+
+_settle = False
+
+
+def settle_after_setup(enabled: bool) -> None:
+    global _settle
+    _settle = enabled
+
+
+def settle() -> None:
+    """Freeze what exists now out of the collector, after collecting the young generations (their
+    garbage would otherwise never be freed). No-op unless settle_after_setup(True): freezing is a
+    decision for the whole process, not for a server embedded in another program."""
+    if _settle:
+        gc.collect(1)
+        gc.freeze()
 
 
 class GCPauses:
@@ -31,10 +52,10 @@ class GCPauses:
         self.longest_s = max(self.longest_s, length / 1e9)
 
     def stats(self) -> dict:
-        """Collections per generation, their total and longest time, and the latest ones as
-        (start, length, generation) with CLOCK_MONOTONIC nanoseconds."""
+        """Collections per generation, their total and longest time, the latest ones as (start,
+        length, generation) with CLOCK_MONOTONIC nanoseconds, and the objects frozen out of them."""
         return {"collections": list(self.collections), "seconds": self.seconds, "longest_s": self.longest_s,
-                "recent": list(self.recent)}
+                "recent": list(self.recent), "frozen": gc.get_freeze_count()}
 
     def close(self) -> None:
         with contextlib.suppress(ValueError):

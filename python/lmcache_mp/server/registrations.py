@@ -23,6 +23,7 @@ from lmcache_mp.server.contexts import (
     RegistrationError,
     describe_layers,
 )
+from lmcache_mp.server.gc_pauses import settle
 from lmcache_mp.server.policy import choose_transfer_mode
 from lmcache_mp.server.replies import Reply
 from lmcache_mp.server.validation import RequestFailure, invalid, over_limit
@@ -148,6 +149,7 @@ class RegistrationHandling:
                 logger.exception("internal error registering a KV cache")
                 reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
                 return
+            settle()  # the registration's objects live until it ends
             spec = reg.spec
             logger.info("registered %s KV cache: model %s rank %d/%d, %d layers x %d blocks of %d tokens, "
                         "%s, %s per chunk, transfer mode %s", spec.kind, reg.model, reg.rank, reg.world_size,

@@ -8,6 +8,7 @@ import threading
 
 from lmcache_mp.config import ServerConfig
 from lmcache_mp.server.engine import MPCacheEngine
+from lmcache_mp.server.gc_pauses import settle
 from lmcache_mp.server.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
     except Exception:
         engine.close()
         raise
+    settle()  # what start-up made lives as long as the server
     transport.start()
     if http is not None:
         http.ready = True
