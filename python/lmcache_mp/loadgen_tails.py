@@ -1,5 +1,5 @@
-"""What the slow requests of a benchmark run met: stalls of the machine itself and garbage
-collections in the engine's (the worker's) process.
+"""What the slow requests of a benchmark run met: stalls of the machine itself, and garbage
+collections of the worker (the engine) and of the server.
 
 A request that takes more than twice the median is checked against
   - a stall probe: a process of its own that does nothing but read the clock in a loop; a gap

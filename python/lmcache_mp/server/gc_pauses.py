@@ -4,8 +4,9 @@ included, so they are part of what a request can wait for: counted for the statu
 
 In a process that is only a cache server (`settle_after_setup(True)`, by the command line),
 what start-up and each registration made lives long: it is frozen out of the collector, so a
-young collection walks only what requests made since the last one (the first collection after a
-registration walked its objects: ~0.2 ms on the request that met it, against tens of µs)."""
+young collection walks only what requests made since the last one (on a 2-core machine the first
+young collection after start-up and a registration took 226 µs, the later ones 61-77 µs; 98 µs
+with this)."""
 
 from __future__ import annotations
 
