@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from lmcache_mp.loadgen_tails import attribute, machine_stalls, print_tails, stall_probe
+from lmcache_mp.loadgen_tails import LONG_STALL_NS, attribute, machine_stalls, print_tails, stall_probe
 from lmcache_mp.loadgen_trace import echo_peer, print_idle, print_traces
 from lmcache_mp.loadgen_trace import slowest as slowest_traces
 from lmcache_mp.loadgen_trace import summarize as summarize_traces
@@ -265,7 +265,7 @@ def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
     print_tails(row["tails"], row["machine_stalls"])
     record = {"summary": row, "workers_detail": infos, "l1_after": after, "server_gc": status_after.get("gc"),
               "seconds": time.monotonic() - t_run,
-              "probe_stalls_ns": [s for s in probe.stalls if s[1] > 50_000]}
+              "probe_stalls_ns": [s for s in probe.stalls if s[1] > LONG_STALL_NS]}
     problems = []
     if row["mismatches"]:
         problems.append(f"{row['mismatches']} chunks came back with other bytes than were stored (corruption)")

@@ -24,6 +24,7 @@ from typing import Iterator
 import numpy as np
 
 STALL_NS = 20_000  # the probe records gaps longer than this
+LONG_STALL_NS = 50_000  # the gaps reported (and kept in the JSON record)
 
 PROBE = """
 import json, signal, sys, time
@@ -119,10 +120,10 @@ def attribute(workers: list[tuple[list, list]], stalls, server_gc) -> dict:
 
 
 def machine_stalls(probe: StallProbe) -> dict:
-    """The probe's gaps over 50 us ({} when it did not run)."""
+    """The probe's gaps over LONG_STALL_NS ({} when it did not run)."""
     if not probe.seconds:
         return {}
-    long = [s[1] / 1e3 for s in probe.stalls if s[1] > 50_000]
+    long = [s[1] / 1e3 for s in probe.stalls if s[1] > LONG_STALL_NS]
     return {"seconds": probe.seconds, "over_50us": len(long), "per_second": len(long) / probe.seconds,
             "longest_us": max(long, default=0.0)}
 
