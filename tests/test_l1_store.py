@@ -495,6 +495,21 @@ def test_lookup_counts_a_chunk_only_when_every_rank_has_it(store):
     assert found(store, "m", 2, [DIGESTS[5]] + DIGESTS[:3]) == 0  # hits are a prefix of the request
 
 
+def test_release_by_chunk_lets_go_of_every_rank_of_that_chunk_only(store):
+    """A chunk of world size 2 is two objects in a lease; a chunk named again (extend) adds uses,
+    not objects. A release by chunk lets go of both ranks' objects of that chunk and no other."""
+    _store(store, [key(i, world_size=2, rank=r) for i in range(3) for r in range(2)])
+    hits, lease = store.lookup("m", 2, DIGESTS[:2], lock=True, owner=b"a")
+    assert hits == 2 and store.stats()["leased_objects"] == 4
+    assert store.lookup("m", 2, DIGESTS[1:3], extend=lease) == (2, lease)
+    assert store.stats()["leased_objects"] == 6
+    assert store.release(lease, [DIGESTS[1]]) == 2  # both ranks of chunk 1, named twice
+    assert store.stats()["leased_objects"] == 4 and store.stats()["evictable"] == 2
+    assert store.release(lease, [DIGESTS[1]]) == 0
+    assert store.release(lease, [DIGESTS[2], DIGESTS[0]]) == 4 and store.lease(lease) is None
+    assert store.stats()["leased_objects"] == 0 and store.stats()["evictable"] == 6
+
+
 def test_salt_is_a_separate_namespace(store):
     _store(store, [key(0, salt=b"tenant")])
     assert found(store, "m", 1, [DIGESTS[0]]) == 0

@@ -32,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Collection, NamedTuple, Sequence
 
 from lmcache_mp.storage.l1_journal import commit_record, free_record
 from lmcache_mp.storage.leases import Lease, LeaseTable
@@ -469,20 +469,21 @@ class L1Store(SlabMoves):
             self._leases.close(lease)  # no-op unless it holds nothing
             return hits, (lease.lease_id if hits else 0)
 
-    def _unhold(self, objs: list) -> int:
-        """Let go of objects leases no longer hold, a slice at a time (lock held)."""
-        for i, obj in enumerate(objs):
+    def _unhold(self, parts: list[Collection]) -> int:
+        """Let go of objects leases no longer hold (one collection per lease), a slice at a time
+        (lock held)."""
+        for i, obj in enumerate(itertools.chain.from_iterable(parts)):
             if i and i % SLICE == 0:
                 self._pause()
             self._leases.unhold(obj)
-        return len(objs)
+        return sum(map(len, parts))
 
     def release(self, lease: int, digests: Sequence[bytes] | None = None) -> int:
         """Drop what is left of a lease, on these chunks only or on all of them; returns the
         objects let go (0 for an unknown or ended lease)."""
         with self._lock:
             held = self._leases.get(lease)
-            return self._unhold(self._leases.release(held, digests)) if held is not None else 0
+            return self._unhold([self._leases.release(held, digests)]) if held is not None else 0
 
     def lease(self, lease: int) -> Lease | None:
         """The live lease of this id (for tests and status)."""
@@ -492,8 +493,8 @@ class L1Store(SlabMoves):
     def drop_owner(self, owner: bytes) -> int:
         """End every lease of a client that went away; returns how many."""
         with self._lock:
-            ended, objs = self._leases.drop_owner(owner)
-            self._unhold(objs)
+            ended, parts = self._leases.drop_owner(owner)
+            self._unhold(parts)
             return ended
 
     def expire(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import secrets
-from typing import Callable, Iterable
+from typing import Callable, Collection, Iterable
 
 MAX_LEASES_PER_CLIENT = 4096
 MAX_LEASED_PER_CLIENT = 1 << 20  # objects held by one client's leases together
@@ -26,6 +26,11 @@ MAX_LEASED_PER_CLIENT = 1 << 20  # objects held by one client's leases together
 
 class TooManyLeases(Exception):
     pass
+
+
+def _each(entry) -> tuple:
+    """The objects of one by_digest entry."""
+    return entry if isinstance(entry, tuple) else (entry,)
 
 
 class Lease:
@@ -36,7 +41,9 @@ class Lease:
         self.owner = owner
         self.expires = expires
         self.uses: dict = {}  # object -> reads left
-        self.by_digest: dict[bytes, list] = {}  # chunk digest -> its objects (one per rank, or shared)
+        # chunk digest -> its object (shared, or world size 1), or a tuple of them (one per rank):
+        # no container per chunk in the common case, so a large lease ends in a fraction of the time
+        self.by_digest: dict[bytes, object] = {}
 
 
 class LeaseTable:
@@ -73,17 +80,20 @@ class LeaseTable:
 
     def add(self, lease: Lease, digest: bytes, found: Iterable[tuple[object, int]]) -> None:
         """Hold these objects of one chunk, each for `uses` reads."""
-        objs = lease.by_digest.setdefault(digest, [])
+        new = []
         for obj, uses in found:
             if obj in lease.uses:
                 lease.uses[obj] += uses
                 continue
             lease.uses[obj] = uses
-            objs.append(obj)
+            new.append(obj)
             self._held_by_owner[lease.owner] = self._held_by_owner.get(lease.owner, 0) + 1
             obj.leases += 1
             if obj.leases == 1:
                 self.leased_objects += 1
+        if new:
+            had = lease.by_digest.get(digest)
+            lease.by_digest[digest] = new[0] if had is None and len(new) == 1 else (*_each(had or ()), *new)
 
     def get(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id) if lease_id else None
@@ -95,9 +105,14 @@ class LeaseTable:
             self.leased_objects -= 1
             self._on_unheld(obj)
 
-    def _drop(self, lease: Lease, objs: list) -> list:
-        if len(objs) == len(lease.uses):
-            lease.uses = {}  # all of it: O(1), whatever its size
+    def _drop(self, lease: Lease, objs: list | None = None) -> Collection:
+        """Stop holding objs (all the lease holds if None); a lease left holding nothing ends.
+        Returns the objects let go, for the caller to unhold: for a whole lease, its detached
+        table of uses (O(1) here, whatever its size; the caller walks it a slice at a time)."""
+        if objs is None:
+            objs, lease.uses = lease.uses, {}
+        elif len(objs) == len(lease.uses):
+            lease.uses = {}
         else:
             for obj in objs:
                 del lease.uses[obj]
@@ -125,11 +140,11 @@ class LeaseTable:
         self._drop(lease, [obj])
         self.unhold(obj)
 
-    def release(self, lease: Lease, digests: Iterable[bytes] | None = None) -> list:
+    def release(self, lease: Lease, digests: Iterable[bytes] | None = None) -> Collection:
         """Stop holding these chunks (all of them if None); returns the objects to unhold."""
         if digests is None:
-            return self._drop(lease, list(lease.uses))
-        return self._drop(lease, [o for d in dict.fromkeys(digests) for o in lease.by_digest.get(d, ())
+            return self._drop(lease)
+        return self._drop(lease, [o for d in dict.fromkeys(digests) for o in _each(lease.by_digest.get(d, ()))
                                   if o in lease.uses])
 
     def close(self, lease: Lease) -> None:
@@ -137,28 +152,24 @@ class LeaseTable:
         if not lease.uses:
             self._drop(lease, [])
 
-    def expire(self, now: float) -> list:
-        objs: list = []
+    def expire(self, now: float) -> list[Collection]:
+        """End the leases past their TTL; returns the objects to unhold, one collection per lease."""
+        parts = []
         while self._expiry and self._expiry[0][0] <= now:
             _, lease_id = heapq.heappop(self._expiry)
             lease = self._leases.get(lease_id)
             if lease is not None:
                 self.expired += 1
-                objs += self._drop(lease, list(lease.uses))
-        return objs
+                parts.append(self._drop(lease))
+        return parts
 
-    def drop_owner(self, owner: bytes) -> tuple[int, list]:
-        """(leases ended, objects to unhold) for a client that went away; its leases end oldest
-        first, so the objects they held go back to the LRU list in a set order."""
+    def drop_owner(self, owner: bytes) -> tuple[int, list[Collection]]:
+        """(leases ended, objects to unhold per lease) for a client that went away; its leases
+        end oldest first, so the objects they held go back to the LRU list in a set order."""
         ids = list(self._by_owner.get(owner, ()))
-        objs: list = []
-        for lease_id in ids:
-            objs += self._drop(self._leases[lease_id], list(self._leases[lease_id].uses))
-        return len(ids), objs
+        return len(ids), [self._drop(self._leases[lease_id]) for lease_id in ids]
 
-    def clear(self) -> list:
-        objs: list = []
-        for lease in list(self._leases.values()):
-            objs += self._drop(lease, list(lease.uses))
+    def clear(self) -> list[Collection]:
+        parts = [self._drop(lease) for lease in list(self._leases.values())]
         self._expiry.clear()
-        return objs
+        return parts
