@@ -47,8 +47,11 @@ def test_trace_times_every_other_request_and_the_others_give_the_latencies(serve
     row = json.loads(out.read_text())["rows"][0]
     assert row["mismatches"] == 0 and row["loaded_chunks"] == 6
     stages = row["trace_us"]["store"]
-    assert {"call -> client sent", "planned -> copied", "whole request"} <= set(stages)
-    assert stages["whole request"] >= stages["planned -> copied"] > 0
+    # segments join stamps in time order, and the client's "client sent" (after its send call
+    # returned) may come after the server's first stamps on a loaded machine: check the stamps
+    stamps = {s for name in stages if name != "whole request" for s in name.split(" -> ")}
+    assert {"call", "client sent", "received", "planned", "copied", "returned"} <= stamps, stages
+    assert stages["whole request"] >= max(v for k, v in stages.items() if k != "whole request") > 0
     tails = row["trace_p99_us"]["store"]
     assert tails.keys() == stages.keys() and all(tails[k] >= stages[k] for k in stages)
     assert "trace of store (3 requests" in printed.out and "trace of lookup (4 requests" in printed.out

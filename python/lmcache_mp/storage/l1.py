@@ -30,17 +30,19 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Collection, NamedTuple, Sequence
 
 from lmcache_mp.storage.l1_journal import commit_record, free_record
+from lmcache_mp.storage.index import SHARDS, Lru, OffsetShards, Shards
 from lmcache_mp.storage.leases import Lease, LeaseTable
 from lmcache_mp.storage.slab_moves import MAX_MOVES, SlabMove, SlabMoves
 
 logger = logging.getLogger(__name__)
 
 SHARED_RANK = -1  # rank of objects shared by every rank (MLA)
+_NO_SPACE = Shards()  # the index of a namespace with no objects (never written)
+_PART_MASK = SHARDS - 1
 SLICE = 256  # keys (lookups: key visits x ranks) per hold of the lock
 JOURNAL_RECORD_ESTIMATE = 160  # bytes of one chunk's journal record (a rewrite compares with this)
 
@@ -70,6 +72,8 @@ class L1Object:
     in_l2: bool = False  # a copy is in L2 (written there or loaded from there)
     l2_queued: bool = False  # its L2 write is queued or running: not freed or moved until it has read it
     spill: bool = False  # evicted while its L2 write was queued: freed once written, unless used again
+    older: L1Object | None = field(default=None, repr=False)  # neighbours in the LRU list (index.Lru)
+    newer: L1Object | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -89,10 +93,10 @@ class L1Store(SlabMoves):
         self._clock = clock
         self.offer_l2: Callable[[L1Object, bool], bool] | None = None  # (object, evicting) -> accepted
         self._lock = threading.Lock()
-        # (model, world_size, rank, salt) -> digest -> object: a lookup walks one dict per rank
-        self._spaces: dict[tuple, dict[bytes, L1Object]] = {}
-        self._lru: OrderedDict[ObjectKey, L1Object] = OrderedDict()  # every size, least recently used first
-        self._at: dict[int, L1Object] = {}  # arena offset -> object
+        # (model, world_size, rank, salt) -> digest -> object: a lookup walks one index per rank
+        self._spaces: dict[tuple, Shards] = {}
+        self._lru = Lru()  # what may be evicted, every size, least recently used first
+        self._at = OffsetShards()  # arena offset -> object
         self._leases = LeaseTable(on_unheld=self._park)
         self._classes: dict[int, int] = {}  # object bytes -> size class
         self._class_bytes: dict[int, int] = {}  # size class -> object bytes
@@ -115,12 +119,19 @@ class L1Store(SlabMoves):
     def _space_of(key: ObjectKey) -> tuple:
         return (key.model, key.world_size, key.rank, key.salt)
 
+    def _parts_of(self, space: tuple, default: list) -> list:
+        index = self._spaces.get(space)
+        return default if index is None else index.parts
+
     def _get(self, key: ObjectKey) -> L1Object | None:
-        space = self._spaces.get(self._space_of(key))
-        return space.get(key.digest) if space else None
+        space = self._spaces.get(self._space_of(key))  # (a namespace's index goes when it empties)
+        return None if space is None else space.parts[hash(key.digest) & _PART_MASK].get(key.digest)
 
     def _put(self, obj: L1Object) -> None:
-        self._spaces.setdefault(self._space_of(obj.key), {})[obj.key.digest] = obj
+        space = self._spaces.get(self._space_of(obj.key))
+        if space is None:
+            space = self._spaces[self._space_of(obj.key)] = Shards()
+        space[obj.key.digest] = obj
         self._at[obj.offset] = obj
 
     @staticmethod
@@ -132,15 +143,13 @@ class L1Store(SlabMoves):
 
     def _park(self, obj: L1Object) -> None:
         """Put obj at the most-recently-used end of the LRU list if nothing holds it."""
-        if not self._parkable(obj):
-            self._lru.pop(obj.key, None)
-        elif obj.key in self._lru:
-            self._lru.move_to_end(obj.key)  # no delete and insert: the table is not rebuilt as often
+        if self._parkable(obj):
+            self._lru.to_newest(obj)
         else:
-            self._lru[obj.key] = obj
+            self._lru.remove(obj)
 
     def _unpark(self, obj: L1Object) -> None:
-        self._lru.pop(obj.key, None)
+        self._lru.remove(obj)
 
     def _use(self, obj: L1Object) -> None:
         obj.uses += 1
@@ -184,7 +193,7 @@ class L1Store(SlabMoves):
             return None
         out, size = [], 0
         with self._lock:
-            for obj in itertools.islice(self._lru.values(), scan):
+            for obj in itertools.islice(self._lru.oldest(), scan):
                 if not obj.in_l2 and not obj.l2_queued and not obj.moving and obj.uses >= admit:
                     if out and size + obj.nbytes > max_bytes:
                         break
@@ -197,10 +206,8 @@ class L1Store(SlabMoves):
     def _free(self, obj: L1Object) -> None:
         self._unpark(obj)
         space = self._spaces.get(self._space_of(obj.key))
-        if space is not None and space.get(obj.key.digest) is obj:
-            del space[obj.key.digest]
-            if not space:
-                del self._spaces[self._space_of(obj.key)]
+        if space is not None and space.remove(obj.key.digest, obj) and not space:
+            del self._spaces[self._space_of(obj.key)]
         if obj.committed:
             self._committed -= 1
             if self.journal is not None:  # before the slot can go to anyone else
@@ -418,7 +425,7 @@ class L1Store(SlabMoves):
         extend: a live lease to add the found chunks to instead (returns (0, 0) if it ended).
         Raises TooManyLeases when the owner holds too many leases."""
         hits = 0
-        empty: dict = {}
+        empty = _NO_SPACE.parts
         with self._lock:
             if extend:
                 lease = self._leases.get(extend)
@@ -434,17 +441,18 @@ class L1Store(SlabMoves):
                     budget, spaces = SLICE, None
                     if lease is not None and self._leases.get(lease.lease_id) is not lease:
                         break  # it ended meanwhile (TTL, owner gone): report what it covered
-                if spaces is None:  # the dicts of a namespace come and go with its objects
-                    shared = self._spaces.get((model, world_size, SHARED_RANK, salt), empty)
-                    spaces = [self._spaces.get((model, world_size, r, salt), empty) for r in range(world_size)]
+                if spaces is None:  # the indexes of a namespace come and go with its objects
+                    shared = self._parts_of((model, world_size, SHARED_RANK, salt), empty)
+                    spaces = [self._parts_of((model, world_size, r, salt), empty) for r in range(world_size)]
                 budget -= world_size
-                obj = shared.get(digest)
+                part = hash(digest) & _PART_MASK
+                obj = shared[part].get(digest)
                 if obj is not None and obj.committed:
                     found = [(obj, world_size)]
                 else:
                     found = []
                     for space in spaces:
-                        obj = space.get(digest)
+                        obj = space[part].get(digest)
                         if obj is None or not obj.committed:
                             break
                         found.append((obj, 1))
@@ -507,7 +515,7 @@ class L1Store(SlabMoves):
         with self._lock:
             self._unhold(self._leases.clear())
             while True:
-                victims = list(itertools.islice((o for o in self._lru.values() if not o.moving and not o.l2_queued),
+                victims = list(itertools.islice((o for o in self._lru.oldest() if not o.moving and not o.l2_queued),
                                                 SLICE))
                 for obj in victims:
                     self._free(obj)

@@ -26,6 +26,11 @@ from lmcache_mp.storage.l1_journal import free_record
 MAX_MOVES = 3  # slab moves one allocation may try (a move is abandoned when a reader arrives)
 
 
+def _busy(obj) -> bool:
+    """Not a victim now: being moved, or its L2 write has yet to read it."""
+    return obj.moving or obj.l2_queued
+
+
 @dataclass
 class SlabMove:
     """Objects of a draining slab and the free slots of their size they are copied to."""
@@ -55,7 +60,7 @@ class SlabMoves:
                 move = self._plan_slab_move(donor)
                 if move is not None:
                     return move
-            victim = next((o for o in self._lru.values() if not o.moving and not o.l2_queued), None)
+            victim = self._lru.first(_busy)
             if victim is None or (not may_move and victim.size_class != cls):
                 return -1  # nothing to evict, or only victims whose memory could not reach cls
             if not spilled and self._offer(victim, True):
