@@ -34,8 +34,8 @@ def _stop(*_):
     stop = True
 signal.signal(signal.SIGTERM, _stop)
 now, stalls = time.monotonic_ns, []
+last = now()  # before "ready": a stall right after it falls between two readings
 print("ready", flush=True)
-last = now()
 while not stop:
     t = now()
     if t - last > threshold:
