@@ -20,8 +20,8 @@ keeps its place in the LRU list but is not freed or moved until the write has re
 the allocation evicts the next victim instead.
 
 All methods are thread-safe under one lock, which no call holds for long: requests are worked
-through in slices of at most SLICE keys with the lock released between them, and object moves
-copy without it.
+through in slices of at most SLICE keys with the lock released between them, object moves copy
+without it, and no table of the index is ever rebuilt whole (storage/index.py).
 """
 
 from __future__ import annotations
