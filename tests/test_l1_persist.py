@@ -157,3 +157,80 @@ def test_moved_and_evicted_objects_are_journaled(persist_path):
     assert (np.frombuffer(arena.view(obj.offset, 60000), dtype=np.uint8) == 99).all()
     l1.end_read([obj])
     journal.close()
+
+
+def _live_in_journal(path: str, arena_bytes: int, slab_bytes: int) -> dict:
+    from lmcache_mp.storage.l1_journal import replay
+
+    with open(path, "rb") as f:
+        live, _, why = replay(f.read(), arena_bytes, slab_bytes)
+    assert why == ""
+    return {off: e.key for off, e in live.items()}
+
+
+def test_the_journal_is_rewritten_in_the_background_and_keeps_what_happened_meanwhile(persist_path, monkeypatch):
+    """Past its size limit the journal is rewritten by a thread that reads L1 a part at a time;
+    stores, evictions and frees made while it writes its file are in the new journal too, which
+    then says exactly what L1 holds, in a file a fraction of the old one's size."""
+    import threading
+
+    from lmcache_mp.native import HostArena
+    from lmcache_mp.storage import l1_journal
+    from lmcache_mp.storage.l1 import L1Store, ObjectKey
+    from lmcache_mp.storage.l1_journal import L1Journal
+
+    slab, objects = 1 << 20, 4096
+    monkeypatch.setattr(l1_journal, "COMPACT_MIN_BYTES", 64 << 10)
+    journal = L1Journal(persist_path + ".journal", 4 * slab, slab)
+    l1 = L1Store(HostArena(4 * slab, slab, False, -1, persist_path))
+    l1.journal = journal
+    keys = iter(ObjectKey("m", 1, 0, i.to_bytes(16, "little"), b"") for i in range(10**6))
+
+    def store(n: int) -> None:
+        plan = l1.begin_store([next(keys) for _ in range(n)], 1000, ("f",))
+        assert len(plan.objects) == n
+        l1.commit(plan)
+
+    written, meanwhile = threading.Event(), []
+    real_write = L1Journal.write_rewrite
+
+    def write_while_serving(self, records):
+        meanwhile.append(journal.bytes)
+        store(64)  # new chunks that evict old ones, while the snapshot is being written
+        victim = next(o for o in l1._lru.oldest())
+        l1.lookup("m", 1, [victim.key.digest], lock=True, owner=b"a")  # a leased chunk stays
+        meanwhile.append(victim.key)
+        real_write(self, records)
+        store(16)
+        written.set()
+
+    monkeypatch.setattr(L1Journal, "write_rewrite", write_while_serving)
+    while not journal.rewriting:
+        store(16)
+        assert l1.counters["stored"] < 50 * objects, "no rewrite started"
+    assert written.wait(30)  # (this thread stores nothing meanwhile: the rewrite's thread does)
+    for _ in range(1000):  # the thread puts the new file in place right after writing it
+        if not journal.rewriting:
+            break
+        threading.Event().wait(0.01)
+    assert not journal.rewriting and not os.path.exists(persist_path + ".journal.tmp")
+    store(16)  # the new journal goes on as the old one did
+    resident = {o.offset: tuple(o.key) for o in l1._at.values() if o.committed}
+    assert len(resident) == l1.stats()["objects"] and l1.counters["evicted"] > 0
+    assert _live_in_journal(persist_path + ".journal", 4 * slab, slab) == resident
+    assert tuple(meanwhile[1]) in resident.values()
+    assert journal.bytes < meanwhile[0] / 2
+    journal.close()
+
+
+def test_a_rewrite_that_ends_after_the_journal_closed_leaves_it_as_it_was(persist_path):
+    from lmcache_mp.storage.l1 import ObjectKey
+    from lmcache_mp.storage.l1_journal import L1Journal, commit_record
+
+    journal = L1Journal(persist_path + ".journal", 1 << 20, 1 << 20)
+    journal.rewrite([commit_record(0, 1000, ObjectKey("m", 1, 0, b"k" * 16, b""), ("f",))])
+    journal.start_rewrite()
+    journal.write_rewrite([])
+    journal.close()  # shutdown while the rewrite was writing
+    assert journal.finish_rewrite() == -1
+    assert _live_in_journal(persist_path + ".journal", 1 << 20, 1 << 20) == {0: ("m", 1, 0, b"k" * 16, b"")}

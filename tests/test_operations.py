@@ -275,3 +275,43 @@ def test_settling_freezes_only_when_the_process_is_only_a_server():
         settle_after_setup(False)
         if not frozen:  # nothing else here had frozen anything
             gc.unfreeze()
+
+
+def test_a_full_l1_settles_its_new_chunk_objects_so_young_collections_stay_small():
+    """Once L1 is full every store frees as many old chunk objects as it makes, and CPython's
+    young-collection count (allocations less deallocations of any age) stops growing: without
+    settling, the young generation becomes the whole index, for the next collection to walk."""
+    import os
+
+    from lmcache_mp.native import HostArena
+    from lmcache_mp.server import gc_pauses
+    from lmcache_mp.storage.l1 import L1Store, ObjectKey
+
+    def young_after_churn(settling: bool) -> int:
+        l1 = L1Store(HostArena(20000 * 256, 1 << 20))  # 20,480 objects of 256 B
+        if settling:
+            l1.on_commit = gc_pauses.made_long_lived
+        for _ in range(4000):  # 64,000 chunks: L1 filled three times over
+            plan = l1.begin_store([ObjectKey("m", 1, 0, os.urandom(16), b"") for _ in range(16)], 256, ("f",))
+            l1.commit(plan)
+        assert l1.counters["evicted"] > 40000
+        return len(gc.get_objects(0))
+
+    frozen = gc.get_freeze_count()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(700, 10, 1 << 30)  # lmcache-mp-server's (cli.tune_process)
+    gc_pauses.settle_after_setup(True)
+    pauses = gc_pauses.GCPauses()
+    try:
+        gc.collect()
+        assert young_after_churn(settling=False) > 20000  # what the whole index is made of, or near
+        gc.collect()
+        settled = pauses.stats()["settled"]
+        assert young_after_churn(settling=True) < 4 * gc_pauses.SETTLE_OBJECTS
+        assert pauses.stats()["settled"] >= settled + 64000 // gc_pauses.SETTLE_OBJECTS
+    finally:
+        pauses.close()
+        gc_pauses.settle_after_setup(False)
+        gc.set_threshold(*thresholds)
+        if not frozen:
+            gc.unfreeze()

@@ -33,7 +33,7 @@ from lmcache_mp.config import ServerConfig, format_size
 from lmcache_mp.native import HostArena, set_cpu_threads
 from lmcache_mp.server.contexts import IpcEventCache, IpcMemoryCache
 from lmcache_mp.server.devices import gpu_numa_node, resolve_device
-from lmcache_mp.server.gc_pauses import GCPauses
+from lmcache_mp.server.gc_pauses import GCPauses, made_long_lived
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.validation import RequestFailure, chunk_request, over_limit
 from lmcache_mp.server.registrations import Entry, RegistrationHandling
@@ -71,6 +71,7 @@ class MPCacheEngine(RegistrationHandling):
                 journal.close()
             raise
         self.l1 = L1Store(self.arena)
+        self.l1.on_commit = made_long_lived  # (a no-op unless this process is only a server)
         if journal is not None:
             self._reattach(journal)
         self.l2 = self._open_l2(config)

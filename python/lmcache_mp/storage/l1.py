@@ -92,6 +92,7 @@ class L1Store(SlabMoves):
         self.arena = arena
         self._clock = clock
         self.offer_l2: Callable[[L1Object, bool], bool] | None = None  # (object, evicting) -> accepted
+        self.on_commit: Callable[[int], None] | None = None  # (objects committed), called without the lock
         self._lock = threading.Lock()
         # (model, world_size, rank, salt) -> digest -> object: a lookup walks one index per rank
         self._spaces: dict[tuple, Shards] = {}
@@ -291,19 +292,48 @@ class L1Store(SlabMoves):
             self.counters["stored"] += len(plan.objects)
             if self.journal is not None and plan.objects:
                 self.journal.write([self._commit_record(o) for o in plan.objects])
-                if self.journal.wants_rewrite(self._committed * JOURNAL_RECORD_ESTIMATE):
-                    self.journal.rewrite([self._commit_record(o) for o in self._at.values() if o.committed])
+                if not self.journal.rewriting and self.journal.wants_rewrite(self._committed * JOURNAL_RECORD_ESTIMATE):
+                    self.journal.start_rewrite()
+                    threading.Thread(target=self._compact_journal, args=(self.journal,), name="lmcache-l1-journal",
+                                     daemon=True).start()
         for fn in waiters:
             fn(True)
+        if self.on_commit is not None:
+            self.on_commit(len(plan.objects))
 
     def _commit_record(self, obj: L1Object) -> bytes:
         return commit_record(obj.offset, self._class_bytes[obj.size_class], obj.key, obj.format_key)
+
+    def _compact_journal(self, journal) -> None:
+        """Rewrite the journal from the live chunks (its start_rewrite was called, lock held): the
+        offset index a part at a time under the lock, the records made and written without it
+        (l1_journal.py says why what changes meanwhile is not lost). A million chunks' records
+        built and written under the lock had held every request for seconds."""
+        try:
+            records = []
+            for part in range(SHARDS):
+                with self._lock:
+                    live = [(o.offset, o.size_class, o.key, o.format_key)
+                            for o in self._at.parts[part].values() if o.committed]
+                records += [commit_record(off, self._class_bytes[cls], key, fmt) for off, cls, key, fmt in live]
+            journal.write_rewrite(records)
+            with self._lock:
+                before = journal.bytes
+                old = journal.finish_rewrite()
+            journal.close_old(old)
+            if old >= 0:
+                logger.info("L1 journal rewritten: %d chunks, %.1f -> %.1f MiB", len(records), before / 2**20,
+                            journal.bytes / 2**20)
+        except Exception:
+            logger.exception("rewriting the L1 journal failed; it keeps growing until the next attempt")
+            with self._lock:
+                journal.abandon_rewrite()
 
     def restore(self, entries) -> tuple[int, int]:
         """Re-attach a previous server's committed chunks (l1_journal.Entry, oldest first) at their
         slots, before any request; the journal is then rewritten to what was restored. Returns
         (restored, dropped): a slot that cannot be claimed or a key met twice is dropped."""
-        restored = dropped = 0
+        kept, dropped = [], 0
         with self._lock:
             for e in entries:
                 cls = self._size_class(e.object_bytes)
@@ -316,10 +346,10 @@ class L1Store(SlabMoves):
                 self._put(obj)
                 self._committed += 1
                 self._park(obj)
-                restored += 1
-            if self.journal is not None:
-                self.journal.rewrite([self._commit_record(o) for o in self._at.values() if o.committed])
-        return restored, dropped
+                kept.append(obj)
+            if self.journal is not None:  # in the order they came back: the order of use
+                self.journal.rewrite([self._commit_record(o) for o in kept])
+        return len(kept), dropped
 
     def abort(self, plan: StorePlan) -> None:
         waiters = []

@@ -14,7 +14,8 @@ chunk's bytes landed. So the last record of a slot tells the truth: a committed 
 has not been freed since holds exactly its bytes. Chunks being written at a crash have no commit
 record and are dropped; a torn or damaged record ends the replay there. Only one server may use
 a PATH at a time (an exclusive lock on the journal). A journal grown to several times what it
-describes is rewritten (to a temporary file, then renamed) from the live chunks.
+describes is rewritten (to a temporary file, then renamed) from the live chunks, in the
+background: L1 holds its lock for one part of its index at a time (L1Store._compact_journal).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import fcntl
 import logging
 import os
 import struct
+import threading
 from typing import NamedTuple
 
 import msgspec
@@ -60,6 +62,14 @@ def commit_record(offset: int, object_bytes: int, key, format_key: tuple) -> byt
 
 def free_record(offset: int) -> bytes:
     return _record(_encode(["f", offset]))
+
+
+def _write_all(fd: int, data: bytes, at: int) -> int:
+    """Write data at offset at; returns the offset after it."""
+    view = memoryview(data)
+    while view:
+        view = view[os.pwrite(fd, view, at + len(data) - len(view)):]
+    return at + len(data)
 
 
 def _header(arena_bytes: int, slab_bytes: int) -> bytes:
@@ -107,7 +117,7 @@ def replay(data: bytes, arena_bytes: int, slab_bytes: int) -> tuple[dict[int, En
 
 
 class L1Journal:
-    """The journal file of one arena; its writes are called with L1's lock held."""
+    """The journal file of one arena; its writes are called with L1's lock held (rewrites: below)."""
 
     def __init__(self, path: str, arena_bytes: int, slab_bytes: int):
         self.path = path
@@ -121,6 +131,9 @@ class L1Journal:
             raise RuntimeError(f"{path} is in use by another server (l1_persist needs a path of its own)") from None
         self.bytes = os.fstat(self._fd).st_size
         self.closed = False
+        self._state = threading.Lock()  # the file in use vs close(): a rewrite may end at shutdown
+        self._since: list[bytes] | None = None  # records written since start_rewrite
+        self._tmp_fd, self._tmp_bytes = -1, 0
 
     def read_live(self) -> dict[int, Entry]:
         """The chunks the journal describes (empty for a new or foreign journal; logged)."""
@@ -134,38 +147,83 @@ class L1Journal:
         return live
 
     def rewrite(self, records: list[bytes]) -> None:
-        """Replace the journal by the header and these records (atomically: a temporary file, then
-        a rename; the lock moves to the new file)."""
+        """Replace the journal by the header and these records at once (at start-up)."""
+        self.start_rewrite()
+        self.write_rewrite(records)
+        self.close_old(self.finish_rewrite())
+
+    # A rewrite while L1 serves takes three steps, so that L1's lock is held only for the first and
+    # the last: start_rewrite (lock held) keeps a copy of every record written from then on;
+    # write_rewrite (lock not held) writes the live chunks' records, read from L1 a part at a time,
+    # to a temporary file; finish_rewrite (lock held) appends the records kept meanwhile and renames
+    # the file over the journal. Every record sets its slot's state outright, so replaying what
+    # happened since the start on top of a snapshot taken at any later moment gives the state now.
+
+    def start_rewrite(self) -> None:
+        self._since = []
+
+    def write_rewrite(self, records) -> None:
+        """The header and records (an iterable of bytes) to the temporary file."""
         tmp = self.path + ".tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            data = self._head + b"".join(records)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.replace(tmp, self.path)
+            self._tmp_bytes = _write_all(fd, self._head + b"".join(records), 0)
         except BaseException:
             os.close(fd)
             raise
-        os.close(self._fd)
-        self._fd = fd
-        self.bytes = len(data)
+        self._tmp_fd = fd
+
+    def finish_rewrite(self) -> int:
+        """Put the new file in place; returns the old file's descriptor, for close_old once L1's
+        lock is let go (closing it frees the old file: a while, for hundreds of MiB), or -1 if
+        the journal was closed meanwhile (it then stays as it was)."""
+        since, self._since = self._since, None
+        fd, self._tmp_fd = self._tmp_fd, -1
+        with self._state:
+            if self.closed or fd < 0:
+                if fd >= 0:
+                    os.close(fd)
+                return -1
+            try:
+                size = _write_all(fd, b"".join(since), self._tmp_bytes)
+                os.replace(self.path + ".tmp", self.path)
+            except BaseException:
+                os.close(fd)
+                raise
+            old, self._fd = self._fd, fd
+            self.bytes = size
+        return old
+
+    @staticmethod
+    def close_old(fd: int) -> None:
+        if fd >= 0:
+            os.close(fd)
+
+    def abandon_rewrite(self) -> None:
+        self._since = None
+        fd, self._tmp_fd = self._tmp_fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    @property
+    def rewriting(self) -> bool:
+        return self._since is not None
 
     def write(self, records: list[bytes]) -> None:
         if not records or self.closed:
             return
         data = b"".join(records)
-        view = memoryview(data)
-        while view:
-            view = view[os.pwrite(self._fd, view, self.bytes + len(data) - len(view)):]
-        self.bytes += len(data)
+        self.bytes = _write_all(self._fd, data, self.bytes)
+        if self._since is not None:
+            self._since.append(data)
 
     def wants_rewrite(self, live_bytes_estimate: int) -> bool:
         return self.bytes > max(COMPACT_MIN_BYTES, COMPACT_FACTOR * live_bytes_estimate)
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            os.close(self._fd)
+        with self._state:
+            if not self.closed:
+                self.closed = True
+                os.close(self._fd)
 
