@@ -5,7 +5,9 @@ Fills an L1Store (no server, no copies: only the index, the LRU list and the are
 one evicting as many old ones, for --requests requests. Prints the per-request time: p50, p99,
 p99.9 and the longest, and the longest as a multiple of the p50 (the ceiling: a request that
 meets no rebuild of any table). Both phases are timed: while L1 fills (the tables grow) and once
-it is full (they only churn).
+it is full (they only churn). The process runs as lmcache-mp-server does: its collector
+thresholds, and its chunk objects settled out of the collector every few thousand (gc_pauses).
+With --journal DIR, L1 also keeps a journal there (as --l1-persist does), rewritten as it grows.
 
     python bench/bench_l1_index.py --objects 1000000 --requests 300000 --json l1_index.json
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -21,7 +24,9 @@ import time
 
 from lmcache_mp.native import HostArena
 from lmcache_mp.server.cli import tune_process
+from lmcache_mp.server.gc_pauses import made_long_lived
 from lmcache_mp.storage.l1 import L1Store, ObjectKey
+from lmcache_mp.storage.l1_journal import L1Journal
 
 
 def _summary(times: list[float]) -> dict:
@@ -38,10 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--object-bytes", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=16, help="chunks per store request")
     ap.add_argument("--requests", type=int, default=300_000, help="requests in all (fill, then churn)")
+    ap.add_argument("--journal", metavar="DIR", help="keep an L1 journal in DIR (a file j.journal)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    tune_process()  # the collector thresholds of lmcache-mp-server
-    l1 = L1Store(HostArena(args.objects * args.object_bytes, 1 << 20))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the journal's rewrites
+    tune_process()  # the collector thresholds of lmcache-mp-server, and settling
+    arena_bytes = args.objects * args.object_bytes // (1 << 20) * (1 << 20)
+    l1 = L1Store(HostArena(arena_bytes, 1 << 20))
+    l1.on_commit = made_long_lived
+    if args.journal:
+        l1.journal = L1Journal(os.path.join(args.journal, "j.journal"), arena_bytes, 1 << 20)
+        l1.journal.rewrite([])
     fill, churn = [], []
     started = time.perf_counter()
     for _ in range(args.requests):
@@ -55,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(plan.objects) != args.chunks:
             print(f"a store placed {len(plan.objects)} of {args.chunks} chunks", file=sys.stderr)
             return 1
+    if l1.journal is not None:
+        l1.journal.close()
     row = {"objects": args.objects, "object_bytes": args.object_bytes, "chunks": args.chunks,
+           "journal": bool(args.journal),
            "seconds": time.perf_counter() - started, "objects_held": l1.stats()["objects"],
            "filling": _summary(fill) if fill else None, "full": _summary(churn) if churn else None}
     for phase in ("filling", "full"):

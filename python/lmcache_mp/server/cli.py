@@ -49,8 +49,9 @@ def tune_process() -> None:
     while a worker thread runs Python: hand the GIL over every 1 ms instead of 5. Full garbage
     collections walk every tracked object (the L1 index holds one per chunk: 130 ms for 262,144
     chunks here), so they never run on their own; young generations are still collected, and
-    the index itself holds no reference cycles (objects are freed by reference counting). What
-    start-up and each registration make is frozen out of the collector once made (gc_pauses)."""
+    the index's objects are freed by reference counting (its only cycles are the LRU list's
+    links, which an object leaves before it is freed). What start-up and each registration make,
+    and L1's chunk objects every few thousand, are frozen out of the collector (gc_pauses)."""
     sys.setswitchinterval(0.001)
     gc.freeze()  # what imports made stays out of every collection
     gen0, gen1, _ = gc.get_threshold()

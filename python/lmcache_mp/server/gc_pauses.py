@@ -12,8 +12,8 @@ So are L1's chunk objects, every SETTLE_OBJECTS of them (`made_long_lived`). CPy
 young collection due when allocations outnumber deallocations by 700, and a deallocation of *any*
 object counts, old ones included. Once L1 is full, every store frees as many old chunk objects as
 it makes: young collections stop, the young generation grows to the whole index, and the next
-burst of allocations walks it all (121-184 ms at 300,000 objects on a 2-core machine; with
-this, every collection under 2 ms)."""
+burst of allocations walks it all (121 ms at 300,000 objects on a 2-core machine; with this,
+every collection took under 4 ms)."""
 
 from __future__ import annotations
 
