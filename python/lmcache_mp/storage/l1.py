@@ -309,25 +309,30 @@ class L1Store(SlabMoves):
         offset index a part at a time under the lock, the records made and written without it
         (l1_journal.py says why what changes meanwhile is not lost). A million chunks' records
         built and written under the lock had held every request for seconds."""
+        old = -1
         try:
-            records = []
-            for part in range(SHARDS):
-                with self._lock:
-                    live = [(o.offset, o.size_class, o.key, o.format_key)
-                            for o in self._at.parts[part].values() if o.committed]
-                records += [commit_record(off, self._class_bytes[cls], key, fmt) for off, cls, key, fmt in live]
-            journal.write_rewrite(records)
+            n = journal.write_rewrite(self._journal_parts())
             with self._lock:
                 before = journal.bytes
                 old = journal.finish_rewrite()
-            journal.close_old(old)
             if old >= 0:
-                logger.info("L1 journal rewritten: %d chunks, %.1f -> %.1f MiB", len(records), before / 2**20,
+                logger.info("L1 journal rewritten: %d chunks, %.1f -> %.1f MiB", n, before / 2**20,
                             journal.bytes / 2**20)
         except Exception:
-            logger.exception("rewriting the L1 journal failed; it keeps growing until the next attempt")
+            logger.exception("rewriting the L1 journal failed; it goes on growing until the next attempt")
+        finally:
+            journal.close_old(old)
+            if journal.rewriting:  # it failed before finishing
+                with self._lock:
+                    journal.abandon_rewrite()
+
+    def _journal_parts(self):
+        """The commit records of the live chunks, one part of the offset index at a time."""
+        for part in range(SHARDS):
             with self._lock:
-                journal.abandon_rewrite()
+                live = [(o.offset, o.size_class, o.key, o.format_key)
+                        for o in self._at.parts[part].values() if o.committed]
+            yield [commit_record(off, self._class_bytes[cls], key, fmt) for off, cls, key, fmt in live]
 
     def restore(self, entries) -> tuple[int, int]:
         """Re-attach a previous server's committed chunks (l1_journal.Entry, oldest first) at their

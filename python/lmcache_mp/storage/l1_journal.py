@@ -149,7 +149,7 @@ class L1Journal:
     def rewrite(self, records: list[bytes]) -> None:
         """Replace the journal by the header and these records at once (at start-up)."""
         self.start_rewrite()
-        self.write_rewrite(records)
+        self.write_rewrite([records])
         self.close_old(self.finish_rewrite())
 
     # A rewrite while L1 serves takes three steps, so that L1's lock is held only for the first and
@@ -162,17 +162,24 @@ class L1Journal:
     def start_rewrite(self) -> None:
         self._since = []
 
-    def write_rewrite(self, records) -> None:
-        """The header and records (an iterable of bytes) to the temporary file."""
+    def write_rewrite(self, batches) -> int:
+        """The header and the records, given as an iterable of lists of records (one list in
+        memory at a time), to the temporary file; returns how many records."""
         tmp = self.path + ".tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        n = 0
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self._tmp_bytes = _write_all(fd, self._head + b"".join(records), 0)
+            at = _write_all(fd, self._head, 0)
+            for records in batches:
+                at = _write_all(fd, b"".join(records), at)
+                n += len(records)
+            self._tmp_bytes = at
         except BaseException:
             os.close(fd)
             raise
         self._tmp_fd = fd
+        return n
 
     def finish_rewrite(self) -> int:
         """Put the new file in place; returns the old file's descriptor, for close_old once L1's
