@@ -2,7 +2,7 @@
 
 A CPython dict rebuilds its whole table in one go when it grows, and also every so often at a
 steady size: deletes leave holes that only a rebuild reclaims. Under the L1 lock, with the GIL
-held, a rebuild of a million-entry index stalled one 16-chunk store for up to 279 ms on a 2-core
+held, a rebuild of a million-entry index stalled one 16-chunk store for up to 278 ms on a 2-core
 machine, and every other request waited. So:
 
 - `Shards` (bytes keys) and `OffsetShards` (integers) are dicts in SHARDS parts chosen by the
