@@ -17,14 +17,14 @@ from __future__ import annotations
 from typing import Iterator
 
 SHARDS = 64
-_MASK = SHARDS - 1
+PART_MASK = SHARDS - 1  # hash & PART_MASK: the part of a key
 _EMPTY: dict = {}  # a part nothing was put in yet (never written)
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads aligned integers (arena offsets)
 
 
 def spread(key: int) -> int:
     """The part of an integer key (its hash is itself, and offsets share their low bits)."""
-    return (key * _GOLDEN >> 58) & _MASK
+    return (key * _GOLDEN >> 58) & PART_MASK
 
 
 class Shards:
@@ -39,10 +39,10 @@ class Shards:
         self._len = 0
 
     def get(self, key, default=None):
-        return self.parts[hash(key) & _MASK].get(key, default)
+        return self.parts[hash(key) & PART_MASK].get(key, default)
 
     def __setitem__(self, key, value) -> None:
-        i = hash(key) & _MASK
+        i = hash(key) & PART_MASK
         part = self.parts[i]
         if part is _EMPTY:
             part = self.parts[i] = {}
@@ -52,7 +52,7 @@ class Shards:
 
     def remove(self, key, value) -> bool:
         """Delete key if it maps to value; True if it did."""
-        part = self.parts[hash(key) & _MASK]
+        part = self.parts[hash(key) & PART_MASK]
         if part.get(key, _EMPTY) is not value:  # (_EMPTY: never a value)
             return False
         del part[key]
@@ -68,8 +68,8 @@ class Shards:
 
 
 class OffsetShards:
-    """The same for integer keys (arena offsets), parted by spread(key); its length is counted
-    when asked (rarely: status)."""
+    """The same for integer keys (arena offsets), parted by spread(key), written out inline (a
+    call per chunk costs on the store path); its length is counted when asked (rarely: status)."""
 
     __slots__ = ("parts",)
 
@@ -77,13 +77,13 @@ class OffsetShards:
         self.parts: list[dict] = [{} for _ in range(SHARDS)]
 
     def __setitem__(self, key: int, value) -> None:
-        self.parts[(key * _GOLDEN >> 58) & _MASK][key] = value
+        self.parts[(key * _GOLDEN >> 58) & PART_MASK][key] = value
 
     def __getitem__(self, key: int):
-        return self.parts[(key * _GOLDEN >> 58) & _MASK][key]
+        return self.parts[(key * _GOLDEN >> 58) & PART_MASK][key]
 
     def __delitem__(self, key: int) -> None:
-        del self.parts[(key * _GOLDEN >> 58) & _MASK][key]
+        del self.parts[(key * _GOLDEN >> 58) & PART_MASK][key]
 
     def __len__(self) -> int:
         return sum(map(len, self.parts))

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, NamedTuple, Sequence
 
 from lmcache_mp.storage.l1_journal import commit_record, free_record
-from lmcache_mp.storage.index import SHARDS, Lru, OffsetShards, Shards
+from lmcache_mp.storage.index import PART_MASK, SHARDS, Lru, OffsetShards, Shards
 from lmcache_mp.storage.leases import Lease, LeaseTable
 from lmcache_mp.storage.slab_moves import MAX_MOVES, SlabMove, SlabMoves
 
@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 SHARED_RANK = -1  # rank of objects shared by every rank (MLA)
 _NO_SPACE = Shards()  # the index of a namespace with no objects (never written)
-_PART_MASK = SHARDS - 1
 SLICE = 256  # keys (lookups: key visits x ranks) per hold of the lock
 JOURNAL_RECORD_ESTIMATE = 160  # bytes of one chunk's journal record (a rewrite compares with this)
 
@@ -126,7 +125,7 @@ class L1Store(SlabMoves):
 
     def _get(self, key: ObjectKey) -> L1Object | None:
         space = self._spaces.get(self._space_of(key))  # (a namespace's index goes when it empties)
-        return None if space is None else space.parts[hash(key.digest) & _PART_MASK].get(key.digest)
+        return None if space is None else space.parts[hash(key.digest) & PART_MASK].get(key.digest)
 
     def _put(self, obj: L1Object) -> None:
         space = self._spaces.get(self._space_of(obj.key))
@@ -480,7 +479,7 @@ class L1Store(SlabMoves):
                     shared = self._parts_of((model, world_size, SHARED_RANK, salt), empty)
                     spaces = [self._parts_of((model, world_size, r, salt), empty) for r in range(world_size)]
                 budget -= world_size
-                part = hash(digest) & _PART_MASK
+                part = hash(digest) & PART_MASK
                 obj = shared[part].get(digest)
                 if obj is not None and obj.committed:
                     found = [(obj, world_size)]
