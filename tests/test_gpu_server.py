@@ -134,6 +134,35 @@ def test_bad_block_ids_are_rejected_before_any_copy(cuda_server):
     client.close()
 
 
+def test_a_store_whose_copy_ends_after_its_deadline_keeps_nothing(cuda_server):
+    """The server queues the copy before the deadline, but it waits for the engine's stream,
+    which is busy for longer: the copy ends after the deadline (the engine had given up on the
+    store and may have reused the blocks), so nothing of it is kept."""
+    import torch
+    from gpu_kv import make_cuda_kv
+
+    from lmcache_mp import Client, ServerUnavailable, chunk_hashes
+
+    client = Client(cuda_server)
+    kv = make_cuda_kv("mha", torch.bfloat16, layers=2, blocks=32, block_size=16)
+    h = client.register_kv_cache(kv.tensors, model="late", world_size=1, rank=0)
+    hashes = chunk_hashes(np.arange(2 * CHUNK) + 7, client.chunk_size)
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time before the KV is there
+    fut = client.store(h, hashes, list(range(8)), stream=busy, timeout=0.2)
+    with pytest.raises(ServerUnavailable):
+        fut.result()
+    busy.synchronize()
+    deadline = time.time() + 10
+    while client.status()["l1"]["writing"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert client.lookup(hashes, model="late") == 0
+    assert client.store(h, hashes, list(range(8))).result().stored == 2  # in time: kept
+    assert client.lookup(hashes, model="late") == 2
+    client.close()
+
+
 def test_l1_persist_on_the_gpu_survives_sigkill(tmp_path):
     """--l1-persist with page-locked L1: chunks stored from GPU blocks, the server killed, a new
     one re-attaches them (after pinning) and retrieves them into GPU blocks byte-exact."""

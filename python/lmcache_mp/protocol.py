@@ -79,7 +79,7 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 8
     INTERNAL = 9
     LIMIT_EXCEEDED = 10  # over a per-request or per-client limit (frame bytes, chunks, world size, leases)
-    DEADLINE_EXCEEDED = 11  # a retrieve's deadline passed before its copy started: nothing was written
+    DEADLINE_EXCEEDED = 11  # a deadline passed: a retrieve wrote nothing, a store kept nothing
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=False, forbid_unknown_fields=False):
@@ -143,6 +143,7 @@ class Store(_Msg, tag=int(Op.STORE)):
     salt: bytes = b""
     event: bytes = b""  # IPC event the worker recorded after producing the KV (CUDA)
     client_id: bytes = b""  # the registration's own client (no other may use it)
+    deadline: float = 0.0  # CLOCK_MONOTONIC seconds: no copy starts after it, none that ends after it is kept
 
 
 class Retrieve(_Msg, tag=int(Op.RETRIEVE)):

@@ -375,8 +375,15 @@ class Client:
               stream: Any = None, timeout: float | None = None) -> "Future[StoreResult]":
         """Copy these chunks' blocks into the server. The future resolves once the bytes are in
         host memory (the blocks may then be reused). On CUDA the server first waits for the work
-        queued so far on `stream` (default: the current stream), so the KV may still be in flight."""
+        queued so far on `stream` (default: the current stream), so the KV may still be in flight.
+
+        The store's deadline is `timeout` seconds from now (default: the client's timeout): the
+        server starts no copy after it and keeps none that ended after it (DEADLINE_EXCEEDED). So
+        once the future has failed for its timeout, the blocks may be reused whatever the server
+        does later: a stalled server that resumes never saves bytes the engine wrote since."""
         stamps = [("call", time.monotonic_ns())] if self.trace else None
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout  # before the future's own expiry, which is armed later
         packed, ids = self._request_args(handle, hashes, block_ids)
         event, ev_handle, settled = None, b"", None
         if handle.events is not None:
@@ -384,7 +391,7 @@ class Client:
             if event is not None:
                 settled = lambda: handle.events.give_back(event)  # noqa: E731
         msg = p.Store(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle,
-                      client_id=self.client_id)
+                      client_id=self.client_id, deadline=deadline)
 
         def convert(reply: Any) -> StoreResult:
             r = self._checked(reply, p.StoreReply)

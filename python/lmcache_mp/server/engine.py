@@ -223,6 +223,29 @@ class MPCacheEngine(RegistrationHandling):
         if entry.closed:
             raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION, "the KV cache was unregistered")
 
+    @staticmethod
+    def _check_deadline(msg: p.Retrieve | p.Store) -> None:
+        """A worker gives up on a request at its deadline and the engine may reuse the blocks: no
+        copy may start after it."""
+        if msg.deadline and time.monotonic() > msg.deadline:
+            late = time.monotonic() - msg.deadline
+            if isinstance(msg, p.Store):
+                raise RequestFailure(p.ErrorCode.DEADLINE_EXCEEDED,
+                                     f"the store's deadline passed {late:.3f} s ago; nothing was stored")
+            raise RequestFailure(p.ErrorCode.DEADLINE_EXCEEDED,
+                                 f"the retrieve's deadline passed {late:.3f} s ago; nothing was written")
+
+    @staticmethod
+    def _ended_late(msg: p.Store) -> RequestFailure | None:
+        """A store's copy that ended after its deadline may have read blocks the engine had reused
+        by then (the server stalled mid-copy): its bytes are not kept. The check comes after the
+        copy is known to have ended, on the clock the client's deadline is on."""
+        if msg.deadline and time.monotonic() > msg.deadline:
+            return RequestFailure(p.ErrorCode.DEADLINE_EXCEEDED,
+                                  f"the store's copy ended {time.monotonic() - msg.deadline:.3f} s after its "
+                                  "deadline; nothing was kept")
+        return None
+
     def _run_store(self, entry: Entry, msg: p.Store, reply: Reply) -> None:
         mark(reply, "started")
         self._check_open(entry)
@@ -230,6 +253,7 @@ class MPCacheEngine(RegistrationHandling):
         keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
         mark(reply, "checked")
         self._touch(reg.client_id)
+        self._check_deadline(msg)
         plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key)
         mark(reply, "in L1")
         if plan.skipped:
@@ -247,7 +271,17 @@ class MPCacheEngine(RegistrationHandling):
             self.l1.abort(plan)
             if code == p.ErrorCode.DEVICE_ERROR:
                 logger.error("store on model %s rank %d failed: %s", reg.model, reg.rank, err)
+            elif code == p.ErrorCode.DEADLINE_EXCEEDED:  # the server was stalled: its log says more
+                logger.debug("store on model %s rank %d: %s", reg.model, reg.rank, err)
             reply(p.Error(code=int(code), message=str(err)))
+
+        def landed() -> None:
+            late = self._ended_late(msg)
+            if late is not None:
+                fail(late, late.code)
+                return
+            self.l1.commit(plan)
+            answer()
 
         if not plan.objects:
             answer()
@@ -257,6 +291,7 @@ class MPCacheEngine(RegistrationHandling):
         capacity = plan.objects[0].nbytes
         mark(reply, "planned")
         try:
+            self._check_deadline(msg)  # the last moment before a byte may move
             if entry.store_done is None:
                 entry.ctx.copy("gather", block_ids, ptrs, capacity)
                 mark(reply, "copied")
@@ -270,33 +305,26 @@ class MPCacheEngine(RegistrationHandling):
                     if err is not None:
                         fail(err, p.ErrorCode.DEVICE_ERROR)
                         return
-                    self.l1.commit(plan)
-                    answer()
+                    landed()
 
                 entry.store_done.add(ticket, done)
                 return
+        except RequestFailure as e:
+            fail(e, e.code)
+            return
         except ValueError as e:
             fail(e, p.ErrorCode.INVALID_ARGUMENT)
             return
         except Exception as e:
             fail(e, p.ErrorCode.DEVICE_ERROR)
             return
-        self.l1.commit(plan)
-        answer()
+        landed()
 
     def retrieve(self, msg: p.Retrieve, reply: Reply) -> None:
         entry = self._entry(msg.kv_id, msg.client_id)
         entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply)), self._cheap(entry, msg.hashes),
                   limit=self.config.max_queued_requests)
 
-    @staticmethod
-    def _check_deadline(msg: p.Retrieve) -> None:
-        """A worker gives up on a load at its deadline and the engine may reuse the blocks: no copy
-        may start after it."""
-        if msg.deadline and time.monotonic() > msg.deadline:
-            raise RequestFailure(p.ErrorCode.DEADLINE_EXCEEDED,
-                                 f"the retrieve's deadline passed {time.monotonic() - msg.deadline:.3f} s ago; "
-                                 "nothing was written")
 
     def _run_retrieve(self, entry: Entry, msg: p.Retrieve, reply: Reply, held: list | None = None) -> None:
         """held: the objects an earlier run of this retrieve kept while L2 chunks were loaded."""
