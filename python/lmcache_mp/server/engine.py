@@ -570,10 +570,13 @@ class MPCacheEngine(RegistrationHandling):
         """The chunks a previous server left in the arena file, at once (on the cuda device once
         L1 is page-locked: no copy may touch memory that is not)."""
         live = journal.read_live() if self.arena.reattached else {}
+        if not self.arena.reattached and journal.bytes:
+            logger.warning("L1 in %s: the arena file was not of %s (--l1-size or --slab-size changed, or the file "
+                           "was damaged): L1 starts empty", self.config.l1_persist, format_size(self.arena.capacity))
         if live and self.device == "cuda":
             logger.info("L1: waiting for the arena to be page-locked before re-attaching %d chunks", len(live))
             self.arena.wait_pinned(3600.0)
-        self.l1.journal = journal
+        self.l1.attach_journal(journal)
         restored, dropped = self.l1.restore(live.values())
         what = f"re-attached {restored} chunks of the previous server" + (f", dropped {dropped}" if dropped else "")
         logger.info("L1 in %s: %s", self.config.l1_persist, what if self.arena.reattached else "a new arena file")
@@ -610,7 +613,7 @@ class MPCacheEngine(RegistrationHandling):
         if self._events is not None:
             self._events.close()
         if self.l1.journal is not None:  # the chunks stay in the arena file for the next server
-            self.l1.journal.close()
+            self.l1.close_journal()
         else:
             self.l1.clear()
         for hook in self._close_hooks:  # e.g. stop the transport once the last replies are out
