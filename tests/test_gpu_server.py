@@ -193,6 +193,10 @@ def test_l1_persist_on_the_gpu_survives_sigkill(tmp_path):
     try:
         proc = start(1)
         assert _run([(persisted, (url, "store", 7), {})]) == [4]
+        with Client(url) as c:  # commits are recorded a moment later, once their bytes are summed
+            deadline = time.time() + 30
+            while c.status()["l1"]["journal_backlog"] and time.time() < deadline:
+                time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
         proc = start(2)
