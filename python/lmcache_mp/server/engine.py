@@ -36,6 +36,7 @@ from lmcache_mp.server.devices import gpu_numa_node, resolve_device
 from lmcache_mp.server.gc_pauses import GCPauses, made_long_lived
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.validation import RequestFailure, chunk_request, over_limit
+from lmcache_mp.server.engine_copies import EngineCopies
 from lmcache_mp.server.registrations import Entry, RegistrationHandling
 from lmcache_mp.server.replies import Reply, mark, mark_all
 from lmcache_mp.server.workers import SerialWorker
@@ -51,7 +52,7 @@ INLINE_CHUNKS = 64  # stores and retrieves of at most this many chunks may run o
 INLINE_CPU_BYTES = 256 << 10  # ... and on the CPU device, of at most this many bytes
 
 
-class MPCacheEngine(RegistrationHandling):
+class MPCacheEngine(RegistrationHandling, EngineCopies):
     def __init__(self, config: ServerConfig):
         self.config = config
         self.device = resolve_device(config.device)
@@ -86,6 +87,7 @@ class MPCacheEngine(RegistrationHandling):
 
             self._uuids = {_C.cuda.device_uuid(i): i for i in range(_C.cuda.device_count())}
         self._bulk = SerialWorker("lmcache-housekeeping")
+        self._init_engine_copies()
         self._pinned = False  # the arena's background pinning has finished
         self.lane = ""  # the transport's local-lane address, told to clients in HELLO
         self.url = ""  # the bound endpoint
@@ -178,7 +180,8 @@ class MPCacheEngine(RegistrationHandling):
         logger.debug("hello from %s (pid %d)", msg.client_name or msg.client_id.hex(), msg.pid)
         reply(p.HelloReply(protocol_version=p.PROTOCOL_VERSION, server_version=__version__,
                            session_id=self.session_id, chunk_size=self.config.chunk_size, device=self.device,
-                           capabilities=["lookup_lock", "reply_on_submit", "named_leases", "deadlines"],
+                           capabilities=["lookup_lock", "reply_on_submit", "named_leases", "deadlines",
+                                         "engine_copy"],
                            lease_ttl=self.config.lease_ttl, lane=self.lane))
 
     def _ping(self, msg: p.Ping, reply: Reply) -> None:
@@ -202,7 +205,7 @@ class MPCacheEngine(RegistrationHandling):
         return np.array([base + o.offset for o in objs], dtype=np.uint64)
 
     def store(self, msg: p.Store, reply: Reply) -> None:
-        entry = self._entry(msg.kv_id, msg.client_id)
+        entry = self._server_entry(msg.kv_id, msg.client_id)
         entry.run(self._job(reply, lambda: self._run_store(entry, msg, reply)), self._cheap(entry, msg.hashes),
                   limit=self.config.max_queued_requests)
 
@@ -223,13 +226,21 @@ class MPCacheEngine(RegistrationHandling):
         if entry.closed:
             raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION, "the KV cache was unregistered")
 
+    def _server_entry(self, kv_id: int, client_id: bytes) -> Entry:
+        entry = self._entry(kv_id, client_id)
+        if entry.ctx.transfer_mode == "engine":
+            raise RequestFailure(p.ErrorCode.INVALID_ARGUMENT, "this KV cache was registered for the engine's own "
+                                 "copies: use RESERVE/COMMIT and READ/READ_DONE")
+        return entry
+
     @staticmethod
-    def _check_deadline(msg: p.Retrieve | p.Store) -> None:
+    def _check_deadline(msg: p.Retrieve | p.Store | p.Reserve | p.Read) -> None:
         """A worker gives up on a request at its deadline and the engine may reuse the blocks: no
         copy may start after it."""
-        if msg.deadline and time.monotonic() > msg.deadline:
-            late = time.monotonic() - msg.deadline
-            if isinstance(msg, p.Store):
+        deadline = getattr(msg, "deadline", 0.0)
+        if deadline and time.monotonic() > deadline:
+            late = time.monotonic() - deadline
+            if isinstance(msg, (p.Store, p.Reserve)):
                 raise RequestFailure(p.ErrorCode.DEADLINE_EXCEEDED,
                                      f"the store's deadline passed {late:.3f} s ago; nothing was stored")
             raise RequestFailure(p.ErrorCode.DEADLINE_EXCEEDED,
@@ -321,18 +332,26 @@ class MPCacheEngine(RegistrationHandling):
         landed()
 
     def retrieve(self, msg: p.Retrieve, reply: Reply) -> None:
-        entry = self._entry(msg.kv_id, msg.client_id)
+        entry = self._server_entry(msg.kv_id, msg.client_id)
         entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply)), self._cheap(entry, msg.hashes),
                   limit=self.config.max_queued_requests)
 
 
-    def _run_retrieve(self, entry: Entry, msg: p.Retrieve, reply: Reply, held: list | None = None) -> None:
-        """held: the objects an earlier run of this retrieve kept while L2 chunks were loaded."""
+    def _read_objects(self, entry: Entry, msg: p.Retrieve | p.Read, reply: Reply, held: list | None,
+                      again: Callable[[list], None], ids: list | None = None) -> list | None:
+        """The leading stored objects of a retrieve or read, pinned for reading; None when what
+        only L2 holds is being loaded first: `again(objs)` then runs the request once more (the
+        chunks found in L1 stay pinned meanwhile, and are the `held` of that run). ids: a list
+        that receives the request's checked block ids (retrieves)."""
         mark(reply, "started")
         try:
             self._check_open(entry)
             reg = entry.ctx.reg
-            keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt, distinct=True)
+            if ids is None:
+                keys = check.chunk_keys(reg, msg.hashes, msg.salt)
+            else:
+                keys, checked = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt, distinct=True)
+                ids.append(checked)
             mark(reply, "checked")
             self._touch(reg.client_id)
             self._check_deadline(msg)
@@ -342,21 +361,31 @@ class MPCacheEngine(RegistrationHandling):
             if held:
                 self.l1.end_read(held)
         if held is None and self.l2 is not None and len(objs) < len(keys):
-            # Load what L2 has, then run again (the chunks found in L1 stay pinned meanwhile);
-            # a remote tier is asked from the L2 reader thread, not from here.
-            def again() -> None:
-                entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply, held=objs)))
-
+            # Load what L2 has, then run again; a remote tier is asked from the L2 reader thread,
+            # not from here.
             if self.l2.remote:
-                self.l2.load_keys(keys[len(objs):], again)
-                return
+                self.l2.load_keys(keys[len(objs):], lambda: again(objs))
+                return None
             found = self.l2.find_keys(keys[len(objs):])
             if found:
-                self.l2.load(found, again)
-                return
+                self.l2.load(found, lambda: again(objs))
+                return None
+        return objs
+
+    def _run_retrieve(self, entry: Entry, msg: p.Retrieve, reply: Reply, held: list | None = None) -> None:
+        """held: the objects an earlier run of this retrieve kept while L2 chunks were loaded."""
+        def again(objs: list) -> None:
+            entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply, held=objs)))
+
+        checked: list = []
+        objs = self._read_objects(entry, msg, reply, held, again, ids=checked)
+        if objs is None:
+            return
+        reg = entry.ctx.reg
         if not objs:
             reply(p.RetrieveReply(loaded=0))
             return
+        ids = checked[0]
         block_ids = ids[: len(objs)].reshape(-1)
         ptrs = self._object_ptrs(objs)
         mark(reply, "planned")
@@ -506,6 +535,7 @@ class MPCacheEngine(RegistrationHandling):
         dropped = self.l1.drop_owner(client)
         for kv_id in owned:
             self.unregister_kv_cache(p.UnregisterKVCache(kv_id=kv_id))
+        self._client_gone(client)
         return dropped, len(owned)
 
     def _bye(self, msg: p.Bye, reply: Reply) -> None:
@@ -526,6 +556,7 @@ class MPCacheEngine(RegistrationHandling):
 
         def run() -> None:
             self.l1.expire()
+            self._reap_reservations()
             for client in silent:
                 if self._clients.get(client, 0) >= deadline:
                     continue  # heard from again meanwhile
@@ -564,6 +595,7 @@ class MPCacheEngine(RegistrationHandling):
         }
         if self.l2 is not None:
             out["l2"] = self.l2.stats()
+        out["engine_copies"] = self.engine_copies_status()
         return out
 
     def _reattach(self, journal: L1Journal) -> None:
@@ -632,4 +664,9 @@ class MPCacheEngine(RegistrationHandling):
         p.Lookup: lookup,
         p.Release: release,
         p.Bye: _bye,
+        p.MapArena: EngineCopies._map_arena,
+        p.Reserve: EngineCopies._reserve,
+        p.Commit: EngineCopies._commit,
+        p.Read: EngineCopies._read,
+        p.ReadDone: EngineCopies._read_done,
     }
