@@ -246,3 +246,45 @@ def test_engine_copies_need_the_lane(shm_files, servers, clients):
     assert c.register_kv_cache(kv, model="m").transfer_mode == "cpu"  # auto: the server copies
     with pytest.raises(RequestError):
         c.register_kv_cache(kv, model="m2", transfer="engine")
+
+
+def test_bad_block_ids_are_refused_before_any_slot_is_reserved(shm_files, servers, clients):
+    srv = servers()
+    c = clients(srv.url)
+    kv, h = _register(c)
+    hashes = chunk_hashes(w.prompt(30, 1), CHUNK)
+    with pytest.raises(ValueError, match="out of range"):
+        c.store(h, hashes, [0, 1, 2, 999])
+    with pytest.raises(ValueError, match="twice"):
+        c.retrieve(h, hashes, [5, 5, 6, 7])
+    st = srv.engine.status()
+    assert st["l1"]["writing"] == 0 and st["engine_copies"]["reservations"] == 0
+
+
+def test_a_retrieve_that_gives_up_at_its_deadline_writes_nothing_later(shm_files):
+    """The server is stopped while a retrieve asks where its chunks are: the retrieve fails at its
+    deadline and nothing is copied; the resumed server's read is let go at once."""
+    srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB", "--chunk-size",
+                         str(CHUNK), "--heartbeat-timeout", "60", "--http-addr", "off"])
+    url = srv.wait_ready()
+    c = Client(url)
+    try:
+        kv, h = _register(c)
+        _store(c, h, kv, "mha", 31)
+        dst = blocks_of(2, start=32)
+        w.fill_blocks(kv, "mha", dst, 7)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        wait_until(lambda: stopped(srv.proc.pid), 5, "the server to stop")
+        try:
+            with pytest.raises(RequestError) as info:
+                c.retrieve(h, chunk_hashes(w.prompt(31, 2), CHUNK), dst, deadline=time.monotonic() + 0.5).result(10)
+            assert info.value.code == p.ErrorCode.DEADLINE_EXCEEDED
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        # A later retrieve on the same connection is answered after the late read was.
+        assert _exact(c, h, kv, "mha", 31, start=48) == 2
+        wait_until(lambda: c.status()["engine_copies"]["reads"] == 0, 10, "the late read to be let go")
+        assert w.blocks_equal(kv, "mha", dst, 7)  # untouched
+    finally:
+        c.close()
+        srv.kill()

@@ -33,7 +33,7 @@ from lmcache_mp.client.results import RetrieveResult, StoreResult, check_reply a
 from lmcache_mp.client.tensors import DescribedCache, describe_kv_caches
 from lmcache_mp.errors import RequestError, ServerUnavailable
 from lmcache_mp.keys import DIGEST_BYTES, pack_hashes, unpack_hashes
-from lmcache_mp.native import default_spin_us, spin_poll
+from lmcache_mp.native import default_spin_us, request_block_ids, spin_poll
 
 logger = logging.getLogger(__name__)
 
@@ -369,16 +369,20 @@ class Client:
 
     # ---- store / retrieve --------------------------------------------------------------------
 
-    def _request_args(self, handle: KVCacheHandle, hashes, block_ids) -> tuple[bytes, bytes]:
+    def _request_args(self, handle: KVCacheHandle, hashes, block_ids, distinct: bool = False) -> tuple[bytes, bytes]:
+        """Packed hashes and block ids. The engine-side path checks the ids here, before any slot
+        is reserved (the server checks them for its own copies)."""
         if handle.closed:
             raise ValueError("this KV cache was unregistered")
         packed = pack_hashes(hashes)
         ids = p.pack_block_ids(block_ids)
         n = len(packed) // DIGEST_BYTES
-        need = n * (self.chunk_size // handle.block_size)
-        if len(ids) // 4 != need:
-            raise ValueError(f"{n} chunks of {self.chunk_size} tokens need {need} block ids "
+        per_chunk = self.chunk_size // handle.block_size
+        if len(ids) // 4 != n * per_chunk:
+            raise ValueError(f"{n} chunks of {self.chunk_size} tokens need {n * per_chunk} block ids "
                              f"(blocks of {handle.block_size} tokens), got {len(ids) // 4}")
+        if handle.copier is not None:
+            request_block_ids(ids, n, per_chunk, handle.num_blocks, distinct)
         return packed, ids
 
     def store(self, handle: KVCacheHandle, hashes: bytes | Iterable[bytes], block_ids, *, salt: bytes = b"",
@@ -429,7 +433,7 @@ class Client:
         stamps = [("call", time.monotonic_ns())] if self.trace else None
         if wait not in ("host", "stream"):
             raise ValueError("wait must be 'host' or 'stream'")
-        packed, ids = self._request_args(handle, hashes, block_ids)
+        packed, ids = self._request_args(handle, hashes, block_ids, distinct=True)
         if handle.copier is not None:
             stream_ptr = self._stream_ptr(handle, stream) if handle.events is not None else 0
             return self._engine.retrieve(handle, packed, ids, salt, stream_ptr, wait,
