@@ -183,8 +183,12 @@ class EngineCopier:
 
         if staging_bytes is None:
             staging_bytes = max(2 * object_bytes, min(CLIENT_RING_CHUNKS * object_bytes, CLIENT_RING_MAX_BYTES))
+        # Tuning knobs, for measuring (docs/PERFORMANCE.md): the copy streams' priority and the
+        # packing kernels' CTAs.
+        high = os.environ.get("LMCACHE_MP_COPY_PRIORITY", "low") == "high"
+        pack_ctas = pack_ctas or int(os.environ.get("LMCACHE_MP_PACK_CTAS", "0"))
         self.engine = _C.cuda.TransferEngine(device_index, self.native, chunk_size, staging_bytes=staging_bytes,
-                                             pack_ctas=pack_ctas, high_priority=False)
+                                             pack_ctas=pack_ctas, high_priority=high)
         for direction in ("gather", "scatter"):
             self._waiters[direction] = CompletionWaiter(f"lmcache-client-{direction}", lambda: self.engine, direction,
                                                         COMPLETION_SPIN_US)

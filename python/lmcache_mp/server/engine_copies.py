@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from lmcache_mp import protocol as p
 from lmcache_mp.keys import DIGEST_BYTES
+from lmcache_mp.server import validation as check
 from lmcache_mp.server.replies import Reply, mark
 from lmcache_mp.server.validation import RequestFailure, chunk_keys, over_limit
 
@@ -101,6 +102,7 @@ class EngineCopies:
         if conn is None:
             raise RequestFailure(p.ErrorCode.UNSUPPORTED, "MAP_ARENA is answered on the local lane only (a file "
                                  "descriptor cannot cross ZeroMQ)")
+        check.client_id(msg.client_id)
         pid, uid, gid = conn.peer
         if not self._may_map(pid, uid, gid):
             raise RequestFailure(p.ErrorCode.UNSUPPORTED, f"a process of user {uid} may not map this server's L1 "
