@@ -31,8 +31,7 @@ layout, the engine path sharing the staged server.
 Every streaming window ends with a byte check (retrieved blocks against the blocks they were
 stored from), and so does each latency series: a wrong byte fails the run (exit code 1).
 --device cpu runs the same plumbing without a GPU (CPU matmuls as the load, KV in shared memory,
-tiny sizes; a client without transfer= registers the engine path as a server-side client, marked
-"fallback"); its figures mean nothing.
+tiny sizes; the engine path copies with the CPU); its figures mean nothing.
 
     python bench/bench_engine_contention.py [--paths server-staged,server-dma,engine,in-process]
         [--layouts mha,mla] [--loads gemm,decode] [--quick] [--json out.json] [--device cpu]
@@ -212,7 +211,7 @@ class CopyMover:
     """The reference path, and the ceiling: this process copies a request's bytes contiguously
     between device memory and pinned host memory, one buffer pair per direction."""
 
-    checked, transfer_mode, fallback = False, "in-process copy", False
+    checked, transfer_mode = False, "in-process copy"
 
     def __init__(self, nbytes: int, chunk_bytes: int, cuda: bool):
         dev = "cuda" if cuda else "cpu"
@@ -248,14 +247,11 @@ class ServerMover:
         self.client, want = client, ("engine" if path == "engine" else "server")
         kw = dict(model=f"contention-{path}-{layout}", world_size=1, rank=0,
                   layout="mla" if layout == "mla" else "auto")
-        self.fallback = False
-        try:
-            self.h = client.register_kv_cache(kv, transfer=want, **kw)
-        except TypeError:  # a client without the engine-side path
-            if want == "engine" and not cpu:
-                raise RuntimeError("this client has no engine-side path (register_kv_cache(transfer=))") from None
-            self.h = client.register_kv_cache(kv, **kw)
-            self.fallback = want == "engine"
+        self.h = client.register_kv_cache(kv, transfer=want, **kw)
+        if (self.h.transfer_mode == "engine") != (want == "engine"):
+            raise RuntimeError(f"asked for {want} copies, got transfer mode {self.h.transfer_mode}")
+        if not client.wait_pinned(600):  # the engine's page-locking of L1 runs before any timing
+            raise RuntimeError("L1 was not page-locked in this process within 600 s")
         self.transfer_mode = self.h.transfer_mode
 
     def store(self, hashes, block_ids, stream) -> int:
@@ -426,10 +422,8 @@ def run_path(path: str, lr: LayoutRun, server: ServerProcess | None, loads: dict
     """Appends one row for the idle GPU and one per load."""
     label = f"{path}/{lr.layout}"
     mover = lr.copy if server is None else ServerMover(server.client, lr.kv, lr.layout, path, not lr.cuda)
-    info = {"path": path, "layout": lr.layout, "transfer_mode": mover.transfer_mode, "fallback": mover.fallback}
-    if mover.fallback:
-        print(f"  {label}: the client has no engine-side path yet; registered as a server-side client", flush=True)
-    elif server is not None and path != "engine" and server.mode not in (mover.transfer_mode, "cpu"):
+    info = {"path": path, "layout": lr.layout, "transfer_mode": mover.transfer_mode}
+    if server is not None and path != "engine" and server.mode not in (mover.transfer_mode, "cpu"):
         print(f"  {label}: WARNING: the server chose transfer mode {mover.transfer_mode!r}", flush=True)
     first = len(rows)
     try:

@@ -326,6 +326,12 @@ class Client:
             self._handles.append(handle)
         return handle
 
+    def wait_pinned(self, timeout: float | None = None) -> bool:
+        """Wait until this process has page-locked the server's L1 for its own copies (in the
+        background from the first engine-side registration; until then a request locks the
+        slabs it needs first). True when done, or when this process copies nothing itself."""
+        return self._engine.wait_pinned(timeout)
+
     def _engine_copies(self, handle: KVCacheHandle) -> bool:
         """Whether this process copies the handle's chunks itself (mapping L1 first if so)."""
         want = handle.requested_transfer

@@ -123,6 +123,14 @@ class MappedArena:
             _C.cuda.host_register(self.base + slab * self.slab_bytes, self.slab_bytes, self._device)
             self._pinned.add(slab)
 
+    def wait_pinned(self, timeout: float | None) -> bool:
+        """Wait for the background page-locking (True when done, or none was asked for)."""
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
     def ensure_pinned(self, offsets: np.ndarray) -> None:
         """Lock the slabs these objects lie in, if the background has not yet (objects never
         straddle two slabs)."""

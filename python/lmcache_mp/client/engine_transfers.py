@@ -104,6 +104,11 @@ class EngineTransfers:
         if d.device == "cuda":
             use.arena.pin_in_background(d.device_index)
 
+    def wait_pinned(self, timeout: float | None) -> bool:
+        with self._lock:
+            use = self._use
+        return use is None or use.arena.wait_pinned(timeout)
+
     @staticmethod
     def close_copiers(handles) -> None:
         """Wait for every copy of these handles (their commits and reads end), then free them."""
