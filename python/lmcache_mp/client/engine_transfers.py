@@ -129,6 +129,7 @@ class EngineTransfers:
               stamps: list | None) -> Future:
         c = self._client
         out: Future = Future()
+        out.trace = stamps  # the request's stages when traced (its RESERVE's), as other futures have
         deadline = time.monotonic() + timeout
         event = None
         if handle.events is not None:
@@ -214,6 +215,7 @@ class EngineTransfers:
                  deadline: float | None, timeout: float, stamps: list | None) -> Future:
         c = self._client
         out: Future = Future()
+        out.trace = stamps  # (its READ's stages when traced)
         end = deadline if deadline else time.monotonic() + timeout
         msg = p.Read(kv_id=handle.kv_id, hashes=packed, client_id=c.client_id, salt=salt, lease=lease)
         reading = c._async(msg, timeout, lambda r: c._checked(r, p.ReadReply), None, expires=False, stamps=stamps)
