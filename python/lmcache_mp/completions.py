@@ -39,6 +39,25 @@ class CompletionWaiter:
                 return
         done(*result)
 
+    def wait_here(self, ticket: int) -> bool:
+        """Wait for the ticket on the calling thread and run its callback here (a caller blocked
+        on the result is then not woken by this thread: one hand-off less). False when the
+        completion thread had it first (its callback runs there)."""
+        try:
+            self._engine_of().wait(ticket)
+            error = None
+        except ValueError:  # claimed by the completion thread, or collected already
+            return False
+        except RuntimeError as e:  # the copy failed
+            error = e
+        with self._lock:
+            done = self._callbacks.pop(ticket, None)
+            if done is None:  # filed only after it finished: add() runs it
+                self._finished[ticket] = (error, ())
+                return True
+        done(error, ())
+        return True
+
     def _run(self) -> None:
         engine = self._engine_of()
         while True:

@@ -363,9 +363,7 @@ class Client:
                 self._handles.remove(handle)
         if handle.closed:
             return
-        if handle.copier is not None:  # its copies end (and commit) first
-            handle.copier.close()
-            handle.copier = None
+        self._engine.close_copiers([handle])  # its copies end (and commit) first
         handle.closed = True
         try:
             self._call(p.UnregisterKVCache(kv_id=handle.kv_id, client_id=self.client_id), p.UnregisterReply, timeout)

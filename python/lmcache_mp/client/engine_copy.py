@@ -202,8 +202,10 @@ class EngineCopier:
                                                         COMPLETION_SPIN_US)
 
     def copy(self, direction: str, block_ids: np.ndarray, object_ptrs: np.ndarray, done: Callable,
-             wait_event: int = 0, then_stream: int = 0) -> None:
-        """Copy (gather: cache -> L1; scatter: L1 -> cache); done(error or None) once landed."""
+             wait_event: int = 0, then_stream: int = 0) -> Callable[[], bool] | None:
+        """Copy (gather: cache -> L1; scatter: L1 -> cache); done(error or None) once landed. On
+        the GPU, returns a function that waits for the copy on the calling thread and runs done
+        there (False if the completion thread had it first); None once done (the CPU's copies)."""
         if not self.cuda:
             from lmcache_mp.native import cpu_gather, cpu_scatter
 
@@ -212,12 +214,16 @@ class EngineCopier:
                 fn(self.native, self.chunk_size, block_ids, object_ptrs, self.object_bytes)
             except BaseException as e:  # noqa: BLE001 - handed to the request
                 done(e)
-                return
+                return None
             done(None)
-            return
+            return None
+        if self.engine is None:
+            raise ServerUnavailable("this KV cache's copier was closed (the client closed, or the server restarted)")
         ticket = self.engine.submit(direction, "staged", block_ids, object_ptrs, self.chunk_size, self.object_bytes,
                                     wait_event, False, then_stream)
-        self._waiters[direction].add(ticket, lambda error, _stamps: done(error))
+        waiter = self._waiters[direction]
+        waiter.add(ticket, lambda error, _stamps: done(error))
+        return lambda: waiter.wait_here(ticket)
 
     def close(self) -> None:
         """Wait for every copy submitted so far (their callbacks run), then free the engine."""

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -31,6 +31,29 @@ from lmcache_mp.errors import RequestError, ServerUnavailable
 from lmcache_mp.layout import infer_layout
 
 logger = logging.getLogger(__name__)
+
+
+class CopyFuture(Future):
+    """The future of a request this process copies: result() and exception() without a timeout
+    wait for the copy on the calling thread (no hand-off from the completion thread, as a reply
+    future reads its reply itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wait_here: Callable[[], bool] | None = None
+
+    def _settle_here(self, timeout: float | None) -> None:
+        wait, self.wait_here = self.wait_here, None
+        if timeout is None and wait is not None and not self.done():
+            wait()
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._settle_here(timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._settle_here(timeout)
+        return super().exception(timeout)
 
 
 class ArenaUse:
@@ -66,6 +89,7 @@ class EngineTransfers:
         self._client = client
         self._lock = threading.Lock()
         self._use: ArenaUse | None = None
+        self._commits: set[Future] = set()  # sent, not answered yet
 
     # ---- the mapping -------------------------------------------------------------------------
 
@@ -109,13 +133,15 @@ class EngineTransfers:
             use = self._use
         return use is None or use.arena.wait_pinned(timeout)
 
-    @staticmethod
-    def close_copiers(handles) -> None:
-        """Wait for every copy of these handles (their commits and reads end), then free them."""
+    def close_copiers(self, handles, timeout: float = 10.0) -> None:
+        """Wait for every copy of these handles and for the commits they sent, then free them."""
         for h in handles:
             if h.copier is not None:
                 h.copier.close()
                 h.copier = None
+        with self._lock:
+            commits = list(self._commits)
+        cf.wait(commits, timeout)
 
     def unmap(self) -> None:
         with self._lock:
@@ -128,7 +154,7 @@ class EngineTransfers:
     def store(self, handle, packed: bytes, ids: bytes, salt: bytes, stream_ptr: int, timeout: float,
               stamps: list | None) -> Future:
         c = self._client
-        out: Future = Future()
+        out = CopyFuture()
         out.trace = stamps  # the request's stages when traced (its RESERVE's), as other futures have
         deadline = time.monotonic() + timeout
         event = None
@@ -172,33 +198,45 @@ class EngineTransfers:
             use.release()
             if event is not None:
                 handle.events.give_back(event)
-            try:
-                done = self._commit(r.reservation, error is None)
-            except BaseException as e:  # noqa: BLE001 - the copy ended: the blocks are free either way
-                out.set_exception(e if error is None else error)
-                return
+            # The commit is not waited for: it leaves before any later request of this client on
+            # the lane and is handled first (a lookup after the future resolved sees the chunks).
+            self._commit(r.reservation, error is None)
             if error is not None:
                 out.set_exception(RequestError(int(p.ErrorCode.DEVICE_ERROR), f"the store's copy failed: {error}"))
             else:
-                out.set_result(StoreResult(done.stored, done.present, done.skipped))
+                out.set_result(StoreResult(len(chunks), r.present, r.skipped))
 
         try:
-            handle.copier.copy("gather", block_ids, ptrs, landed, wait_event=event[0] if event else 0)
+            out.wait_here = handle.copier.copy("gather", block_ids, ptrs, landed,
+                                               wait_event=event[0] if event else 0)
         except BaseException as e:  # noqa: BLE001 - refused before anything was queued
             landed(e)
         return out
 
-    def _commit(self, reservation: int, ok: bool) -> p.CommitReply:
+    def _commit(self, reservation: int, ok: bool) -> None:
+        """Commit (or give back) a reservation; its reply is only logged if it is an error."""
         c = self._client
-        msg = p.Commit(client_id=c.client_id, reservation=reservation, ok=ok)
-        return c._async(msg, c.timeout, lambda r: c._checked(r, p.CommitReply), None).result()
+
+        def answered(fut: Future) -> None:
+            with self._lock:
+                self._commits.discard(fut)
+            if fut.exception() is not None:
+                logger.warning("lmcache-mp: a commit of an engine-side store failed (%s); its chunks are not on "
+                               "the server", fut.exception())
+
+        try:
+            fut = c._async(p.Commit(client_id=c.client_id, reservation=reservation, ok=ok), c.timeout,
+                           lambda r: c._checked(r, p.CommitReply), None)
+        except ServerUnavailable as e:  # closed meanwhile: the server gives it back once we are gone
+            logger.debug("a commit could not be sent: %s", e)
+            return
+        with self._lock:
+            self._commits.add(fut)
+        fut.add_done_callback(answered)
 
     def _give_back(self, reserving: Future) -> None:
         if reserving.exception() is None and reserving.result().reservation:
-            try:
-                self._commit(reserving.result().reservation, False)
-            except Exception as e:  # the server forgets it when this client's process is gone
-                logger.debug("giving back a late reservation failed: %s", e)
+            self._commit(reserving.result().reservation, False)
 
     @staticmethod
     def _fail(out: Future, handle, event, error: BaseException | None, result: Any = None) -> None:
@@ -214,7 +252,7 @@ class EngineTransfers:
     def retrieve(self, handle, packed: bytes, ids: bytes, salt: bytes, stream_ptr: int, wait: str, lease: int,
                  deadline: float | None, timeout: float, stamps: list | None) -> Future:
         c = self._client
-        out: Future = Future()
+        out = CopyFuture()
         out.trace = stamps  # (its READ's stages when traced)
         end = deadline if deadline else time.monotonic() + timeout
         msg = p.Read(kv_id=handle.kv_id, hashes=packed, client_id=c.client_id, salt=salt, lease=lease)
@@ -272,13 +310,15 @@ class EngineTransfers:
                 out.set_result(RetrieveResult(n))
 
         try:
-            handle.copier.copy("scatter", block_ids, ptrs, copied, wait_event=event[0] if event else 0,
-                               then_stream=stream_ptr if early else 0)
+            wait_here = handle.copier.copy("scatter", block_ids, ptrs, copied, wait_event=event[0] if event else 0,
+                                           then_stream=stream_ptr if early else 0)
         except BaseException as e:  # noqa: BLE001 - refused before anything was queued
             copied(e)
             return out
         if early and not out.done():
             out.set_result(RetrieveResult(n))  # the caller's stream waits for the copy
+        else:
+            out.wait_here = wait_here
         return out
 
     def _read_done(self, read: int) -> None:
