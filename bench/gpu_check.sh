@@ -60,7 +60,8 @@ for step in $STEPS; do
     servermla) run servermla 300 python3 bench/bench_server.py --layout mla --requests 1 --workers 1,2 \
         --json "$LOG/bench_server_mla.json" ;;
     tests) run tests "${TESTS_LIMIT:-600}" python3 -m pytest -m gpu -q -rfEs --tb=short -p no:cacheprovider tests \
-        tests/test_native_errors.py ;;
+        tests/test_native_errors.py
+      grep -E "^(FAILED|ERROR) " "$LOG/tests.log" ;;
     contention) run contention 540 python3 bench/bench_engine_contention.py --json "$LOG/bench_engine_contention.json" ;;
     contentionquick) run contentionquick 300 python3 bench/bench_engine_contention.py --quick \
         --json "$LOG/bench_engine_contention_quick.json" ;;
