@@ -374,6 +374,8 @@ def stream_both(mover, lr: LayoutRun, args, label: str) -> dict:
     direction over the requests that ran within the window [t0, t1]."""
     stop, errors, last = threading.Event(), [], {}
     recs: dict = {"store": [], "retrieve": []}
+    for k, hashes in enumerate(lr.pool):  # stored again if the requests since evicted them (same bytes)
+        mover.store(hashes, lr.src[k], lr.streams[0])
 
     def loop(op: str) -> None:
         rng, i = np.random.default_rng(), 0

@@ -167,6 +167,8 @@ def store_and_die(url: str, q):
     """Registers for its own copies, queues a store behind a long kernel (the copy has not run
     when it reports), and waits to be killed."""
     try:
+        import time
+
         import torch
         from gpu_kv import make_cuda_kv
 
@@ -179,10 +181,14 @@ def store_and_die(url: str, q):
         with torch.cuda.stream(busy):
             torch.cuda._sleep(20_000_000_000)  # ~10 s of GPU time before the KV is there
         tokens = np.random.default_rng(3).integers(0, 50000, 4 * CHUNK)
-        client.store(handle, chunk_hashes(tokens, client.chunk_size), np.arange(4 * BPC), stream=busy)
-        q.put(("ok", "reserved"))
-        import time
-
+        t0 = time.monotonic()
+        fut = client.store(handle, chunk_hashes(tokens, client.chunk_size), np.arange(4 * BPC), stream=busy)
+        took = time.monotonic() - t0
+        if fut.done():  # the copy must still be waiting for the busy stream when we are killed
+            q.put(("fail", f"the store ended before the kill ({took:.2f} s in store()): "
+                           f"{fut.exception() or fut.result()}"))
+            return
+        q.put(("ok", f"{took:.3f} s in store()"))
         time.sleep(120)
     except BaseException:
         q.put(("fail", traceback.format_exc()))
