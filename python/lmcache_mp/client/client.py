@@ -203,12 +203,11 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         if self._io is not None and self._io.has_lane and isinstance(msg, _LANE_CALLS):
             stamps = [("call", time.monotonic_ns())] if self.trace else None
-            fut = self._io.request(msg, timeout, lambda r: _check(r, expected), stamps=stamps)
             try:
-                return fut.result()
+                return self._io.call(msg, timeout, lambda r: _check(r, expected), stamps)
             finally:
                 if stamps is not None:
-                    self._local.trace = fut.trace
+                    self._local.trace = stamps
         sock = self._socket()
         rid = next(self._ids)
         ms = max(1, int(timeout * 1000))
