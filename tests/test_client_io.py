@@ -1,9 +1,15 @@
-"""The client's I/O thread: futures nobody reads for resolve when their replies come, whatever
-callers did before; synchronous calls leave the I/O thread asleep."""
+"""The client's I/O thread and its lifetime: futures nobody reads for resolve when their replies
+come, whatever callers did before; synchronous calls leave the I/O thread asleep; a client left
+open does not abort or hang the process at exit, whatever state its server is in."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -11,7 +17,8 @@ import pytest
 
 import cpu_workers as w
 from lmcache_mp import Client, Server, ServerConfig, chunk_hashes
-from test_server_e2e import CHUNK
+from test_cli import ServerProcess
+from test_server_e2e import CHUNK, stopped, wait_until
 
 # A future counts as late when it resolves this long after its request (here a reply, and the
 # I/O thread's grace for a caller to read it, take about a millisecond). Late ones used to wait for
@@ -89,3 +96,58 @@ def test_synchronous_calls_leave_the_io_thread_asleep(server):
         assert len(rounds) <= 1, f"the I/O thread woke {len(rounds)} times"
     finally:
         c.close()
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from lmcache_mp import Client
+    c = Client(sys.argv[1], local_lane=sys.argv[2] == "lane")
+    assert c._io.has_lane == (sys.argv[2] == "lane")
+    c.lookup([bytes(16)], model="m")
+    print("connected", flush=True)
+    sys.stdin.readline()  # the test has done to the server what it does
+    time.sleep(1.2)  # heartbeats fail or find the lane closed; a recovery starts
+""")
+
+
+@pytest.mark.parametrize("server_state,lane,runs", [("killed", "lane", 3), ("killed", "zeromq", 2),
+                                                    ("stopped", "lane", 1), ("alive", "lane", 1)])
+def test_a_client_left_open_exits_cleanly(tmp_path, server_state, lane, runs):
+    """A process that exits with a Client open (never closed) exits at once with status 0, its
+    server killed, stopped or alive. Its finalizer used to destroy the ZeroMQ context under the
+    recovery thread's socket: libzmq aborted the process, or it hung. In subprocesses: an abort
+    would take the test runner with it."""
+    script = tmp_path / "exit_with_a_client_open.py"
+    script.write_text(EXIT_SCRIPT)
+    for run in range(runs):
+        srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB"])
+        child = None
+        try:
+            url = srv.wait_ready()
+            child = subprocess.Popen([sys.executable, str(script), url, lane], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            assert child.stdout.readline().strip() == "connected", child.communicate(timeout=30)
+            if server_state == "killed":
+                srv.kill()
+            elif server_state == "stopped":
+                os.kill(srv.proc.pid, signal.SIGSTOP)
+                wait_until(lambda: stopped(srv.proc.pid), 5, "the server to stop")
+            t0 = time.monotonic()
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            try:
+                out, err = child.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                out, err = child.communicate()
+                pytest.fail(f"run {run}: the process hung at exit\n{err}")
+            elapsed = time.monotonic() - t0
+            assert child.returncode == 0 and "Assertion failed" not in err, f"run {run}: {child.returncode}\n{err}"
+            assert elapsed < 8, f"run {run}: exiting took {elapsed:.1f} s"
+        finally:
+            if child is not None and child.poll() is None:
+                child.kill()
+                child.wait(10)
+            if srv.proc.poll() is None:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            srv.kill()

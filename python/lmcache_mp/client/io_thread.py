@@ -555,8 +555,12 @@ class IOThread:
             self._wake_open = False
             os.close(self._wake)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Stop the thread (requests in flight fail); False if it is still running after 5 s (on
+        the I/O thread itself, a callback's: True, the thread ends once the callback returns)."""
         self._stop = True
         self._wakeup()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(5)
+        if threading.current_thread() is self._thread:
+            return True
+        self._thread.join(5)
+        return not self._thread.is_alive()
