@@ -38,6 +38,7 @@ from lmcache_mp.native import default_spin_us, request_block_ids, spin_poll
 logger = logging.getLogger(__name__)
 
 RECOVERY_CALL_S = 2.0  # longest one call of a recovery after a suspected restart may take
+RECOVERY_STOP_S = 1.0  # how long closing waits for a recovery to end (it ends once the I/O thread stops)
 
 
 class KVCacheHandle:
@@ -111,7 +112,7 @@ class Client:
         self._ctx = zmq.Context()
         self.curve = apply_curve(self._ctx, curve_server_key, curve_client_key)  # (also from the environment)
         self._local = threading.local()
-        self._sync_sockets: list[zmq.Socket] = []
+        self._sync_sockets: dict[zmq.Socket, threading.Thread] = {}  # each caller thread's, and that thread
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._handles: list[KVCacheHandle] = []
@@ -136,7 +137,8 @@ class Client:
             return client._heartbeat_msg() if client is not None else None
 
         self._io = IOThread(self._ctx, url, heartbeat, heartbeat_interval, spin_us)
-        weakref.finalize(self, Client._finalize, self._io, self._ctx, self._sync_sockets)
+        self._finalizer = weakref.finalize(self, Client._finalize, ref, self._io, self._ctx, self._sync_sockets,
+                                           self._restarting)
         self._use_lane = local_lane
 
         def lane_lost() -> None:
@@ -162,7 +164,7 @@ class Client:
             self._local.fds = [sock.get(zmq.FD)]
             self._local.timeout_ms = None
             with self._lock:
-                self._sync_sockets.append(sock)
+                self._sync_sockets[sock] = threading.current_thread()
         return sock
 
     def _connect_lane(self, address: str) -> None:
@@ -181,12 +183,11 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         if self._io is not None and self._io.has_lane and isinstance(msg, _LANE_CALLS):
             stamps = [("call", time.monotonic_ns())] if self.trace else None
-            fut = self._io.request(msg, timeout, lambda r: _check(r, expected), stamps=stamps)
             try:
-                return fut.result()
+                return self._io.call(msg, timeout, lambda r: _check(r, expected), stamps)
             finally:
                 if stamps is not None:
-                    self._local.trace = fut.trace
+                    self._local.trace = stamps
         sock = self._socket()
         rid = next(self._ids)
         ms = max(1, int(timeout * 1000))
@@ -226,10 +227,12 @@ class Client:
         """The stages of this thread's last synchronous call (lookup, ...) when tracing."""
         return getattr(self._local, "trace", None)
 
+    def _hello_msg(self) -> p.Hello:
+        return p.Hello(version=p.PROTOCOL_VERSION, client_id=self.client_id, client_name=self.name, pid=os.getpid(),
+                       capabilities=["reply_on_submit"])
+
     def _hello(self, timeout: float) -> p.HelloReply:
-        msg = p.Hello(version=p.PROTOCOL_VERSION, client_id=self.client_id, client_name=self.name, pid=os.getpid(),
-                      capabilities=["reply_on_submit"])
-        return self._call(msg, p.HelloReply, timeout)
+        return self._call(self._hello_msg(), p.HelloReply, timeout)
 
     def lookup(self, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1, lock: bool = False,
                salt: bytes = b"", timeout: float | None = None) -> LookupResult:
@@ -346,14 +349,15 @@ class Client:
             logger.info("lmcache-mp: the server copies this KV cache's chunks (%s)", e)
             return False
 
-    def _register(self, handle: KVCacheHandle) -> None:
+    def _register(self, handle: KVCacheHandle, call=None) -> None:
+        """call: _call, or the recovery's (_recovery_call)."""
         d = handle.described
         engine = self._engine_copies(handle)
         msg = p.RegisterKVCache(client_id=self.client_id, model=handle.model, world_size=handle.world_size,
                                 rank=handle.rank, device=d.device, device_uuid=d.device_uuid,
                                 layout=handle.requested_layout, layers=d.layers,
                                 block_size=handle.requested_block_size or 0, transfer="engine" if engine else "")
-        handle._apply(self._call(msg, p.RegisterReply, max(self.timeout, 30.0)))
+        handle._apply((call or self._call)(msg, p.RegisterReply, max(self.timeout, 30.0)))
         if engine:
             self._engine.attach(handle)
 
@@ -501,10 +505,10 @@ class Client:
         """Runs off the I/O thread: handshake again and register every KV cache the server no
         longer knows: all of them after a restart, or those it dropped when it stopped hearing
         from this client."""
+        short = min(self.timeout, RECOVERY_CALL_S)
         try:
-            # Short calls, and a look at _closed between them: close() waits for this thread
-            # before it closes the sockets (one closed under a thread using it aborts libzmq).
-            hello = self._hello(min(self.timeout, RECOVERY_CALL_S))
+            # A look at _closed between calls; a call in flight fails once the I/O thread stops.
+            hello = self._recovery_call(self._hello_msg(), p.HelloReply, short)
             if self._closed:
                 return
             if hello.session_id != self.session_id:
@@ -519,32 +523,32 @@ class Client:
                 self.chunk_size = hello.chunk_size
                 if self._io is not None and not self._io.has_lane:  # the same server closing it: stay off
                     self._connect_lane(hello.lane)
-            known = set(self.status(min(self.timeout, RECOVERY_CALL_S)).get("mine", ()))
+            status = self._recovery_call(p.Status(client_id=self.client_id), p.StatusReply, short).status
+            known = set(status.get("mine", ()))
             with self._lock:
                 lost = [h for h in self._handles if h.kv_id not in known]
             for h in lost:
                 if self._closed:
                     return
                 try:
-                    self._register(h)
+                    self._register(h, self._recovery_call)
                 except Exception as e:
+                    if self._closed:
+                        return
                     logger.error("re-registering %r failed: %s", h, e)
         except ServerUnavailable:
-            pass  # still down; the next heartbeat tries again
+            pass  # still down (or closing); the next heartbeat tries again
         except Exception:
             logger.exception("recovering from a server restart failed")
         finally:
-            self._drop_thread_socket()
             self._restarting.release()
 
-    def _drop_thread_socket(self) -> None:
-        sock = getattr(self._local, "sock", None)
-        if sock is not None:
-            with self._lock:
-                if sock in self._sync_sockets:
-                    self._sync_sockets.remove(sock)
-            sock.close(linger=0)
-            self._local.sock = None
+    def _recovery_call(self, msg: p._Msg, expected: type, timeout: float) -> Any:
+        """A call of the recovery: sent by the I/O thread's socket and read by that thread, so the
+        recovery owns no socket that closing the client could pull from under it (that aborts
+        libzmq), and stopping the I/O thread fails the call at once."""
+        fut = self._io.request(msg, timeout, lambda r: _check(r, expected))
+        return Future.result(fut, timeout + 1.0)  # the plain wait: this thread does not read the socket
 
     # ---- closing -----------------------------------------------------------------------------
 
@@ -564,12 +568,12 @@ class Client:
                 h.closed = True
             self._handles.clear()
         self._closed = True
-        # A recovery in progress uses a socket of its own: let it end first.
-        if not self._restarting.acquire(timeout=self.timeout + RECOVERY_CALL_S):
+        self._finalizer.detach()
+        stopped = self._io.stop() if self._io is not None else True  # a recovery's call in flight fails
+        if not self._restarting.acquire(timeout=RECOVERY_STOP_S):
             logger.warning("a recovery of the connection to %s did not end; closing anyway", self.url)
-        if self._io is not None:
-            self._io.stop()
-        self._close_sockets()
+        if stopped:
+            self._close_sockets()
         self._engine.unmap()
 
     def _close_sockets(self) -> None:
@@ -581,13 +585,24 @@ class Client:
         self._ctx.destroy(linger=0)
 
     @staticmethod
-    def _finalize(io: IOThread, ctx: zmq.Context, sockets: list) -> None:
-        """A client dropped (or alive at exit) without close(): stop its thread first, then its
-        sockets and context, in that order, so that no thread still polls a closed socket."""
-        io.stop()
-        for s in sockets:
+    def _finalize(ref: weakref.ref, io: IOThread, ctx: zmq.Context, sockets: dict,
+                  restarting: threading.Lock) -> None:
+        """A client dropped without close(), or still open at exit. Its I/O thread stops first,
+        which ends a recovery (whose calls it carries), then the sockets close, then the context;
+        but never a socket another thread may be using (closing it aborts libzmq): at exit the
+        client is alive, and a daemon thread may be inside a call on its socket. Those, and the
+        context, are left to the end of the process."""
+        client = ref()
+        if client is not None:
+            client._closed = True  # no new recovery or call starts
+        stopped = io.stop()
+        restarting.acquire(timeout=RECOVERY_STOP_S)
+        me = threading.current_thread()
+        idle = [s for s, t in list(sockets.items()) if client is None or t is me or not t.is_alive()]
+        for s in idle:
             s.close(linger=0)
-        ctx.destroy(linger=0)
+        if stopped and len(idle) == len(sockets):
+            ctx.destroy(linger=0)
 
     def __enter__(self) -> "Client":
         return self

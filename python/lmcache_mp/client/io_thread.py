@@ -7,6 +7,17 @@ for costs no hand-off between threads) or the I/O thread, which serves futures n
 (callbacks, `concurrent.futures.wait`, polling), timeouts and heartbeats. The socket is used under
 a lock; threads sleep on its fd (never on the socket), which signals edges, so each asks the
 socket before it sleeps.
+
+The I/O thread sleeps in an epoll set, and watches the sockets only while no other thread reads
+them: a thread that reads for its own reply takes them out of the set (the I/O thread would only
+wake up to hand the reply over, and take the GIL from the reader), and the last one to leave puts
+them back if requests are in flight. A request sent while nobody reads or watches arms a timer
+instead: its caller usually reads the reply itself at once (result()), and a reply that came
+before that would wake the I/O thread for nothing. When the timer fires and nobody reads, the I/O
+thread watches until a reader comes. So a future nobody reads for resolves at most GRACE_S after
+it was sent or when its reply comes, whichever is later, and synchronous calls, which read from
+before their send (call()), touch neither. epoll and the timer apply these changes to the thread
+sleeping on them: none costs a wake-up.
 """
 
 from __future__ import annotations
@@ -28,13 +39,16 @@ import zmq
 
 from lmcache_mp import protocol as p
 from lmcache_mp.errors import ServerUnavailable
-from lmcache_mp.native import spin_poll
+from lmcache_mp.native import arm_timer_fd, spin_poll, timer_fd
 
 logger = logging.getLogger(__name__)
 
 # Called with the decoded reply; returns the future's result or raises.
 Converter = Callable[[Any], Any]
 WAITER_BACKOFF = 0.001  # while a caller reads the socket, queued requests are retried this often
+# A request sent while nobody reads or watches is read by the I/O thread after GRACE_S/2 to GRACE_S
+# (the timer is armed again only once half of its grace has passed: arming costs a system call).
+GRACE_S = 0.001
 # plain ints: pyzmq's enum flags cost a microsecond a test
 ZMQ_EVENTS, ZMQ_POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
@@ -106,17 +120,25 @@ class IOThread:
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a server that is not there
         self._sock.connect(url)
         self._fd = self._sock.get(zmq.FD)
-        # The socket, _pending, _deadlines, _waiters and _wake_at: under _lock, from any thread.
+        # The socket, _pending, _deadlines, _waiters, _watching, _grace_until and _wake_at: under
+        # _lock, from any thread.
         self._lock = threading.Lock()
         self._open = True
         self._pending: dict[int, _Pending] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._waiters = 0  # threads reading the socket for a future of theirs
         self._lane = None  # the server's local lane (a SOCK_SEQPACKET socket), when connected
-        self._lane_version = 0
         self.on_lane_lost: Callable[[], None] | None = None
         self._wake_at = 0.0  # when the I/O thread looks at deadlines next
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._sockets = select.epoll()  # the ZeroMQ socket's fd and the lane's
+        self._sockets.register(self._fd, select.EPOLLIN)
+        self._grace = timer_fd()  # armed by a request sent while nobody reads or watches
+        self._grace_until = 0.0  # when it fires, if that is in the future
+        self._poller = select.epoll()  # what the I/O thread sleeps on: _wake, _grace, and _sockets while watched
+        self._poller.register(self._wake, select.EPOLLIN)
+        self._poller.register(self._grace, select.EPOLLIN)
+        self._watching = False  # _sockets is in _poller (never while a thread reads)
         # Writes after the fd is closed would land in whatever reuses its number (e.g. a ZMQ
         # mailbox eventfd, which then aborts the process): close and write under one lock.
         self._wake_lock = threading.Lock()
@@ -194,8 +216,13 @@ class IOThread:
         return True
 
     def _track(self, rid: int, pend: _Pending) -> bool:
-        """After a send, under the lock: stamp it and arm its deadline; True when the I/O thread
-        must wake up earlier than it planned to expire it."""
+        """After a send, under the lock: stamp it, see that its reply will be read, and arm its
+        deadline; True when the I/O thread must wake up earlier than it planned to expire it."""
+        if not self._waiters and not self._watching:
+            now = time.monotonic()
+            if self._grace_until < now + GRACE_S / 2:
+                arm_timer_fd(self._grace, int(GRACE_S * 1e9))
+                self._grace_until = now + GRACE_S
         if pend.stamps is not None:
             pend.stamps.append(("client sent", time.monotonic_ns()))
         if not pend.expires:
@@ -212,11 +239,13 @@ class IOThread:
     def set_lane(self, sock) -> None:
         """Send small requests on this connected local-lane socket from now on."""
         with self._lock:
+            if not self._open:  # closed meanwhile (e.g. by a recovery that ended late)
+                sock.close()
+                return
+            self._sockets.register(sock.fileno(), select.EPOLLIN)
             old, self._lane = self._lane, sock
-            self._lane_version += 1
         if old is not None:
             self._drop_lane(old, "replaced")
-        self._wakeup()  # the I/O thread watches the new one
 
     def _send_lane(self, rid: int, body: bytes, pend: _Pending) -> bool:
         broken = None
@@ -248,7 +277,8 @@ class IOThread:
         with self._lock:
             if self._lane is lane:
                 self._lane = None
-                self._lane_version += 1
+            if self._open and lane.fileno() >= 0:  # not closed yet (by another thread that saw it break)
+                self._sockets.unregister(lane.fileno())
             lost = [rid for rid, pd in self._pending.items() if pd.lane is lane]
             pends = [self._pending.pop(rid) for rid in lost]
             lane.close()
@@ -268,6 +298,17 @@ class IOThread:
         with self._wake_lock:
             if self._wake_open:
                 os.eventfd_write(self._wake, 1)
+
+    def _watch(self, on: bool) -> None:
+        """Under the lock: put the sockets into the I/O thread's poller, or take them out (one
+        syscall, no wake-up: epoll applies it to the thread sleeping in it)."""
+        if on == self._watching or not self._open:
+            return
+        if on:
+            self._poller.register(self._sockets.fileno(), select.EPOLLIN)
+        else:
+            self._poller.unregister(self._sockets.fileno())
+        self._watching = on
 
     # ---- any thread ---------------------------------------------------------------------------
 
@@ -289,8 +330,7 @@ class IOThread:
         end = math.inf if timeout is None else start + timeout
         spin_until = start + self._spin
         fut.wakers.append(waker)
-        with self._lock:
-            self._waiters += 1
+        self._reading(1)
         try:
             while True:
                 self._receive(fut)
@@ -309,11 +349,28 @@ class IOThread:
                     os.eventfd_read(waker.fd)
         finally:
             fut.wakers.remove(waker)
-            with self._lock:
-                self._waiters -= 1
-                orphans = self._waiters == 0 and bool(self._pending)
-            if orphans:  # replies nobody reads now: the I/O thread watches the socket again
-                self._wakeup()
+            self._reading(-1)
+
+    def call(self, msg: p._Msg, timeout: float, convert: Converter, stamps: list | None = None) -> Any:
+        """request(...).result(), read on this thread, which counts as reading from before the
+        send: a quick reply cannot wake the I/O thread."""
+        self._reading(1)
+        try:
+            return self.request(msg, timeout, convert, stamps=stamps).result()
+        finally:
+            self._reading(-1)
+
+    def _reading(self, n: int) -> None:
+        """A thread starts (1) or stops (-1) reading the socket for a future of its own. While one
+        does, the sockets' fds are out of the I/O thread's poller: it would only wake up to hand
+        the reply over, and take the GIL from the reader (on a VM, a thread that waits for the
+        GIL may sleep for 100s of us)."""
+        with self._lock:
+            self._waiters += n
+            orphans = not self._waiters and bool(self._pending)
+            self._watch(orphans)
+        if orphans and n < 0:  # replies that came meanwhile may have taken the ZeroMQ fd's signal
+            self._wakeup()
 
     def _receive(self, until: Future | None = None) -> None:
         """Read every reply there is and settle its future (outside the lock: callbacks run);
@@ -436,10 +493,6 @@ class IOThread:
             self._unsent = keep
 
     def _run(self) -> None:
-        poller = select.poll()
-        poller.register(self._wake, select.POLLIN)
-        watching = False
-        lane_fd, lane_version = None, -1
         next_beat = time.monotonic() + self._interval
         while not self._stop:
             now = time.monotonic()
@@ -448,31 +501,25 @@ class IOThread:
                 if self._unsent:
                     wake_at = min([wake_at] + [item[2].deadline for item in self._unsent])
                 self._wake_at = wake_at
-                # While a caller reads the socket, keep away from it: the caller reads every reply,
-                # and a thread that woke up on them would only take the GIL from the caller (on a
-                # VM, a thread that waits for the GIL may sleep for 100s of us). The caller wakes
-                # this thread when it stops with replies left to read. Else sleep on the socket's
-                # fd, unless it has news.
-                watch = self._waiters == 0
+                # While a caller reads the socket, keep away from it (see _reading). Else watch it
+                # for the requests in flight and those to send, unless it has news.
+                if not self._waiters and (self._pending or self._unsent):
+                    self._watch(True)
+                watch = self._watching
                 events = self._sock.get(ZMQ_EVENTS) if watch else 0
             if not watch and self._unsent:
                 wake_at = min(wake_at, now + WAITER_BACKOFF)
             elif events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):
                 wake_at = now
-            if watch != watching or lane_version != self._lane_version:
-                for fd in (self._fd, lane_fd):
-                    if watching and fd is not None:
-                        poller.unregister(fd)
-                lane = self._lane
-                lane_fd, lane_version = (lane.fileno() if lane is not None else -1), self._lane_version
-                lane_fd = lane_fd if lane_fd >= 0 else None
-                watching = watch
-                if watch:
-                    for fd in (self._fd, lane_fd):
-                        if fd is not None:
-                            poller.register(fd, select.POLLIN)
-            if wake_at > now:
-                poller.poll((wake_at - now) * 1000)
+            if wake_at > now and any(fd == self._grace for fd, _ in self._poller.poll(wake_at - now)):
+                try:
+                    os.read(self._grace, 8)
+                except BlockingIOError:  # armed again meanwhile
+                    pass
+                else:
+                    with self._lock:  # a request's caller did not come to read: watch until one does
+                        if not self._waiters and self._pending:
+                            self._watch(True)
             try:
                 os.eventfd_read(self._wake)
             except BlockingIOError:
@@ -492,6 +539,9 @@ class IOThread:
             self._open = False
             left = list(self._pending.values())
             self._pending.clear()
+            self._poller.close()
+            self._sockets.close()
+            os.close(self._grace)
             self._sock.close(linger=0)
             if self._lane is not None:
                 self._lane.close()
@@ -505,8 +555,12 @@ class IOThread:
             self._wake_open = False
             os.close(self._wake)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Stop the thread (requests in flight fail); False if it is still running after 5 s (on
+        the I/O thread itself, a callback's: True, the thread ends once the callback returns)."""
         self._stop = True
         self._wakeup()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(5)
+        if threading.current_thread() is self._thread:
+            return True
+        self._thread.join(5)
+        return not self._thread.is_alive()

@@ -1,0 +1,101 @@
+"""How long after its reply a future that nobody reads for (concurrent.futures.wait, callbacks,
+polling done()) resolves, after each kind of call a caller may have made before it.
+
+A caller that waits with result() reads its own reply; the futures of other requests are read by
+the client's I/O thread. Measured from the traces (one clock across both processes): from the
+server's "sent" stamp to the client's "client resolved" stamp. The server (CPU device) runs in
+its own process.
+
+    python bench/bench_future_latency.py [--iters 300] [--heartbeat 1.0] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from lmcache_mp import Client, shared_cpu_tensor
+
+CHUNK = 32
+
+
+def start_server(sock: str) -> subprocess.Popen:
+    url = f"ipc://{sock}"
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", url, "--device", "cpu",
+                             "--l1-size", "64MiB", "--chunk-size", str(CHUNK)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sock):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise SystemExit("the server did not start")
+        time.sleep(0.05)
+    return proc
+
+
+def lateness_ms(fut) -> float:
+    stamps = dict(fut.trace)
+    return (stamps["client resolved"] - stamps["sent"]) / 1e6
+
+
+def run(c: Client, before: str, iters: int) -> list[float]:
+    import torch
+
+    kv = [shared_cpu_tensor((2, 16, 8, 2, 8), torch.float16)]
+    handle = c.register_kv_cache(kv, model="m")
+    blocks = list(range(CHUNK // 8))
+    late = []
+    for i in range(iters):
+        key = [i.to_bytes(16, "little")]
+        if before == "lookup()":
+            c.lookup(key, model="m")
+        elif before == "store().result()":
+            c.store(handle, key, blocks).result(10)
+        fut = c.lookup_async(key, model="m")
+        done, _ = cf.wait([fut], timeout=30)
+        assert done, "a future did not resolve within 30 s"
+        late.append(lateness_ms(fut))
+    c.unregister_kv_cache(handle)
+    return late
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--heartbeat", type=float, default=1.0, help="the clients' heartbeat interval (s)")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    sock = os.path.join(tempfile.mkdtemp(prefix="lmc-futures-"), "srv.sock")
+    server = start_server(sock)
+    rows = []
+    try:
+        for lane in (True, False):
+            for before in ("nothing", "lookup()", "store().result()"):
+                with Client(f"ipc://{sock}", heartbeat_interval=args.heartbeat, trace=True, local_lane=lane) as c:
+                    assert c._io.has_lane == lane
+                    late = sorted(run(c, before, args.iters))
+                n = len(late)
+                rows.append({"transport": "lane" if lane else "zeromq", "before": before, "futures": n,
+                             "p50_ms": late[n // 2], "p99_ms": late[int(n * 0.99)], "max_ms": late[-1],
+                             "over_5ms": sum(x > 5 for x in late)})
+    finally:
+        server.kill()
+        server.wait(10)
+    print(f"futures nobody reads for: reply sent -> future resolved (heartbeat {args.heartbeat} s)")
+    print(f"{'transport':>9} {'call before':>17} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'> 5 ms':>7}")
+    for r in rows:
+        print(f"{r['transport']:>9} {r['before']:>17} {r['futures']:>5} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} "
+              f"{r['max_ms']:8.3f} {r['over_5ms']:>7}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"heartbeat_s": args.heartbeat, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
