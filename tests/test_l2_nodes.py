@@ -1,8 +1,9 @@
 """Two nodes on one shared L2, as in production: two `lmcache-mp-server` processes (separate L1s
-and sockets, CPU device) on each network backend, all started here on loopback. Node B serves
-node A's chunks byte-exact; both writing the same chunks at once leaves them readable and
-intact; and a cluster primary killed while requests flow fails no request and never puts wrong
-bytes in a KV cache."""
+and sockets, CPU device, the shared tier's default flags) on each network backend, all started
+here on loopback. Node B finds node A's prompts as soon as A stored them (a shared tier is
+written through) and serves them byte-exact; both writing the same chunks at once leaves them
+readable and intact; and a cluster primary killed while requests flow fails no request and never
+puts wrong bytes in a KV cache."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class Node:
     def __init__(self, tmp_path, name: str, settings: dict):
         self.url = f"ipc://{tmp_path}/{name}.sock"
         self.proc = ServerProcess(["--url", self.url, "--device", "cpu", "--chunk-size", str(CHUNK),
-                                   "--l1-size", "1MiB", "--l2-write", "all", *args_of(settings)])
+                                   "--l1-size", "1MiB", *args_of(settings)])
         self.proc.wait_ready()
         self.client = Client(self.url, heartbeat_interval=0.25)
         self.kv, self.handle = register_mha(self.client, num_blocks=128)
@@ -93,6 +94,22 @@ def test_node_b_serves_node_a_chunks_byte_exact(nodes):
     assert retrieved_exact(b.client, b.handle, b.kv, 1, lease=found) == 4
     assert retrieved_exact(b.client, b.handle, b.kv, 2) == 4  # no lookup first: the retrieve loads them
     assert b.l2()["loaded"] == 8 and b.tier()["reads"] == 8 and b.tier()["corrupt"] == 0
+
+
+@pytest.mark.parametrize("shared_l2", ["valkey"], indirect=True)
+def test_node_b_finds_node_a_fresh_prompts_with_the_default_flags(nodes):
+    """Nothing leaves node A's L1: the shared tier gets its chunks because it is written through
+    by default, within a second of the store (docs/L2.md says how soon)."""
+    a, b = nodes("a"), nodes("b")
+    seeds = range(20, 28)
+    store_prompts(a.client, a.handle, a.kv, seeds)
+    t0 = time.monotonic()
+    written(a, 32)
+    assert time.monotonic() - t0 < 1.0 + 2.0  # (a loaded 2-core machine: a wide margin)
+    assert a.client.status()["l1"]["evicted"] == 0 and a.l2()["write"] == {a.tier()["name"]: "all"}
+    for seed in seeds:  # B asks once: every prompt is there
+        assert b.client.lookup(chunk_hashes(w.prompt(seed, 4), CHUNK), model="m") == 4
+    assert retrieved_exact(b.client, b.handle, b.kv, seeds[0]) == 4
 
 
 def test_both_nodes_write_the_same_chunks_at_once(nodes):

@@ -15,7 +15,7 @@ import numpy as np
 
 import cpu_workers as w
 from lmcache_mp import Client, chunk_hashes
-from lmcache_mp.storage.l1 import L1Store, ObjectKey
+from lmcache_mp.storage.l1 import ObjectKey
 from lmcache_mp.storage.l2 import L2Backend
 from test_cli import ServerProcess
 from test_server_e2e import CHUNK, blocks_of, clients, no_internal_errors, register_mha, servers, wait_until  # noqa: F401
@@ -24,7 +24,7 @@ L1_CHUNKS = 16  # 64 KiB of L1 in 4 KiB objects (one MHA chunk of the test cache
 
 
 def l2_settings(path: Path, **kw) -> dict:
-    return dict(l1_size=f"{L1_CHUNKS * 4}KiB", l2_disk=str(path), l2_disk_size="64MiB", **kw)
+    return {"l1_size": f"{L1_CHUNKS * 4}KiB", "l2_disk": str(path), "l2_disk_size": "64MiB", **kw}
 
 
 def store_prompts(c, h, kv, seeds, chunks=4, srv=None):
@@ -139,12 +139,13 @@ def test_lookup_with_lock_prefetches_and_leases_the_whole_prefix(shm_files, serv
 
 
 class SlowTier(L2Backend):
-    """A real tier whose reads take `delay` seconds."""
+    """A real tier whose reads take `delay` seconds (and writes `put_delay`)."""
 
-    def __init__(self, inner: L2Backend, delay: float):
-        self.inner, self.delay, self.name = inner, delay, inner.name
+    def __init__(self, inner: L2Backend, delay: float, put_delay: float = 0.0):
+        self.inner, self.delay, self.put_delay, self.name = inner, delay, put_delay, inner.name
 
     def put(self, *a):
+        time.sleep(self.put_delay)
         return self.inner.put(*a)
 
     def get(self, *a):
@@ -283,23 +284,96 @@ def test_an_unwritable_disk_leaves_l1_serving(shm_files, servers, clients, tmp_p
     wait_until(lambda: srv.engine.status()["l2"]["write_errors"] >= 8, 10, "failed writes")
     assert srv.engine.status()["l2"]["written"] == 0
     assert retrieved_exact(c, h, kv, 5) == 4  # the newest chunks are still in L1
-    warnings = [r for r in caplog.records if "L2 writes failing" in r.getMessage()]
+    warnings = [r for r in caplog.records if "L2 writes to disk failing" in r.getMessage()]
     assert len(warnings) == 1  # once per incident, not per chunk
 
 
-def test_a_full_write_queue_drops_writes_instead_of_waiting(shm_files, servers, clients, tmp_path,  # noqa: F811
-                                                            no_internal_errors):  # noqa: F811
-    srv = servers(**l2_settings(tmp_path / "l2", l2_write="all", l2_queue_size="8KiB"))
+def on_disk(srv, seed: int, chunks: int = 4) -> int:
+    """How many chunks of this prompt the disk tier holds (from its index)."""
+    from lmcache_mp.storage.l2.tiers import key_bytes
+
+    keys = [key_bytes(ObjectKey("m", 1, 0, d, b"")) for d in chunk_hashes(w.prompt(seed, chunks), CHUNK)]
+    return sum(got is not None for got in srv.engine.l2.tiers[0].lookup(keys))
+
+
+def test_a_burst_keeps_whole_prompts_on_disk_and_says_what_it_dropped(shm_files, servers, clients, tmp_path,  # noqa: F811
+                                                                      caplog, no_internal_errors):  # noqa: F811
+    """96 prompts of 4 chunks back to back into an L1 of 64 chunks, on a disk that takes 0.2 s per
+    write: most prompts cannot be written before L1 evicts them. Every prompt on disk afterwards
+    is whole, every chunk written belongs to one, and one WARNING says how many were dropped."""
+    srv = servers(**l2_settings(tmp_path / "l2", l1_size=f"{64 * 4}KiB"))
     c = clients(srv.url)
     kv, h = register_mha(c, num_blocks=128)
-    tiers = srv.engine.l2.tiers
-    tiers[0] = SlowTier(tiers[0], 0.3)
+    writer = srv.engine.l2.writers[0]
+    writer.tier = SlowTier(writer.tier, 0, put_delay=0.2)
     t0 = time.monotonic()
-    store_prompts(c, h, kv, range(3))
-    assert time.monotonic() - t0 < 1.0  # no store waited for the disk
+    store_prompts(c, h, kv, range(96))
+    assert time.monotonic() - t0 < 10  # no store waited for the disk
     writer_idle(srv)
     st = srv.engine.status()["l2"]
-    assert st["dropped_writes"] >= 1 and st["written"] + st["dropped_writes"] == 12
+    counts = [on_disk(srv, seed) for seed in range(96)]
+    assert set(counts) <= {0, 4}, counts  # whole prompts or nothing, never a fragment
+    assert st["tiers"][0]["objects"] == sum(counts) == st["written"] > 0  # every chunk written is in one
+    assert st["dropped_writes"] > 0 and st["written"] + st["dropped_writes"] <= 96 * 4
+    warnings = [r.getMessage() for r in caplog.records if "chunk writes dropped" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("L2 disk: "), warnings  # once a minute at most
+    from lmcache_mp.server.metrics import StatusCollector
+
+    metrics = {(smp.name, smp.labels.get("tier")): smp.value
+               for fam in StatusCollector(srv.engine).collect() for smp in fam.samples}
+    assert metrics["lmcache_mp_l2_dropped_writes_total", None] == st["dropped_writes"]
+    assert metrics["lmcache_mp_l2_tier_dropped_writes_total", "disk"] == st["dropped_writes"]
+    for seed in (s for s, n in enumerate(counts) if n == 4):  # what the disk holds comes back
+        assert retrieved_exact(c, h, kv, seed) == 4
+        break
+
+
+def test_stores_slower_than_the_disk_lose_nothing(shm_files, servers, clients, tmp_path,  # noqa: F811
+                                                  no_internal_errors):  # noqa: F811
+    """A store every 50 ms through an L1 of 32 chunks that evicts all the time: the writer keeps the
+    chunks near the eviction end written ahead, so eviction finds them clean and drops nothing."""
+    srv = servers(**l2_settings(tmp_path / "l2", l1_size=f"{32 * 4}KiB"))
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    for seed in range(24):
+        store_prompts(c, h, kv, [seed])
+        time.sleep(0.05)
+    writer_idle(srv)
+    st = srv.engine.status()
+    assert st["l1"]["evicted"] >= 64 and st["l2"]["dropped_writes"] == 0, st["l2"]
+    assert all(on_disk(srv, seed) == 4 for seed in range(16))  # every evicted prompt is on disk
+    assert retrieved_exact(c, h, kv, 0) == 4
+
+
+def test_a_locked_lookup_of_a_disk_prefix_longer_than_l1_leases_what_fits(shm_files, servers, clients,  # noqa: F811
+                                                                          tmp_path, no_internal_errors):  # noqa: F811
+    path = tmp_path / "l2"
+    srv = servers(**l2_settings(path, l2_write="all", l1_size=f"{64 * 4}KiB"))
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=256)
+    store_prompts(c, h, kv, [1], chunks=40, srv=srv)
+    assert srv.engine.status()["l2"]["written"] == 40
+    srv.stop()
+    srv = servers(**l2_settings(path))  # L1 empty, 40 chunks on disk, L1 holds 16
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=256)
+    hashes = chunk_hashes(w.prompt(1, 40), CHUNK)
+    assert c.lookup(hashes, model="m") == 40  # without lock: what L2 holds
+    found = c.lookup(hashes, model="m", lock=True)
+    assert found == L1_CHUNKS and found.lease  # the longest prefix that fits, loaded and leased
+    assert retrieved_exact(c, h, kv, 1, chunks=40, lease=found) == L1_CHUNKS
+    again = c.lookup(hashes, model="m", lock=True)
+    assert again == L1_CHUNKS
+    c.release(lease=again)
+    assert retrieved_exact(c, h, kv, 1, chunks=40) == L1_CHUNKS  # a retrieve alone loads what fits too
+
+
+def test_the_write_ahead_zone_is_a_quarter_of_l1_unless_set_and_at_most_half(servers, tmp_path):  # noqa: F811
+    capacity = L1_CHUNKS * 4096
+    assert servers(**l2_settings(tmp_path / "a")).engine.status()["l2"]["queue_limit"] == capacity // 4
+    assert servers(**l2_settings(tmp_path / "b", l2_queue_size="8KiB")).engine.status()["l2"]["queue_limit"] == 8192
+    assert servers(**l2_settings(tmp_path / "c", l2_queue_size="1GiB")).engine.status()["l2"]["queue_limit"] == \
+        capacity // 2
 
 
 def test_admission_keeps_one_off_chunks_off_the_disk(shm_files, servers, clients, tmp_path,  # noqa: F811
@@ -373,29 +447,3 @@ def test_sigkill_during_writes_then_restart_serves_only_whole_objects(tmp_path):
     finally:
         srv2.proc.send_signal(signal.SIGTERM)
         srv2.proc.wait(30)
-
-
-def test_an_evicted_chunk_stays_readable_until_written_and_stays_if_used_again():
-    from lmcache_mp.native import HostArena
-
-    l1 = L1Store(HostArena(3 * 4096, 4096))
-    offers = []
-    l1.offer_l2 = lambda obj, evicting: evicting and not offers and not offers.append(obj)  # takes one
-    fmt = ("tokens", 2, 1, 16, "uint8")
-    key = [ObjectKey("m", 1, 0, bytes([i + 1]) * 16, b"") for i in range(7)]
-    for i in range(3):
-        l1.commit(l1.begin_store([key[i]], 4096, fmt))
-    l1.commit(l1.begin_store([key[3]], 4096, fmt))  # key 0 is queued for L2, key 1 makes room
-    assert [o.key for o in offers] == [key[0]] and l1.stats()["spilled"] == 1
-    assert l1.contains(key[0]) and not l1.contains(key[1])  # still served from L1 meanwhile
-    assert l1.lookup("m", 1, [key[0].digest]) == (1, 0)  # used again: it stays after its write
-    l1.l2_written([(offers[0], True)])
-    assert l1.contains(key[0])
-    offers.clear()
-    l1.commit(l1.begin_store([key[4]], 4096, fmt))  # key 2 queued, key 3 makes room
-    assert [o.key for o in offers] == [key[2]]
-    l1.l2_written([(offers[0], True)])  # written and not used since: it leaves now
-    assert not l1.contains(key[2]) and l1.stats()["evicted"] == 3
-    l1.commit(l1.begin_store([key[5]], 4096, fmt))  # fills the slot key 2 left
-    l1.commit(l1.begin_store([key[6]], 4096, fmt))  # key 0 is in L2 already: freed at once
-    assert not offers[1:] and not l1.contains(key[0]) and l1.contains(key[4])

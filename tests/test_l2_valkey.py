@@ -101,7 +101,7 @@ def test_values_round_trip_through_arena_memory_and_bad_ones_are_misses(valkey):
 
 
 def test_two_servers_share_chunks_through_valkey(shm_files, servers, clients, valkey, no_internal_errors):  # noqa: F811
-    settings = dict(l1_size="256KiB", l2_redis=valkey.url, l2_write="all")
+    settings = dict(l1_size="256KiB", l2_redis=valkey.url)  # the default flags: written through
     a, b = servers(**settings), servers(**settings)
     ca, cb = clients(a.url), clients(b.url)
     kv_a, ha = register_mha(ca, num_blocks=128)

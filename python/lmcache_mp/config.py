@@ -17,6 +17,7 @@ TRANSFER_MODES = ("auto", "direct", "staged", "dma")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_HTTP_ADDR = "127.0.0.1:9099"
 L2_WRITE_POLICIES = ("evicted", "all", "none")
+L2_WRITE_FIELDS = ("l2_write", "l2_disk_write", "l2_redis_write", "l2_mooncake_write")
 _SIZE_FIELDS = ("l1_size", "staging_size", "slab_size", "l2_disk_size", "l2_queue_size",
                 "l2_mooncake_segment")  # int or a string with units
 
@@ -95,6 +96,9 @@ class ServerConfig:
     l2_disk: str = _setting("", "directory of the local-disk L2 tier, kept across restarts (empty: no disk tier)")
     l2_disk_size: int | str = _setting(
         "0", "bytes the disk tier may use (0: 90% of the free space of its filesystem at start)")
+    l2_disk_write: str = _setting(
+        "", "what goes to the disk tier: evicted (what L1 is about to evict, written ahead of the eviction), all "
+            "(every chunk, soon after it is stored) or none (empty: --l2-write if given, else evicted)")
     l2_redis: str = _setting(
         "", "a Valkey/Redis server shared by every node, redis://[user:password@]host:port[/db]; several "
             "host:port separated by commas are seeds of a cluster; rediss:// is TLS, with ?ssl_ca_certs=FILE, "
@@ -102,16 +106,24 @@ class ServerConfig:
     l2_redis_cluster: bool = _setting(False, "the Valkey/Redis server is a cluster (also when only one seed is given)")
     l2_redis_prefix: str = _setting("lmcache", "prefix of this cache's keys on the Valkey/Redis server")
     l2_redis_ttl: float = _setting(0.0, "seconds a chunk lives on the Valkey/Redis server (0: until evicted there)")
+    l2_redis_write: str = _setting(
+        "", "what goes to Valkey/Redis: all, evicted or none (empty: --l2-write if given, else all: other nodes find "
+            "a chunk soon after it is stored)")
     l2_mooncake: str = _setting("", "a Mooncake Store master, host:port (empty: none)")
     l2_mooncake_metadata: str = _setting(
         "", "the Mooncake metadata server (default: the master's, http://<master host>:8080/metadata)")
     l2_mooncake_segment: int | str = _setting("4GiB", "host memory this server contributes to the Mooncake pool")
+    l2_mooncake_write: str = _setting(
+        "", "what goes to Mooncake Store: all, evicted or none (empty: --l2-write if given, else all)")
     l2_write: str = _setting(
-        "evicted", "what goes to L2: evicted (what L1 evicts), all (every stored chunk, in the background) or none")
+        "", "what goes to every L2 tier not given a policy of its own (--l2-disk-write, --l2-redis-write, "
+            "--l2-mooncake-write): evicted, all or none (empty: each tier's default, evicted for the disk, all for "
+            "the shared tiers)")
     l2_admit: int = _setting(
         1, "a chunk goes to L2 only once stored or looked up this many times (keeps one-off chunks off the disk)")
     l2_queue_size: int | str = _setting(
-        "1GiB", "L2 writes waiting at most (their chunks stay in L1 meanwhile); writes beyond it are dropped")
+        "0", "how much of L1, counted from its eviction end (free memory included), L2 writers keep written ahead, "
+             "and the most one write holds in L1 (0: a quarter of L1; at most half of L1)")
     l2_io_threads: int = _setting(4, "threads of each L2 tier's I/O")
     prefetch_timeout: float = _setting(
         0.5, "seconds a lookup with lock waits for chunks found in L2 to reach L1 before it answers")
@@ -141,8 +153,9 @@ class ServerConfig:
         self.l2_disk_size = parse_size(self.l2_disk_size)
         self.l2_queue_size = parse_size(self.l2_queue_size)
         self.l2_mooncake_segment = parse_size(self.l2_mooncake_segment)
-        if self.l2_write not in L2_WRITE_POLICIES:
-            raise ValueError(f"l2_write must be one of {L2_WRITE_POLICIES}, got {self.l2_write!r}")
+        for name in L2_WRITE_FIELDS:
+            if getattr(self, name) not in ("", *L2_WRITE_POLICIES):
+                raise ValueError(f"{name} must be one of {L2_WRITE_POLICIES}, got {getattr(self, name)!r}")
         if self.l2_admit < 1 or self.l2_io_threads < 1 or self.max_prefetches < 0:
             raise ValueError("l2_admit and l2_io_threads must be at least 1, max_prefetches not negative")
         if self.l2_redis:
@@ -191,6 +204,11 @@ class ServerConfig:
             raise ValueError("lease_ttl and heartbeat_timeout must be positive")
         if self.direct_ctas <= 0:
             raise ValueError("direct_ctas must be positive")
+
+    def l2_write_of(self, tier: str, default: str) -> str:
+        """The write policy of one tier (disk, redis or mooncake): its own setting, else
+        --l2-write, else the tier's default."""
+        return getattr(self, f"l2_{tier}_write") or self.l2_write or default
 
     @classmethod
     def field_names(cls) -> list[str]:

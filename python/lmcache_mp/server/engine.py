@@ -109,12 +109,13 @@ class MPCacheEngine(RegistrationHandling, EngineCopies):
 
     def _open_l2(self, config: ServerConfig) -> L2Tiers | None:
         """The L2 tiers, nearest first: the local disk, then a shared Valkey/Redis server, then Mooncake."""
-        tiers = []
+        tiers, writes = [], []
         if config.l2_disk:
             from lmcache_mp.storage.l2.disk import DiskTier
 
             try:
                 tiers.append(DiskTier(config.l2_disk, config.l2_disk_size, config.l2_io_threads))
+                writes.append(config.l2_write_of("disk", DiskTier.default_write))
             except (OSError, RuntimeError, ValueError) as e:
                 raise RuntimeError(f"cannot open the L2 disk {config.l2_disk}: {e}") from None
         if config.l2_redis:  # unreachable at start is fine: it is tried again later
@@ -122,15 +123,17 @@ class MPCacheEngine(RegistrationHandling, EngineCopies):
 
             tiers.append(ValkeyTier(config.l2_redis, config.l2_redis_prefix, config.l2_redis_ttl,
                                     connections=config.l2_io_threads, cluster=config.l2_redis_cluster))
+            writes.append(config.l2_write_of("redis", ValkeyTier.default_write))
         if config.l2_mooncake:
             from lmcache_mp.storage.l2.mooncake import MooncakeTier
 
             metadata = config.l2_mooncake_metadata or f"http://{config.l2_mooncake.rsplit(':', 1)[0]}:8080/metadata"
             tiers.append(MooncakeTier(config.l2_mooncake, metadata, self.arena, config.l2_mooncake_segment,
                                       prefix=config.l2_redis_prefix))
+            writes.append(config.l2_write_of("mooncake", MooncakeTier.default_write))
         if not tiers:
             return None
-        return L2Tiers(tiers, self.l1, write=config.l2_write, admit=config.l2_admit,
+        return L2Tiers(tiers, self.l1, writes=writes, admit=config.l2_admit,
                        queue_bytes=config.l2_queue_size, max_prefetches=config.max_prefetches,
                        prefetch_timeout=config.prefetch_timeout)
 
@@ -341,7 +344,7 @@ class MPCacheEngine(RegistrationHandling, EngineCopies):
                       again: Callable[[list], None], ids: list | None = None) -> list | None:
         """The leading stored objects of a retrieve or read, pinned for reading; None when what
         only L2 holds is being loaded first: `again(objs)` then runs the request once more (the
-        chunks found in L1 stay pinned meanwhile, and are the `held` of that run). ids: a list
+        chunks found in L1 and those loaded stay pinned meanwhile, and are the `held` of that run). ids: a list
         that receives the request's checked block ids (retrieves)."""
         mark(reply, "started")
         try:
@@ -361,14 +364,14 @@ class MPCacheEngine(RegistrationHandling, EngineCopies):
             if held:
                 self.l1.end_read(held)
         if held is None and self.l2 is not None and len(objs) < len(keys):
-            # Load what L2 has, then run again; a remote tier is asked from the L2 reader thread,
-            # not from here.
+            # Load what L2 has, then run again (the chunks found in L1 and those loaded stay
+            # pinned meanwhile); a remote tier is asked from the L2 reader thread, not from here.
             if self.l2.remote:
-                self.l2.load_keys(keys[len(objs):], lambda: again(objs))
+                self.l2.load_keys(keys[len(objs):], lambda loaded: again(objs + loaded))
                 return None
             found = self.l2.find_keys(keys[len(objs):])
             if found:
-                self.l2.load(found, lambda: again(objs))
+                self.l2.load(found, lambda loaded: again(objs + loaded))
                 return None
         return objs
 

@@ -85,11 +85,13 @@ class StatusCollector:
 def _l2_metrics(l2: dict):
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    yield GaugeMetricFamily("lmcache_mp_l2_queue_objects", "L2 writes waiting", value=l2["queue_objects"])
-    yield GaugeMetricFamily("lmcache_mp_l2_queue_bytes", "bytes of the L2 writes waiting", value=l2["queue_bytes"])
+    yield GaugeMetricFamily("lmcache_mp_l2_queue_objects", "L2 writes listed (write-through) or in flight",
+                            value=l2["queue_objects"])
+    yield GaugeMetricFamily("lmcache_mp_l2_queue_bytes", "bytes of the L2 writes in flight", value=l2["queue_bytes"])
     yield GaugeMetricFamily("lmcache_mp_l2_prefetching", "lookups waiting for L2 chunks", value=l2["prefetching"])
     for name, help_ in (("written", "chunks written to L2"), ("write_errors", "L2 writes that failed"),
-                        ("dropped_writes", "L2 writes dropped because the queue was full"),
+                        ("dropped_writes", "L2 writes dropped: chunks that left L1 unwritten, and the chunks after "
+                                           "them in their prompts"),
                         ("loaded", "chunks loaded from L2 into L1"), ("prefetches", "lookups that loaded L2 chunks"),
                         ("prefetch_timeouts", "lookups answered at the prefetch deadline"),
                         ("prefetches_refused", "lookups answered from L1 alone: too many prefetches at once")):
@@ -97,7 +99,7 @@ def _l2_metrics(l2: dict):
     gauges = (("bytes_used", "bytes"), ("objects", "objects"), ("capacity", "capacity_bytes"))
     counters = (("hits", "hits"), ("misses", "misses"), ("read_corrupt", "corrupt"), ("read_errors", "read_errors"),
                 ("errors", "errors"), ("evictions", "evictions"), ("read_bytes", "read_bytes"),
-                ("write_bytes", "written_bytes"))
+                ("write_bytes", "written_bytes"), ("written", "written_chunks"), ("dropped_writes", "dropped_writes"))
     for field, suffix in gauges:
         g = GaugeMetricFamily(f"lmcache_mp_l2_tier_{suffix}", f"L2 tier {field}", labels=["tier"])
         for t in l2["tiers"]:

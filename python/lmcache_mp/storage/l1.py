@@ -12,12 +12,10 @@ takes a whole slab from another size by moving that slab's live objects, never b
 Leases (storage/leases.py): lookup(lock=True) opens a named lease on the found prefix; only
 retrieves that name it consume it.
 
-L2 (storage/l2/): `offer_l2`, when set, is asked (lock held) whether an object should be written
-to L2, when it is used (stored, looked up) and when it is about to be evicted; `spill_ahead`
-hands out the oldest unwritten objects while L1 is nearly full. An object whose write is queued
-keeps its place in the LRU list but is not freed or moved until the write has read its bytes
-(`l2_written`); one accepted at eviction is freed then, unless it was used again meanwhile, and
-the allocation evicts the next victim instead.
+L2 (storage/l1_writeback.py): which objects the L2 tiers' writers take, in prefix order, and
+which victim eviction picks (a clean one before a dirty one near the eviction end). An object
+being written to L2 keeps its place in the LRU list but is not freed or moved until the write
+has read its bytes.
 
 All methods are thread-safe under one lock, which no call holds for long: requests are worked
 through in slices of at most SLICE keys with the lock released between them, object moves copy
@@ -35,6 +33,7 @@ from typing import Callable, Collection, NamedTuple, Sequence
 
 from lmcache_mp.storage.l1_journal import free_record
 from lmcache_mp.storage.l1_persist import L1Persistence
+from lmcache_mp.storage.l1_writeback import L1Writeback
 from lmcache_mp.storage.index import PART_MASK, Lru, OffsetShards, Shards
 from lmcache_mp.storage.leases import Lease, LeaseTable
 from lmcache_mp.storage.slab_moves import MAX_MOVES, SlabMove, SlabMoves
@@ -68,9 +67,10 @@ class L1Object:
     leases: int = 0  # leases holding it
     waiters: list | None = None  # called with True/False once written/abandoned
     uses: int = 0  # stores and lookup hits: what L2 admission counts
-    in_l2: bool = False  # a copy is in L2 (written there or loaded from there)
-    l2_queued: bool = False  # its L2 write is queued or running: not freed or moved until it has read it
-    spill: bool = False  # evicted while its L2 write was queued: freed once written, unless used again
+    prev: L1Object | None = field(default=None, repr=False)  # the chunk before it in its store (l1_writeback.py)
+    l2_copies: int = 0  # bits of the L2 tiers that hold a copy (written there or loaded from there)
+    l2_writing: int = 0  # bits of the L2 tiers writing it now: not freed or moved until they have read it
+    l2_lost: int = 0  # bits of the L2 tiers it never reaches (left L1 unwritten, or a write failed)
     checksum: int | None = None  # of its bytes, once summed for the journal (storage/l1_persist.py)
     older: L1Object | None = field(default=None, repr=False)  # neighbours in the LRU list (index.Lru)
     newer: L1Object | None = field(default=None, repr=False)
@@ -87,11 +87,10 @@ class StorePlan:
     pending: list[L1Object] = field(default_factory=list)  # being written by another request
 
 
-class L1Store(SlabMoves, L1Persistence):
+class L1Store(SlabMoves, L1Persistence, L1Writeback):
     def __init__(self, arena, clock: Callable[[], float] = time.monotonic):
         self.arena = arena
         self._clock = clock
-        self.offer_l2: Callable[[L1Object, bool], bool] | None = None  # (object, evicting) -> accepted
         self.on_commit: Callable[[int], None] | None = None  # (objects committed), called without the lock
         self._lock = threading.Lock()
         # (model, world_size, rank, salt) -> digest -> object: a lookup walks one index per rank
@@ -104,7 +103,7 @@ class L1Store(SlabMoves, L1Persistence):
         self._evicted: dict[int, int] = {}  # size class -> objects evicted
         self._committed = 0
         self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "moved": 0, "slab_moves": 0,
-                         "spilled": 0, "cleared": 0, "replaced": 0, "format_mismatches": 0}
+                         "cleared": 0, "replaced": 0, "format_mismatches": 0}
         self._mismatches_logged: set[str] = set()
 
     def _pause(self) -> None:
@@ -139,7 +138,7 @@ class L1Store(SlabMoves, L1Persistence):
         return obj.committed and obj.readers == 0 and not obj.leases
 
     def _evictable(self, obj: L1Object) -> bool:
-        return self._parkable(obj) and not obj.moving and not obj.l2_queued
+        return self._parkable(obj) and not obj.moving and not obj.l2_writing
 
     def _park(self, obj: L1Object) -> None:
         """Put obj at the most-recently-used end of the LRU list if nothing holds it."""
@@ -153,58 +152,12 @@ class L1Store(SlabMoves, L1Persistence):
 
     def _use(self, obj: L1Object) -> None:
         obj.uses += 1
-        obj.spill = False  # used again: it stays in L1
-        self._offer(obj, False)
-
-    def _offer(self, obj: L1Object, evicting: bool) -> bool:
-        """Queue obj's L2 write if the L2 tier takes it; it is then read until written."""
-        if self.offer_l2 is None or obj.in_l2 or obj.l2_queued or not obj.committed:
-            return False
-        if not self.offer_l2(obj, evicting):
-            return False
-        obj.l2_queued = True
-        if evicting:
-            obj.spill = True
-            self.counters["spilled"] += 1
-        return True
-
-    def l2_written(self, results: Sequence[tuple[L1Object, bool]]) -> None:
-        """L2 writes have read these objects' bytes (ok: the copy is in L2). An object evicted
-        meanwhile and not used since is freed now."""
-        with self._lock:
-            for i, (obj, ok) in enumerate(results):
-                if i and i % SLICE == 0:
-                    self._pause()
-                obj.l2_queued = False
-                obj.in_l2 = obj.in_l2 or ok
-                if obj.spill and self._evictable(obj):
-                    self._free(obj)
-                    self.counters["evicted"] += 1
-                    self._evicted[obj.size_class] = self._evicted.get(obj.size_class, 0) + 1
-                obj.spill = False
-
-    def spill_ahead(self, admit: int, max_bytes: int, dry: bool = False, scan: int = 256) -> list[L1Object] | None:
-        """While less than an eighth of L1 is free: the oldest evictable objects not yet in L2
-        (used at least `admit` times), up to max_bytes, marked as queued for L2 (dry: only
-        found); None while more is free. Writing them before they are evicted keeps evictions
-        from dropping them."""
-        st = self.arena.stats()
-        if st["free_slabs"] * st["slab_bytes"] >= st["capacity"] // 8:
-            return None
-        out, size = [], 0
-        with self._lock:
-            for obj in itertools.islice(self._lru.oldest(), scan):
-                if not obj.in_l2 and not obj.l2_queued and not obj.moving and obj.uses >= admit:
-                    if out and size + obj.nbytes > max_bytes:
-                        break
-                    if not dry:
-                        obj.l2_queued = True
-                    out.append(obj)
-                    size += obj.nbytes
-        return out
+        self._l2_admitted(obj)
 
     def _free(self, obj: L1Object) -> None:
         self._unpark(obj)
+        if self.l2_wanted:
+            self._l2_leaving(obj)
         space = self._spaces.get(self._space_of(obj.key))
         if space is not None and space.remove(obj.key.digest, obj) and not space:
             del self._spaces[self._space_of(obj.key)]
@@ -237,6 +190,7 @@ class L1Store(SlabMoves, L1Persistence):
             cls = self._size_class(object_bytes)
             slot_bytes = self.arena.slot_bytes(cls)
             i = moves = 0
+            last = None  # the object of the chunk before: its prefix, for L2 writes
             while i < len(keys):
                 if i and i % SLICE == 0:
                     self._pause()
@@ -256,6 +210,9 @@ class L1Store(SlabMoves, L1Persistence):
                         self._park(obj)  # a store of existing data counts as a use
                     else:
                         plan.pending.append(obj)
+                    if last is not None and obj.prev is not last:
+                        obj.prev, obj.l2_lost = last, 0  # its prefix is this store's now
+                    last = obj
                     i += 1
                     continue
                 got = self._allocate(cls, moves < MAX_MOVES)
@@ -266,7 +223,9 @@ class L1Store(SlabMoves, L1Persistence):
                 if got < 0:
                     plan.skipped = len(keys) - i
                     break
-                obj = L1Object(key=key, offset=got, size_class=cls, nbytes=slot_bytes, format_key=format_key)
+                obj = L1Object(key=key, offset=got, size_class=cls, nbytes=slot_bytes, format_key=format_key,
+                               prev=last)
+                last = obj
                 self._put(obj)
                 plan.indices.append(i)
                 plan.objects.append(obj)
@@ -274,14 +233,14 @@ class L1Store(SlabMoves, L1Persistence):
         return plan
 
     def commit(self, plan: StorePlan, from_l2: bool = False) -> None:
-        """The plan's bytes have landed; from_l2: they were loaded from L2 (no need to write them back)."""
+        """The plan's bytes have landed; from_l2: they were loaded from L2 (not a use; the loader
+        set the tiers they came from in l2_copies)."""
         waiters = []
         with self._lock:
             for i, obj in enumerate(plan.objects):
                 if i and i % SLICE == 0:
                     self._pause()
                 obj.committed = True
-                obj.in_l2 = from_l2
                 self._committed += 1
                 self._park(obj)
                 if not from_l2:
@@ -356,7 +315,6 @@ class L1Store(SlabMoves, L1Persistence):
                     self._format_mismatch(key.model, obj.format_key, format_key)
                     break
                 obj.readers += 1
-                obj.spill = False  # read again: stays in L1
                 self._unpark(obj)
                 if held is not None:
                     self._leases.consume(held, obj)
@@ -490,7 +448,7 @@ class L1Store(SlabMoves, L1Persistence):
         with self._lock:
             self._unhold(self._leases.clear())
             while True:
-                victims = list(itertools.islice((o for o in self._lru.oldest() if not o.moving and not o.l2_queued),
+                victims = list(itertools.islice((o for o in self._lru.oldest() if not o.moving and not o.l2_writing),
                                                 SLICE))
                 for obj in victims:
                     self._free(obj)

@@ -26,11 +26,6 @@ from lmcache_mp.storage.l1_journal import free_record
 MAX_MOVES = 3  # slab moves one allocation may try (a move is abandoned when a reader arrives)
 
 
-def _busy(obj) -> bool:
-    """Not a victim now: being moved, or its L2 write has yet to read it."""
-    return obj.moving or obj.l2_queued
-
-
 @dataclass
 class SlabMove:
     """Objects of a draining slab and the free slots of their size they are copied to."""
@@ -43,13 +38,12 @@ class SlabMove:
 
 class SlabMoves:
     """Allocation across sizes for L1Store: expects its `arena`, `_lock`, `_lru`, `_at`, `_free`,
-    `_offer`, `_evicted` and `counters`; every method but size_stats runs with the lock held."""
+    `_victim`, `_evicting`, `_evicted` and `counters`; every method but size_stats runs with the lock held."""
 
     def _allocate(self, cls: int, may_move: bool) -> int | SlabMove:
         """A slot of class cls: its offset, -1 when nothing evictable is left, or a slab move
         the caller runs without the lock (then asks again)."""
         donors = None  # listed only when the arena has no free slot of cls (not the usual case)
-        spilled = False
         while True:
             off = self.arena.allocate(cls)
             if off >= 0:
@@ -60,14 +54,10 @@ class SlabMoves:
                 move = self._plan_slab_move(donor)
                 if move is not None:
                     return move
-            victim = self._lru.first(_busy)
+            victim = self._victim()
             if victim is None or (not may_move and victim.size_class != cls):
                 return -1  # nothing to evict, or only victims whose memory could not reach cls
-            if not spilled and self._offer(victim, True):
-                # It leaves once written to L2; the next victim frees memory now, unwritten if
-                # need be: one allocation never holds up more than one victim.
-                spilled = True
-                continue
+            self._evicting(victim)
             self._free(victim)
             self.counters["evicted"] += 1
             self._evicted[victim.size_class] = self._evicted.get(victim.size_class, 0) + 1
@@ -80,7 +70,7 @@ class SlabMoves:
             return None
         for slab in self.arena.drain_candidates(cls, 4):
             objs = [self._at[off] for off in self.arena.slab_objects(slab)]
-            if any(o.moving or o.readers or o.l2_queued or not o.committed for o in objs):
+            if any(o.moving or o.readers or o.l2_writing or not o.committed for o in objs):
                 continue
             self.arena.drain(slab)
             dst = [self.arena.allocate(cls) for _ in objs]  # never the draining slab

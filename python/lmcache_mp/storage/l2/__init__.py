@@ -74,6 +74,7 @@ class L2Backend:
     which must answer from memory)."""
 
     name = "l2"
+    default_write = "evicted"  # what is written to it unless configured (writers.py): a shared tier says "all"
 
     def put(self, keys: list[bytes], formats: list[bytes], ptrs: list[int], sizes: list[int]) -> list[bool]:
         """Store each object's bytes; False where it could not (full, I/O error)."""

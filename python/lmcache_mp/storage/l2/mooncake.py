@@ -33,6 +33,7 @@ RETRY_S = 5.0  # a store that failed to set up is tried again after this long
 class MooncakeTier(L2Backend):
     name = "mooncake"
     local = False
+    default_write = "all"  # shared by every node: written as soon as stored, so that the others find it
 
     def __init__(self, master: str, metadata: str, arena, segment_bytes: int, local_buffer_bytes: int = 64 << 20,
                  prefix: str = "lmcache", protocol: str = "tcp"):

@@ -1,20 +1,20 @@
 """L2Tiers: what goes from L1 to the L2 tiers and back.
 
-Writes. Policy `evicted` writes what L1 is about to evict, `all` every chunk once admitted (both
-in the background), `none` nothing (the tiers are then only read, e.g. a disk kept from an
-earlier run). A chunk is admitted once it was stored or looked up `admit` times, so one-off
-chunks do not churn the tiers. Writes wait in a queue bounded by bytes; when it is full a write
-is dropped and counted, never waited for; it holds at most a quarter of L1. A queued object is
-not freed or moved before its write has read it; one queued at eviction leaves L1 then, unless it
-was used again meanwhile (storage/l1.py). With `evicted`, while L1 is nearly full and the queue
-is empty, the writer also takes the oldest unwritten objects (`spill_ahead`), so that evictions
-find their victims on disk already instead of dropping them. Writes go to every tier.
+Writes. Each tier that takes writes has a writer of its own (writers.py), with its own policy:
+the local disk writes what L1 is about to evict (`evicted`, ahead of the eviction), the shared
+tiers every chunk soon after it is stored (`all`), so that other nodes find it. A chunk is
+admitted once it was stored or looked up `admit` times, so one-off chunks do not churn the tiers.
+Writes keep prefixes whole (storage/l1_writeback.py). `queue_bytes` (0: a quarter of L1, at most
+half of it) is how far from L1's eviction end chunks are written ahead, and the most one write
+holds in L1 at once.
 
 Reads. `find` continues a lookup into the tiers after the L1 prefix (from their in-memory
 indexes). `prefetch` loads found chunks into L1 on the reader thread and calls back once they
 are resident or the prefetch deadline passed, whichever comes first, so that a lookup with lock
-can lease them; at most `max_prefetches` run at once (beyond that a lookup is answered from L1
-alone). `load` does the same for a retrieve that names chunks only L2 has.
+can lease them; the chunks it loads stay pinned until then, so a prefix longer than L1 has room
+for loads as much of it as fits and leases that. At most `max_prefetches` run at once (beyond
+that a lookup is answered from L1 alone). `load` does the same for a retrieve that names chunks
+only L2 has.
 
 Keys and formats are stored as msgpack of the L1 key and of the layout's format key.
 """
@@ -31,23 +31,18 @@ from typing import Callable, NamedTuple, Sequence
 
 import msgspec
 
+from lmcache_mp.config import format_size
 from lmcache_mp.storage.l1 import SHARED_RANK, L1Object, L1Store, ObjectKey, StorePlan
 from lmcache_mp.storage.l1_journal import format_key_from
 from lmcache_mp.storage.l2 import CORRUPT, FORMAT_MISMATCH, IO_ERROR, MISS, L2Backend
+from lmcache_mp.storage.l2.writers import POLICIES, Incident, TierWriter, key_bytes
 
 logger = logging.getLogger(__name__)
 
-WRITE_BATCH_BYTES = 256 << 20  # one put() call: parallel on the tier's I/O threads
 LOAD_BATCH_CHUNKS = 16  # chunks per get() call: a deadline can answer with the chunks loaded so far
-DRAIN_SECONDS = 30.0  # on close, queued writes get this long to finish
-SPILL_AHEAD_POLL = 0.05  # seconds between looks at L1's fill level while the writer is idle
+DRAIN_SECONDS = 30.0  # on close, the writes listed for write-through get this long to finish
 
-_encode = msgspec.msgpack.encode
 _decode = msgspec.msgpack.decode
-
-
-def key_bytes(key: ObjectKey) -> bytes:
-    return _encode((key.model, key.world_size, key.rank, key.digest, key.salt))
 
 
 class Found(NamedTuple):
@@ -103,104 +98,60 @@ class _Deadlines:
         self._thread.join()
 
 
-class _Incident:
-    """Logs a failing operation once when it starts failing and once when it works again."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.failing = False
-
-    def update(self, failed: int, total: int, detail: Callable[[], str]) -> None:
-        if failed and not self.failing:
-            self.failing = True
-            logger.warning("L2 %s failing (%d of %d): %s; requests go on from L1", self.what, failed, total, detail())
-        elif not failed and total and self.failing:
-            self.failing = False
-            logger.info("L2 %s work again", self.what)
-
-
 class L2Tiers:
-    def __init__(self, tiers: Sequence[L2Backend], l1: L1Store, write: str = "evicted", admit: int = 1,
-                 queue_bytes: int = 1 << 30, max_prefetches: int = 64, prefetch_timeout: float = 0.5):
+    def __init__(self, tiers: Sequence[L2Backend], l1: L1Store, writes: Sequence[str] | None = None, admit: int = 1,
+                 queue_bytes: int = 0, max_prefetches: int = 64, prefetch_timeout: float = 0.5):
+        """writes: each tier's policy (evicted, all or none; default: the tier's own)."""
         if not tiers:
             raise ValueError("L2Tiers needs at least one tier")
         self.tiers = list(tiers)
+        writes = list(writes) if writes is not None else [t.default_write for t in self.tiers]
+        if len(writes) != len(self.tiers) or any(w not in POLICIES for w in writes):
+            raise ValueError(f"one write policy of {POLICIES} per tier, got {writes}")
         self.l1 = l1
-        self.write = write
+        self.writes = writes
         self.admit = admit
-        self.queue_limit = min(queue_bytes, l1.arena.capacity // 4)
+        half = l1.arena.capacity // 2
+        self.queue_limit = min(queue_bytes or half // 2, half)
+        if queue_bytes > half:
+            logger.info("L2: --l2-queue-size %s is more than half of L1: %s is used", format_size(queue_bytes),
+                        format_size(half))
         self.max_prefetches = max_prefetches
         self.prefetch_timeout = prefetch_timeout
         self.counters = collections.Counter({k: 0 for k in (
-            "written", "written_ahead", "write_errors", "dropped_writes", "lookup_hits", "loaded", "prefetches",
-            "prefetch_timeouts", "prefetches_refused")})
+            "lookup_hits", "loaded", "prefetches", "prefetch_timeouts", "prefetches_refused")})
         self._tier_counts = [collections.Counter() for _ in self.tiers]
-        self._queue: collections.deque[L1Object] = collections.deque()
-        self._queued_bytes = 0
         self._cv = threading.Condition()
         self._closing = False
         self._prefetching = 0
-        self._writing = 0  # objects of the write in progress
-        self._pressure = False  # L1 was nearly full at the writer's last look
-        self._write_incident = _Incident("writes")
-        self._read_incident = _Incident("reads")
+        self._read_incident = Incident("reads")
         self._deadlines = _Deadlines()
         self._reads: queue.SimpleQueue = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, name="lmcache-l2-writer", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name="lmcache-l2-reader", daemon=True)
-        self._writer.start()
         self._reader.start()
-        if write != "none":
-            l1.offer_l2 = self._offer
+        self.writers = [TierWriter(l1, tier, i, w, self.queue_limit)
+                        for i, (tier, w) in enumerate(zip(self.tiers, writes)) if w != "none"]
+        if self.writers:
+            through = [w for w in self.writers if w.policy == "all"]
+            l1.attach_l2(sum(w.bit for w in self.writers), admit, self._dirty if through else None, self._dropped,
+                         self._evicted)
+            logger.info("L2 writes: %s; written ahead within %s of L1's eviction end",
+                        ", ".join(f"{t.name} {w}" for t, w in zip(self.tiers, writes)), format_size(self.queue_limit))
 
-    # ---- writes ------------------------------------------------------------------------------
+    # ---- writes (writers.py), called by L1 with its lock held ----------------------------------
 
-    def _offer(self, obj: L1Object, evicting: bool) -> bool:
-        """Called by L1 with its lock held: whether to write obj to L2 now."""
-        if not evicting and self.write == "evicted":
-            if self._pressure:  # L1 is nearly full: the writer looks whether to spill ahead
-                with self._cv:
-                    self._cv.notify()
-            return False
-        if (not evicting and self.write != "all") or obj.uses < self.admit:
-            return False
-        with self._cv:
-            if self._closing:
-                return False
-            if self._queued_bytes + obj.nbytes > self.queue_limit:
-                self.counters["dropped_writes"] += 1
-                return False
-            self._queue.append(obj)
-            self._queued_bytes += obj.nbytes
-            self._cv.notify()
-        return True
+    def _dirty(self, obj: L1Object) -> None:
+        for w in self.writers:
+            w.dirty(obj)
 
-    def _next_batch(self) -> tuple[list[L1Object], int] | None:
-        """Queued writes (and their bytes), else objects to spill ahead; None once closing and
-        nothing is queued."""
-        while True:
-            with self._cv:
-                if self._queue:
-                    batch, size = [], 0
-                    while self._queue and (not batch or size + self._queue[0].nbytes <= WRITE_BATCH_BYTES):
-                        obj = self._queue.popleft()
-                        batch.append(obj)
-                        size += obj.nbytes
-                    self._writing = len(batch)
-                    return batch, size
-                if self._closing:
-                    return None
-            if self.write == "evicted":
-                ahead = self.l1.spill_ahead(self.admit, self.queue_limit)
-                self._pressure = ahead is not None
-                if ahead:
-                    self.counters["written_ahead"] += len(ahead)
-                    with self._cv:
-                        self._writing = len(ahead)
-                    return ahead, 0
-            with self._cv:
-                if not self._queue and not self._closing:
-                    self._cv.wait(SPILL_AHEAD_POLL if self.write == "evicted" else None)
+    def _dropped(self, dropped: int, lost: int, n: int) -> None:
+        for w in self.writers:
+            if (dropped | lost) & w.bit:
+                w.dropped(n if dropped & w.bit else 0, n if lost & w.bit else 0)
+
+    def _evicted(self) -> None:
+        for w in self.writers:
+            w.wake()
 
     @property
     def remote(self) -> bool:
@@ -210,37 +161,6 @@ class L2Tiers:
     def run_read(self, fn: Callable[[], None]) -> None:
         """fn on the reader thread (e.g. a lookup that asks a remote tier)."""
         self._reads.put(fn)
-
-    def _write_loop(self) -> None:
-        while True:
-            got = self._next_batch()
-            if got is None:
-                return
-            batch, size = got
-            results = [False] * len(batch)
-            try:
-                sizes = [self.l1.object_bytes(o.size_class) for o in batch]
-                base = self.l1.arena.base
-                args = ([key_bytes(o.key) for o in batch], [self._fmt(o.format_key) for o in batch],
-                        [base + o.offset for o in batch], sizes)
-                for tier in self.tiers:  # every tier: a local disk for this node, a shared one for all
-                    results = [a or b for a, b in zip(results, tier.put(*args))]
-            except Exception as e:  # a tier bug must not leave objects pinned in L1
-                logger.exception("L2 write failed: %s", e)
-            finally:
-                self.l1.l2_written(list(zip(batch, results)))
-                with self._cv:
-                    self._queued_bytes -= size
-                    self._writing = 0
-            written = sum(results)
-            self.counters["written"] += written
-            self.counters["write_errors"] += len(batch) - written
-            self._write_incident.update(len(batch) - written, len(batch), lambda: "; ".join(
-                str(t.stats().get("last_error", "")) for t in self.tiers))
-
-    @staticmethod
-    def _fmt(format_key: tuple) -> bytes:
-        return _encode(format_key)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -283,8 +203,10 @@ class L2Tiers:
         return out
 
     def prefetch(self, chunks: list[list[Found]], answer: Callable[[], None]) -> bool:
-        """Load these chunks into L1, then call answer() once: when they are in, or at the
-        prefetch deadline. False (and nothing done) when too many prefetches run already."""
+        """Load these chunks into L1, then call answer() once: when they are in (or as many of
+        them as fit), or at the prefetch deadline. The chunks loaded stay pinned until answer()
+        returned, so that it can lease them. False (and nothing done) when too many prefetches
+        run already."""
         with self._cv:
             if self._prefetching >= self.max_prefetches or self._closing:
                 self.counters["prefetches_refused"] += 1
@@ -299,13 +221,17 @@ class L2Tiers:
                 answer()
 
         def run() -> None:
+            held: list[L1Object] = []
             try:
-                self._load([f for chunk in chunks for f in chunk])
+                self._load([f for chunk in chunks for f in chunk], held)
             finally:
                 with self._cv:
                     self._prefetching -= 1
-                if first():
-                    answer()
+                try:
+                    if first():
+                        answer()
+                finally:
+                    self.l1.end_read(held)
 
         self._deadlines.at(time.monotonic() + self.prefetch_timeout, at_deadline)
         self._reads.put(run)
@@ -314,9 +240,9 @@ class L2Tiers:
     def lookup_remote(self, find: Callable[[], list[list[Found]]], lock: bool,
                       answer: Callable[[int | None], None]) -> None:
         """For tiers behind a network, the whole L2 part of a lookup runs on the reader thread:
-        find(), and with lock the load of what it found. answer(chunks found) is called once,
-        when done, or answer(None) at the prefetch deadline, whichever comes first: a slow or
-        hung server delays no lookup beyond it."""
+        find(), and with lock the load of what it found (pinned until answered, as prefetch).
+        answer(chunks found) is called once, when done, or answer(None) at the prefetch deadline,
+        whichever comes first: a slow or hung server delays no lookup beyond it."""
         first = _first()
 
         def at_deadline() -> None:
@@ -326,6 +252,7 @@ class L2Tiers:
 
         def run() -> None:
             n = 0
+            held: list[L1Object] = []
             try:
                 found = find()
                 n = len(found)
@@ -334,38 +261,44 @@ class L2Tiers:
                     with self._cv:
                         self._prefetching += 1
                     try:
-                        self._load([f for chunk in found for f in chunk])
+                        self._load([f for chunk in found for f in chunk], held)
                     finally:
                         with self._cv:
                             self._prefetching -= 1
             finally:
-                if first():
-                    answer(n)
+                try:
+                    if first():
+                        answer(n)
+                finally:
+                    self.l1.end_read(held)
 
         self._deadlines.at(time.monotonic() + self.prefetch_timeout, at_deadline)
         self._reads.put(run)
 
-    def load(self, found: list[Found], then: Callable[[], None]) -> None:
-        """Load these objects into L1 on the reader thread, then call then() there."""
+    def load(self, found: list[Found], then: Callable[[list[L1Object]], None]) -> None:
+        """Load these objects into L1 on the reader thread, then call then(pinned) there: the
+        objects loaded, pinned (read) until the caller's end_read."""
 
         def run() -> None:
+            held: list[L1Object] = []
             try:
-                self._load(found)
+                self._load(found, held)
             finally:
-                then()
+                then(held)
 
         self._reads.put(run)
 
-    def load_keys(self, keys: Sequence[ObjectKey], then: Callable[[], None]) -> None:
-        """find_keys and load on the reader thread, then then() there."""
+    def load_keys(self, keys: Sequence[ObjectKey], then: Callable[[list[L1Object]], None]) -> None:
+        """find_keys and load on the reader thread, then then(pinned) there (as load)."""
 
         def run() -> None:
+            held: list[L1Object] = []
             try:
                 found = self.find_keys(keys)
                 if found:
-                    self._load(found)
+                    self._load(found, held)
             finally:
-                then()
+                then(held)
 
         self._reads.put(run)
 
@@ -379,22 +312,20 @@ class L2Tiers:
             except Exception:
                 logger.exception("L2 read failed")
 
-    def _load(self, found: list[Found]) -> int:
-        """Read objects into new L1 objects, in order, a batch at a time; stops at the first one
-        that cannot be placed or read. Returns how many are in L1 now."""
-        done = 0
+    def _load(self, found: list[Found], held: list[L1Object]) -> None:
+        """Read objects into new L1 objects, in order, a batch at a time, each batch pinned (added
+        to held) so that the next cannot evict it; stops at the first one that cannot be placed
+        (L1 has no room left for more of this prefix) or read."""
         for start in range(0, len(found), LOAD_BATCH_CHUNKS):
             batch = found[start:start + LOAD_BATCH_CHUNKS]
             first = batch[0]
             batch = batch[: next((i for i, f in enumerate(batch) if (f.nbytes, f.fmt) != (first.nbytes, first.fmt)),
                                  len(batch))]
-            n = self._load_batch(batch)
-            done += n
+            n = self._load_batch(batch, held)
             if n < len(batch):
                 break
-        return done
 
-    def _load_batch(self, batch: list[Found]) -> int:
+    def _load_batch(self, batch: list[Found], held: list[L1Object]) -> int:
         fmt = format_key_from(_decode(batch[0].fmt))
         plan = self.l1.begin_store([f.key for f in batch], batch[0].nbytes, fmt)
         results: list[int] = []
@@ -413,6 +344,8 @@ class L2Tiers:
                     got = [IO_ERROR] * len(js)
                 for j, r in zip(js, got):
                     results[j] = r
+                    if r == batch[0].nbytes:
+                        plan.objects[j].l2_copies = 1 << t  # (not committed yet: nobody else looks at it)
                     c = self._tier_counts[t]
                     c["hits" if r >= 0 else "misses" if r in (MISS, FORMAT_MISMATCH) else
                       "corrupt" if r == CORRUPT else "errors"] += 1
@@ -435,39 +368,43 @@ class L2Tiers:
             if o is not None and id(o) not in good:
                 break
             n += 1
-        return n
+        pinned = self.l1.begin_read([f.key for f in batch[:n]], fmt) if n else []
+        held += pinned
+        return len(pinned)
 
     # ---- status ------------------------------------------------------------------------------
 
     def stats(self) -> dict:
         with self._cv:
-            depth, queued, writing = len(self._queue), self._queued_bytes, self._writing
             prefetching = self._prefetching
+        writers = {w.bit: w.stats() for w in self.writers}
         tiers = []
-        for tier, counts in zip(self.tiers, self._tier_counts):
+        for i, (tier, counts) in enumerate(zip(self.tiers, self._tier_counts)):
             st = dict(tier.stats())
             st.update(name=tier.name, hits=counts["hits"], misses=counts["misses"], read_corrupt=counts["corrupt"],
                       read_errors=counts["errors"])
+            st.update(writers.get(1 << i, {"write": "none"}))
             for op in ("read", "write"):
                 secs = st.get(f"{op}_seconds", 0)
                 st[f"{op}_GBps"] = round(st.get(f"{op}_bytes", 0) / secs / 1e9, 3) if secs else 0.0
             tiers.append(st)
-        idle = not depth and not writing and not (self.write == "evicted" and self.l1.spill_ahead(
-            self.admit, self.queue_limit, dry=True))
-        return {"write": self.write, "admit": self.admit, "queue_objects": depth, "queue_bytes": queued,
-                "writing": writing, "idle": idle,
-                "queue_limit": self.queue_limit, "prefetching": prefetching, **dict(self.counters), "tiers": tiers}
+        w = list(writers.values())
+        return {"write": {t.name: p for t, p in zip(self.tiers, self.writes)}, "admit": self.admit,
+                "queue_objects": sum(x["listed"] + x["writing"] for x in w),
+                "queue_bytes": sum(x["writing_bytes"] for x in w), "writing": sum(x["writing"] for x in w),
+                "idle": all(x.idle() for x in self.writers), "queue_limit": self.queue_limit,
+                "written": sum(x["written"] for x in w), "write_errors": sum(x["write_errors"] for x in w),
+                "dropped_writes": sum(x["dropped_writes"] for x in w), "prefetching": prefetching,
+                **dict(self.counters), "tiers": tiers}
 
     def close(self) -> None:
-        """Finish the queued writes (for a while), stop the threads, close the tiers."""
+        """Finish the writes listed for write-through (for a while), stop the threads, close the tiers."""
         deadline = time.monotonic() + DRAIN_SECONDS
         with self._cv:
             self._closing = True
-            self._cv.notify_all()
-        self.l1.offer_l2 = None
-        self._writer.join(max(0.0, deadline - time.monotonic()))
-        if self._writer.is_alive():
-            logger.warning("L2: %d queued writes not finished at shutdown", len(self._queue))
+        for w in self.writers:
+            w.close(deadline)
+        self.l1.attach_l2(0, 1, None, None, None)
         self._reads.put(None)
         self._reader.join()
         self._deadlines.stop()

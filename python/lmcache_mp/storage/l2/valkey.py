@@ -184,6 +184,7 @@ class _Node:
 class ValkeyTier(L2Backend):
     name = "valkey"
     local = False
+    default_write = "all"  # shared by every node: written as soon as stored, so that the others find it
 
     def __init__(self, url: str, prefix: str = "lmcache", ttl: float = 0.0, connections: int = 4,
                  timeout: float = 5.0, cluster: bool = False):

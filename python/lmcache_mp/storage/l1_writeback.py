@@ -1,0 +1,205 @@
+"""How L1 hands its chunks to the L2 tiers' writers and picks eviction victims (a part of L1Store,
+which holds the lock and the index).
+
+Each L2 tier that takes writes has a bit (1 << its index). An object records the tiers that hold
+a copy of it (`l2_copies`) and those writing it now (`l2_writing`: the tier reads its bytes, so
+it is neither freed nor moved meanwhile). It is *dirty* for a tier that takes writes once it was
+used (stored, looked up) `l2_admit` times, while that tier has no copy and its prefix is not lost
+there (below).
+
+Whole prefixes. A lookup in L2 is a prefix lookup: chunk k+1 is worth nothing there without
+chunk k. Each object remembers the object of the chunk before it in the store that made it
+(`prev`; a store that names chunks already present links them too). A writer writes an object's
+unwritten predecessors first, in order, and never an object whose prefix is *lost* for its tier:
+some predecessor left L1 (or failed its write) without reaching that tier (`l2_lost`, set as it
+leaves). So a write that is dropped drops the rest of that prompt with it and leaves no fragment
+behind. (A store that names only the new chunks of a prompt starts a chain of its own: the
+request does not say which chunk comes before its first.)
+
+Eviction. The victim is the least recently used evictable object, except that among the oldest
+EVICTION_WINDOW ones a clean object (nothing left to write: written, not admitted, or lost
+anyway) goes before a dirty one. Only when the window holds no clean object does a dirty one
+leave L1 unwritten: a dropped write, counted per tier (`on_l2_drop`), and the chunks after it in
+its prompt are then lost too (counted when they leave).
+
+Writers (`l2_take`) take the dirty objects within `zone` bytes of the eviction end (free memory
+counts toward it), oldest first, plus the rest of a prompt the zone cut; a write-through tier
+also takes those its list of fresh objects names (`on_l2_dirty` fills it). Writing ahead of
+eviction this way, while the tier keeps up, means eviction finds clean victims and drops nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+EVICTION_WINDOW = 64  # oldest evictable objects looked through for a clean one before a dirty one goes
+MAX_CHAIN = 64  # predecessors followed (a longer unwritten run is written from there on)
+SCAN = 1024  # objects one write-ahead pass looks at (under the lock: a bounded walk)
+
+
+def busy(obj) -> bool:
+    """Not a victim now: being moved, or an L2 write has yet to read it."""
+    return obj.moving or obj.l2_writing
+
+
+class L1Writeback:
+    """Expects L1Store's `arena`, `_lock`, `_lru`, `_get` and `counters`; methods with a leading
+    underscore run with the lock held."""
+
+    l2_wanted = 0  # bits of the tiers that take writes (0: no L2 writes; eviction is plain LRU)
+    l2_admit = 1
+    on_l2_dirty: Callable | None = None  # (obj), lock held: obj was just admitted (a write-through list)
+    on_l2_drop: Callable | None = None  # (dropped bits, lost bits, objects), lock held: writes given up
+    on_l2_evict: Callable | None = None  # (), lock held: an allocation evicted (wakes the writers)
+
+    def attach_l2(self, wanted: int, admit: int, on_dirty: Callable | None, on_drop: Callable | None,
+                  on_evict: Callable | None) -> None:
+        """The tiers that take writes (bits; 0: none), the admission count and the writers' hooks."""
+        with self._lock:
+            self.l2_admit = admit
+            self.on_l2_dirty, self.on_l2_drop, self.on_l2_evict = on_dirty, on_drop, on_evict
+            self.l2_wanted = wanted
+
+    def _l2_missing(self, obj) -> int:
+        """Tiers that should receive obj and neither have it nor are writing it."""
+        if obj.uses < self.l2_admit:
+            return 0
+        return self.l2_wanted & ~(obj.l2_copies | obj.l2_writing | obj.l2_lost)
+
+    def _l2_lost_before(self, obj, bits: int) -> int:
+        """Of these tiers, those where a predecessor of obj left L1 without reaching them."""
+        lost = 0
+        p = obj.prev
+        for _ in range(MAX_CHAIN):
+            if p is None or not bits:
+                break
+            have = p.l2_copies | p.l2_writing
+            lost |= bits & p.l2_lost & ~have
+            bits &= ~(have | p.l2_lost)
+            p = p.prev
+        return lost
+
+    def _l2_dirty(self, obj) -> int:
+        missing = self._l2_missing(obj)
+        return missing & ~self._l2_lost_before(obj, missing) if missing else 0
+
+    def _victim(self):
+        """The object to evict next (lock held), or None when nothing is evictable."""
+        if not self.l2_wanted:
+            return self._lru.first(busy)
+        first, seen = None, 0
+        for obj in self._lru.oldest():
+            if busy(obj):
+                continue
+            if not self._l2_dirty(obj):
+                return obj
+            if first is None:
+                first = obj
+            seen += 1
+            if seen >= EVICTION_WINDOW:
+                break
+        return first
+
+    def _evicting(self, victim) -> None:
+        """victim leaves L1 for room (lock held, before it is freed): count the writes it drops."""
+        if not self.l2_wanted:
+            return
+        missing = self._l2_missing(victim)
+        if missing and self.on_l2_drop is not None:
+            lost = self._l2_lost_before(victim, missing)
+            self.on_l2_drop(missing & ~lost, lost, 1)
+        if self.on_l2_evict is not None:
+            self.on_l2_evict()
+
+    def _l2_leaving(self, obj) -> None:
+        """obj leaves L1 (lock held): the tiers without a copy lose it, and the chunks after it."""
+        obj.l2_lost |= self.l2_wanted & ~obj.l2_copies
+
+    def _l2_admitted(self, obj) -> None:
+        if obj.uses == self.l2_admit and self.on_l2_dirty is not None:
+            self.on_l2_dirty(obj)
+
+    def l2_take(self, bit: int, zone: int, max_bytes: int, fresh=None, dry: bool = False) -> list:
+        """For the writer of tier `bit`: the dirty objects to write now, each after its unwritten
+        predecessors, up to about max_bytes, marked as being written there (dry: the first one
+        found, unmarked). First those within `zone` bytes of the eviction end and the rest of a
+        prompt the zone cuts, then those `fresh` (a deque, oldest first) names; one of those that
+        cannot be written yet (a predecessor is still being stored or moved) goes back to it."""
+        st = self.arena.stats()
+        free = st["free_slabs"] * st["slab_bytes"]
+        out: list = []
+        size = 0
+        with self._lock:
+            if zone > free:
+                dist, last = free, None
+                for n, obj in enumerate(self._lru.oldest()):
+                    if n >= SCAN or (dry and out):
+                        break
+                    # past the zone or the batch size, only the rest of the prompt last taken (within reason)
+                    rest = last is not None and obj.prev is last and size < 2 * max_bytes
+                    if (dist >= zone or size >= max_bytes) and not rest:
+                        break
+                    dist += obj.nbytes
+                    got = self._l2_claim(obj, bit, out, dry)
+                    if got > 0:
+                        size += got
+                        last = obj
+            if fresh:
+                retry: list = []
+                listed = iter(list(fresh)) if dry else None
+                while size < max_bytes and not (dry and out):
+                    if dry:
+                        obj = next(listed, None)
+                    else:
+                        obj = fresh.popleft() if fresh else None
+                    if obj is None:
+                        break
+                    got = self._l2_claim(obj, bit, out, dry)
+                    if got < 0:
+                        retry.append(obj)
+                    size += max(got, 0)
+                if retry and not dry:
+                    fresh.extendleft(reversed(retry))
+        return out
+
+    def _l2_claim(self, obj, bit: int, out: list, dry: bool) -> int:
+        """Add obj, after its unwritten predecessors, to out: their bytes; 0 if there is nothing
+        to write, -1 if not now (a predecessor is still being stored or moved)."""
+        if not self._l2_missing(obj) & bit or self._get(obj.key) is not obj or not obj.committed:
+            return 0
+        if obj.moving:
+            return -1
+        chain = [obj]
+        p = obj.prev
+        for _ in range(MAX_CHAIN):
+            if p is None or (p.l2_copies | p.l2_writing) & bit:
+                break
+            if p.l2_lost & bit or self._get(p.key) is not p:  # its prefix is lost there
+                if not dry:
+                    for o in chain:
+                        o.l2_lost |= bit
+                    if self.on_l2_drop is not None:
+                        self.on_l2_drop(0, bit, len(chain))
+                return 0
+            if not p.committed or p.moving:
+                return -1
+            chain.append(p)
+            p = p.prev
+        size = 0
+        for o in reversed(chain):
+            if not dry:
+                o.l2_writing |= bit
+            out.append(o)
+            size += o.nbytes
+        return size
+
+    def l2_written(self, bit: int, results) -> None:
+        """Tier `bit` has read these objects' bytes: (object, ok) pairs. A failed write is not
+        tried again: the object and the chunks after it count as lost there."""
+        with self._lock:
+            for obj, ok in results:
+                obj.l2_writing &= ~bit
+                if ok:
+                    obj.l2_copies |= bit
+                else:
+                    obj.l2_lost |= bit

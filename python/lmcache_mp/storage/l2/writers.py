@@ -1,0 +1,169 @@
+"""TierWriter: what goes from L1 to one L2 tier, on a thread of its own.
+
+Policies, per tier:
+- `evicted` (write-back, the local disk's default): the chunks nearest L1's eviction end are
+  written ahead of it, oldest first: within `zone` bytes of that end (free memory counts toward
+  it). While the tier writes faster than chunks arrive there, eviction finds them written and
+  drops nothing, and chunks that stay in use in L1 are not written at all.
+- `all` (write-through, the default of the shared tiers): every admitted chunk is written soon
+  after it is stored, so that other nodes find it; the chunks nearest eviction still go first.
+- `none`: nothing (the tier is only read).
+
+Writes go in prefix order, a chunk after the chunks before it in its prompt, and when the tier
+cannot keep up it is the prompts at L1's eviction end that lose their unwritten rest, never a
+chunk in the middle of a written prefix (storage/l1_writeback.py). Drops are counted per tier
+and logged as one WARNING with counts, at most once every WARN_EVERY_S.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable
+
+import msgspec
+
+from lmcache_mp.config import format_size
+
+logger = logging.getLogger(__name__)
+
+WRITE_BATCH_BYTES = 256 << 20  # one put() call at most: parallel on the tier's I/O threads
+POLL_S = 0.05  # between looks at L1's eviction end while nothing wakes the writer
+WARN_EVERY_S = 60.0
+FRESH_MAX = 1 << 16  # write-through: objects listed at most (the oldest go unlisted beyond; the write-ahead still sees them)
+POLICIES = ("evicted", "all", "none")
+
+
+class Incident:
+    """Logs a failing operation once when it starts failing and once when it works again."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.failing = False
+
+    def update(self, failed: int, total: int, detail: Callable[[], str]) -> None:
+        if failed and not self.failing:
+            self.failing = True
+            logger.warning("L2 %s failing (%d of %d): %s; requests go on from L1", self.what, failed, total, detail())
+        elif not failed and total and self.failing:
+            self.failing = False
+            logger.info("L2 %s work again", self.what)
+
+
+def key_bytes(key) -> bytes:
+    return msgspec.msgpack.encode((key.model, key.world_size, key.rank, key.digest, key.salt))
+
+
+def format_bytes(format_key: tuple) -> bytes:
+    return msgspec.msgpack.encode(format_key)
+
+
+class TierWriter:
+    def __init__(self, l1, tier, index: int, policy: str, zone: int):
+        if policy not in ("evicted", "all"):
+            raise ValueError(f"a writer's policy is evicted or all, got {policy!r}")
+        self.l1, self.tier, self.policy, self.zone = l1, tier, policy, zone
+        self.bit = 1 << index
+        self.batch_bytes = max(1, min(WRITE_BATCH_BYTES, zone))
+        self.fresh: collections.deque | None = collections.deque(maxlen=FRESH_MAX) if policy == "all" else None
+        self.counts = collections.Counter({k: 0 for k in ("written", "write_errors", "dropped", "lost")})
+        self.written_bytes = 0
+        self.writing = self.writing_bytes = 0  # the write in flight
+        self._incident = Incident(f"writes to {tier.name}")
+        self._wake = threading.Event()
+        self._closing = False
+        self._deadline = float("inf")
+        self._warned = (time.monotonic(), 0, 0, 0, 0)  # when, dropped, lost, written, bytes written
+        self._next_warning = 0.0
+        self._thread = threading.Thread(target=self._loop, name=f"lmcache-l2-writer-{tier.name}", daemon=True)
+        self._thread.start()
+
+    # called by L1 with its lock held: cheap
+    def dirty(self, obj) -> None:
+        if self.fresh is not None:
+            self.fresh.append(obj)
+            self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def dropped(self, dropped: int, lost: int) -> None:
+        self.counts["dropped"] += dropped
+        self.counts["lost"] += lost
+
+    # ---- the thread ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            closing = self._closing
+            if closing and time.monotonic() > self._deadline:
+                return
+            # closing: what write-through still has listed, nothing ahead of eviction any more
+            batch = self.l1.l2_take(self.bit, 0 if closing else self.zone, self.batch_bytes, self.fresh)
+            if batch:
+                self._write(batch)
+            self._warn_drops()
+            if not batch:
+                if closing:
+                    return
+                self._wake.wait(POLL_S)
+                self._wake.clear()
+
+    def _write(self, batch: list) -> None:
+        l1 = self.l1
+        sizes = [l1.object_bytes(o.size_class) for o in batch]
+        self.writing, self.writing_bytes = len(batch), sum(sizes)
+        results = [False] * len(batch)
+        try:
+            base = l1.arena.base
+            results = self.tier.put([key_bytes(o.key) for o in batch], [format_bytes(o.format_key) for o in batch],
+                                    [base + o.offset for o in batch], sizes)
+        except Exception as e:  # a tier bug must not leave objects pinned in L1
+            logger.exception("L2 write to %s failed: %s", self.tier.name, e)
+        finally:
+            l1.l2_written(self.bit, zip(batch, results))
+            self.writing = self.writing_bytes = 0
+        written = sum(map(bool, results))
+        self.counts["written"] += written
+        self.counts["write_errors"] += len(batch) - written
+        self.written_bytes += sum(n for n, ok in zip(sizes, results) if ok)
+        self._incident.update(len(batch) - written, len(batch), lambda: str(self.tier.stats().get("last_error", "")))
+
+    def _warn_drops(self) -> None:
+        c = self.counts
+        now = time.monotonic()
+        when, dropped, lost, written, nbytes = self._warned
+        if c["dropped"] + c["lost"] == dropped + lost or now < self._next_warning:
+            return
+        secs = max(now - when, 1e-3)
+        logger.warning(
+            "L2 %s: %d chunk writes dropped in the last %.0f s (%d chunks left L1 unwritten, taking %d later chunks "
+            "of their prompts with them); %d chunks (%s) written meanwhile. Stores come faster than the tier writes; "
+            "they go on from L1: give the tier more bandwidth, or L1 more memory",
+            self.tier.name, c["dropped"] - dropped + c["lost"] - lost, secs, c["dropped"] - dropped,
+            c["lost"] - lost, c["written"] - written, format_size(self.written_bytes - nbytes))
+        self._warned = (now, c["dropped"], c["lost"], c["written"], self.written_bytes)
+        self._next_warning = now + WARN_EVERY_S
+
+    # ---- status and shutdown ---------------------------------------------------------------------
+
+    def idle(self) -> bool:
+        """Nothing being written, and nothing it would write now."""
+        return not self.writing and not self.l1.l2_take(self.bit, self.zone, self.batch_bytes, self.fresh, dry=True)
+
+    def stats(self) -> dict:
+        return {"write": self.policy, "written": self.counts["written"], "write_errors": self.counts["write_errors"],
+                "dropped_writes": self.counts["dropped"] + self.counts["lost"],
+                "dropped_evicted": self.counts["dropped"], "listed": len(self.fresh or ()),
+                "writing": self.writing, "writing_bytes": self.writing_bytes}
+
+    def close(self, deadline: float) -> None:
+        """Write what write-through still has listed (until deadline), then stop."""
+        self._deadline = deadline
+        self._closing = True
+        self._wake.set()
+        self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if self._thread.is_alive():
+            logger.warning("L2 %s: %d listed writes not finished at shutdown", self.tier.name, len(self.fresh or ()))

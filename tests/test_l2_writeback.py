@@ -1,0 +1,133 @@
+"""What L1 hands to the L2 writers and what it evicts (storage/l1_writeback.py), without threads:
+writes go in prefix order, a chunk that leaves L1 unwritten takes the rest of its prompt with it
+(no fragments), eviction takes a clean chunk before a dirty one near the eviction end, and
+chunks being written are neither evicted nor lost."""
+
+from __future__ import annotations
+
+import collections
+
+from lmcache_mp.native import HostArena
+from lmcache_mp.storage.l1 import L1Store, ObjectKey
+
+FMT = ("tokens", 2, 1, 16, "uint8")
+DISK = 1  # the bit of tier 0
+N = 4096
+
+
+class Drops:
+    def __init__(self):
+        self.dropped = self.lost = 0
+
+    def __call__(self, dropped: int, lost: int, n: int) -> None:
+        self.dropped += n if dropped & DISK else 0
+        self.lost += n if lost & DISK else 0
+
+
+def l1_of(slots: int, admit: int = 1) -> tuple[L1Store, Drops]:
+    l1 = L1Store(HostArena(slots * N, N))
+    drops = Drops()
+    l1.attach_l2(DISK, admit, None, drops, None)
+    return l1, drops
+
+
+def keys_of(prompt: str, chunks: int) -> list[ObjectKey]:
+    return [ObjectKey("m", 1, 0, f"{prompt}{i}".encode().ljust(16, b"."), b"") for i in range(chunks)]
+
+
+def store(l1: L1Store, keys) -> int:
+    plan = l1.begin_store(keys, N, FMT)
+    l1.commit(plan)
+    return len(plan.objects) + plan.present
+
+
+def names(objs) -> list[str]:
+    return [o.key.digest.rstrip(b".").decode() for o in objs]
+
+
+def write(l1: L1Store, objs, ok: bool = True) -> None:
+    l1.l2_written(DISK, [(o, ok) for o in objs])
+
+
+def test_writes_go_in_prefix_order_whatever_the_lru_order():
+    l1, _ = l1_of(16)
+    a = keys_of("a", 4)
+    store(l1, a)
+    assert l1.lookup("m", 1, [a[0].digest])[0] == 1  # a0 is now the newest: LRU order a1 a2 a3 a0
+    # the zone reaches a1 only: a0 goes first (its prefix), then the rest of the prompt the zone cut
+    zone = l1.arena.stats()["free_slabs"] * l1.arena.stats()["slab_bytes"] + 1
+    got = l1.l2_take(DISK, zone, 1 << 20)
+    assert names(got) == ["a0", "a1", "a2", "a3"]
+    assert l1.l2_take(DISK, 1 << 30, 1 << 20) == []  # being written: not handed out twice
+    write(l1, got)
+    assert l1.l2_take(DISK, 1 << 30, 1 << 20) == []  # written: clean
+
+
+def test_a_chunk_evicted_unwritten_drops_the_rest_of_its_prompt_and_nothing_else():
+    l1, drops = l1_of(8)
+    a, b, c = keys_of("a", 4), keys_of("b", 4), keys_of("c", 2)
+    store(l1, a)
+    store(l1, b)  # L1 is full, nothing written yet
+    assert store(l1, c[:1]) == 1  # evicts a0, dirty: a dropped write
+    assert (drops.dropped, drops.lost) == (1, 0)
+    assert store(l1, c) == 2  # a1 goes next: lost already (its prefix is gone), so no more drops
+    assert (drops.dropped, drops.lost) == (1, 1)
+    got = l1.l2_take(DISK, 1 << 30, 1 << 20)
+    assert names(got) == ["b0", "b1", "b2", "b3", "c0", "c1"]  # a2 and a3 are never written
+    assert (drops.dropped, drops.lost) == (1, 3)
+    write(l1, got)
+    assert store(l1, keys_of("d", 2)) == 2  # evicts a2 and a3: counted once already
+    assert (drops.dropped, drops.lost) == (1, 3)
+
+
+def test_eviction_takes_a_clean_chunk_before_a_dirty_one_near_the_eviction_end():
+    l1, drops = l1_of(8)
+    a, b = keys_of("a", 4), keys_of("b", 4)
+    store(l1, a)
+    store(l1, b)
+    listed = collections.deque(l1.begin_read(b, FMT))  # b's objects, as a write-through list names them
+    l1.end_read(list(listed))
+    got = l1.l2_take(DISK, 0, 1 << 20, fresh=listed)
+    assert names(got) == ["b0", "b1", "b2", "b3"] and not listed
+    write(l1, got)
+    assert store(l1, keys_of("c", 2)) == 2  # a is older, but b is written: b0 and b1 make room
+    assert all(l1.contains(k) for k in a) and not l1.contains(b[0]) and not l1.contains(b[1])
+    assert drops.dropped == drops.lost == 0
+    got = l1.l2_take(DISK, 1 << 30, 1 << 20)
+    assert names(got) == ["a0", "a1", "a2", "a3", "c0", "c1"]
+
+
+def test_chunks_being_written_stay_until_written_and_a_failed_write_is_not_tried_again():
+    l1, drops = l1_of(8)
+    a, b = keys_of("a", 4), keys_of("b", 4)
+    store(l1, a)
+    store(l1, b)
+    got = l1.l2_take(DISK, 1 << 30, 4 * N)  # a batch of four: prompt a
+    assert names(got) == ["a0", "a1", "a2", "a3"]
+    assert store(l1, keys_of("c", 2)) == 2  # a is being written: b0 and b1 go instead, unwritten
+    assert all(l1.contains(k) for k in a) and drops.dropped == 1 and drops.lost == 1
+    write(l1, got[:2])
+    write(l1, got[2:], ok=False)  # a2 and a3 failed
+    assert names(l1.l2_take(DISK, 1 << 30, 1 << 20)) == ["c0", "c1"]  # not a2 or a3, nor b2 and b3 (lost)
+    assert drops.lost == 3  # b1, b2, b3
+
+
+def test_a_store_that_names_present_chunks_links_its_new_ones_to_them():
+    l1, drops = l1_of(8)
+    a = keys_of("a", 4)
+    store(l1, a[:2])
+    got = l1.l2_take(DISK, 1 << 30, 1 << 20)
+    write(l1, got)
+    store(l1, a)  # a0 and a1 present (written), a2 and a3 new: their prefix is a0 a1
+    assert names(l1.l2_take(DISK, 1 << 30, 1 << 20)) == ["a2", "a3"]
+
+
+def test_one_off_chunks_are_clean_and_admission_counts_uses():
+    l1, drops = l1_of(4, admit=2)
+    a, b = keys_of("a", 2), keys_of("b", 2)
+    store(l1, a)
+    assert l1.lookup("m", 1, [k.digest for k in a])[0] == 2  # a used twice: admitted
+    store(l1, b)  # used once
+    assert names(l1.l2_take(DISK, 1 << 30, 1 << 20)) == ["a0", "a1"]
+    store(l1, keys_of("c", 2))  # a is being written; b, one-off, leaves without a dropped write
+    assert not l1.contains(b[0]) and not l1.contains(b[1]) and drops.dropped == drops.lost == 0
