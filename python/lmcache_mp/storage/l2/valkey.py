@@ -21,6 +21,7 @@ the map, ASK is followed once, and a node that fails makes the map reload (a fai
 
 from __future__ import annotations
 
+import binascii
 import collections
 import concurrent.futures
 import ctypes
@@ -100,23 +101,15 @@ def _view(ptr: int, n: int) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
 
 
-def _crc16(data: bytes) -> int:
-    """CRC16-XMODEM: the cluster's key-to-slot hash."""
-    crc = 0
-    for b in data:
-        crc ^= b << 8
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x1021) & 0xFFFF if crc & 0x8000 else (crc << 1) & 0xFFFF
-    return crc
-
-
 def key_slot(key: bytes) -> int:
+    """The cluster's key-to-slot hash: CRC16-XMODEM (binascii's crc_hqx from 0, in C: a loop in
+    Python took 57 us a key, 4 ms of a 64-chunk lookup) of the key's hash tag."""
     start = key.find(b"{")
     if start >= 0:
         end = key.find(b"}", start + 1)
         if end > start + 1:
             key = key[start + 1:end]
-    return _crc16(key) % SLOTS
+    return binascii.crc_hqx(key, 0) % SLOTS
 
 
 class _Redirect(NamedTuple):
