@@ -193,7 +193,8 @@ class ValkeyTier(L2Backend):
         self._ttl_ms = int(ttl * 1000)
         self._timeout = timeout
         self._connections = connections
-        self._parallel = concurrent.futures.ThreadPoolExecutor(4 * connections, thread_name_prefix="lmcache-valkey")
+        # a batch's streams to every primary at once (threads are made as needed: up to 16 primaries)
+        self._parallel = concurrent.futures.ThreadPoolExecutor(16 * connections, thread_name_prefix="lmcache-valkey")
         self._lock = threading.Lock()
         self._nodes: dict[tuple, _Node] = {}
         self._slot_map: list | None = None  # cluster: slot -> primary's address
