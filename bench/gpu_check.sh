@@ -8,10 +8,10 @@
 # "build tests sanitizer bench"; add "peer" for LMCache's self-test, "server" for bench_server,
 # "latency" for 1-chunk requests, "crossproc" for them while the engine process uses the GPU,
 # "l1sizes" for L1 shared by two object sizes, "l2" for the disk tier on L2_BENCH_DIR, "l2net" for
-# Valkey and Mooncake started on loopback; "l2tests" runs the L2 tests, which start them too;
-# "contention" for the engine's throughput and our transfers while it computes, each transfer
-# path ("contentionquick": shorter windows); "persist" for 64-chunk stores with and without
-# --l1-persist). TESTS_LIMIT bounds the gpu tests (seconds, default 600).
+# Valkey (one server, and a cluster of 3 primaries) and Mooncake started on loopback; "l2tests" runs
+# the L2 tests, which start them too; "contention" for the engine's throughput and our transfers
+# while it computes, each transfer path ("contentionquick": shorter windows); "persist" for
+# 64-chunk stores with and without --l1-persist). TESTS_LIMIT bounds the gpu tests (seconds, default 600).
 set -uo pipefail
 LOG=${1:-${OUT:-$PWD/gpu-check-logs}}
 mkdir -p "$LOG"
@@ -52,7 +52,9 @@ for step in $STEPS; do
       for backend in valkey mooncake; do
         run "l2_$backend" 300 python3 bench/bench_l2.py --backend $backend --device cuda --objects 16 \
           --prefix-tokens 8192 --repeat 2 --json "$LOG/bench_l2_$backend.json"
-      done ;;
+      done
+      run l2_valkey_cluster3 300 python3 bench/bench_l2.py --backend valkey --cluster 3 --objects 48 \
+        --tier-runs 5 --tier-only --json "$LOG/bench_l2_valkey_cluster3.json" ;;
     l2tests) run l2tests 300 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider tests/test_l2_valkey.py \
         tests/test_l2_mooncake.py tests/test_l2_nodes.py ;;
     l1sizes) run l1sizes 400 python3 bench/bench_l1_sizes.py --device cuda --l1-size 16GiB \

@@ -75,10 +75,19 @@ def test_a_small_l1_gets_small_slabs():
     (dict(chunk_size=1.5), "chunk_size must be an integer"),
     (dict(chunk_size=True), "chunk_size must be an integer"),
     (dict(lease_ttl="soon"), "lease_ttl must be a number"),
+    (dict(l2_disk_write="sometimes"), "l2_disk_write must be one of"),
 ])
 def test_bad_values_give_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ServerConfig(**kwargs)
+
+
+def test_each_l2_tier_has_its_own_write_policy_and_l2_write_sets_the_rest():
+    c = ServerConfig()
+    assert (c.l2_write_of("disk", "evicted"), c.l2_write_of("redis", "all")) == ("evicted", "all")
+    c = ServerConfig.from_sources(cli={"l2_write": "none", "l2_redis_write": "all"})
+    assert [c.l2_write_of(t, "evicted") for t in ("disk", "redis", "mooncake")] == ["none", "all", "none"]
+    assert ServerConfig().l2_queue_size == 0  # a quarter of L1 (docs/L2.md; the status shows the bytes)
 
 
 def test_log_level_is_case_insensitive():

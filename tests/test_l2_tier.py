@@ -331,8 +331,9 @@ def test_a_burst_keeps_whole_prompts_on_disk_and_says_what_it_dropped(shm_files,
 def test_stores_slower_than_the_disk_lose_nothing(shm_files, servers, clients, tmp_path,  # noqa: F811
                                                   no_internal_errors):  # noqa: F811
     """A store every 50 ms through an L1 of 32 chunks that evicts all the time: the writer keeps the
-    chunks near the eviction end written ahead, so eviction finds them clean and drops nothing."""
-    srv = servers(**l2_settings(tmp_path / "l2", l1_size=f"{32 * 4}KiB"))
+    chunks near the eviction end written ahead (16 chunks: 200 ms of stores), so eviction finds
+    them clean and drops nothing."""
+    srv = servers(**l2_settings(tmp_path / "l2", l1_size=f"{32 * 4}KiB", l2_queue_size="64KiB"))
     c = clients(srv.url)
     kv, h = register_mha(c, num_blocks=128)
     for seed in range(24):
@@ -354,7 +355,7 @@ def test_a_locked_lookup_of_a_disk_prefix_longer_than_l1_leases_what_fits(shm_fi
     store_prompts(c, h, kv, [1], chunks=40, srv=srv)
     assert srv.engine.status()["l2"]["written"] == 40
     srv.stop()
-    srv = servers(**l2_settings(path))  # L1 empty, 40 chunks on disk, L1 holds 16
+    srv = servers(**l2_settings(path, prefetch_timeout=30.0))  # L1 empty, 40 chunks on disk, L1 holds 16
     c = clients(srv.url)
     kv, h = register_mha(c, num_blocks=256)
     hashes = chunk_hashes(w.prompt(1, 40), CHUNK)

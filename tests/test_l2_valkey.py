@@ -116,6 +116,17 @@ def test_two_servers_share_chunks_through_valkey(shm_files, servers, clients, va
     assert st["loaded"] == 8 and st["tiers"][0]["name"] == "valkey" and st["tiers"][0]["reads"] == 8
 
 
+def test_with_the_default_flags_valkey_is_written_through_and_the_disk_ahead_of_eviction(
+        shm_files, servers, clients, valkey, tmp_path, no_internal_errors):  # noqa: F811
+    srv = servers(l1_size="256KiB", l2_disk=str(tmp_path / "disk"), l2_disk_size="64MiB", l2_redis=valkey.url)
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    store_prompts(c, h, kv, [1, 2], srv=srv)  # 8 chunks in an L1 of 64: nothing near eviction
+    st = srv.engine.status()["l2"]
+    assert st["write"] == {"disk": "evicted", "valkey": "all"}
+    assert [(t["name"], t["written"]) for t in st["tiers"]] == [("disk", 0), ("valkey", 8)]
+
+
 def test_valkey_absent_at_start_then_back_then_lost(shm_files, servers, clients, tmp_path, no_internal_errors):  # noqa: F811
     port = free_port()
     srv = servers(l1_size="256KiB", l2_redis=f"redis://127.0.0.1:{port}", l2_write="all", prefetch_timeout=0.5)

@@ -131,3 +131,18 @@ def test_one_off_chunks_are_clean_and_admission_counts_uses():
     assert names(l1.l2_take(DISK, 1 << 30, 1 << 20)) == ["a0", "a1"]
     store(l1, keys_of("c", 2))  # a is being written; b, one-off, leaves without a dropped write
     assert not l1.contains(b[0]) and not l1.contains(b[1]) and drops.dropped == drops.lost == 0
+
+
+def test_a_tier_that_keeps_up_with_the_stores_loses_nothing():
+    """Prompts stream through an L1 of 16 chunks; after each store the writer takes what lies
+    within a quarter of L1 of the eviction end and writes it (a tier as fast as the stores): every
+    chunk that leaves L1 has been written, in prompt order."""
+    l1, drops = l1_of(16)
+    written = []
+    for p in range(40):
+        assert store(l1, keys_of(f"p{p:02d}-", 4)) == 4
+        got = l1.l2_take(DISK, 4 * N, 4 * N)
+        written += names(got)
+        write(l1, got)
+    assert drops.dropped == drops.lost == 0
+    assert written[:4 * 36] == [f"p{p:02d}-{i}" for p in range(36) for i in range(4)]
