@@ -92,7 +92,8 @@ def stores(args, name: str, interval: float) -> dict:
     on_disk = b.l2()["tiers"][0]["objects"]
     b.stop()
     whole = sum(n == 4 for n in counts)
-    return {"prompts": args.prompts, "store_s": took, "store_GBps": 4 * args.prompts * args.chunk_mib * MiB / took / 1e9,
+    nbytes = 4 * args.prompts * args.chunk_mib * MiB
+    return {"prompts": args.prompts, "store_s": took, "store_GBps": nbytes / took / 1e9,
             "written": st["written"], "dropped_writes": st["dropped_writes"], "whole": whole,
             "partial": sum(0 < n < 4 for n in counts), "none": counts.count(0), "chunks_on_disk": on_disk,
             "chunks_not_in_a_whole_prompt": on_disk - 4 * whole, "disk_write_GBps": st["tiers"][0]["write_GBps"]}
@@ -147,8 +148,9 @@ def main() -> int:
               f"{r['whole']} whole, {r['partial']} in part, {r['none']} absent; {r['chunks_on_disk']} chunks on "
               f"disk, {r['chunks_not_in_a_whole_prompt']} of them not in a whole prompt")
     r = out["long"]
-    print(f"long: {r['chunks']} chunks of {r['chunk_mib']} MiB on disk, L1 {args.l1_size}: lookup {r['lookup']}; with lock "
-          f"{r['locked_first']} ({r['locked_first_s']:.2f} s), again {r['locked_second']} ({r['locked_second_s']:.2f} s)")
+    print(f"long: {r['chunks']} chunks of {r['chunk_mib']} MiB on disk, L1 {args.l1_size}: lookup {r['lookup']}; "
+          f"with lock {r['locked_first']} ({r['locked_first_s']:.2f} s), again {r['locked_second']} "
+          f"({r['locked_second_s']:.2f} s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "bench_l2_pressure", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 WRITE_BATCH_BYTES = 256 << 20  # one put() call at most: parallel on the tier's I/O threads
 POLL_S = 0.05  # between looks at L1's eviction end while nothing wakes the writer
 WARN_EVERY_S = 60.0
-FRESH_MAX = 1 << 16  # write-through: objects listed at most (the oldest go unlisted beyond; the write-ahead still sees them)
+FRESH_MAX = 1 << 16  # write-through: objects listed at most (beyond, the oldest go unlisted; the write-ahead sees them)
 POLICIES = ("evicted", "all", "none")
 
 
