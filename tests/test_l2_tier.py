@@ -330,13 +330,13 @@ def test_a_burst_keeps_whole_prompts_on_disk_and_says_what_it_dropped(shm_files,
 
 def test_stores_slower_than_the_disk_lose_nothing(shm_files, servers, clients, tmp_path,  # noqa: F811
                                                   no_internal_errors):  # noqa: F811
-    """A store every 50 ms through an L1 of 32 chunks that evicts all the time: the writer keeps the
-    chunks near the eviction end written ahead (16 chunks: 200 ms of stores), so eviction finds
-    them clean and drops nothing."""
-    srv = servers(**l2_settings(tmp_path / "l2", l1_size=f"{32 * 4}KiB", l2_queue_size="64KiB"))
+    """A store every 50 ms through an L1 of 64 chunks that evicts all the time: the writer keeps the
+    chunks near the eviction end written ahead (32 chunks: 400 ms of stores, a wide margin on a
+    loaded machine), so eviction finds them clean and drops nothing."""
+    srv = servers(**l2_settings(tmp_path / "l2", l1_size=f"{64 * 4}KiB", l2_queue_size="128KiB"))
     c = clients(srv.url)
     kv, h = register_mha(c, num_blocks=128)
-    for seed in range(24):
+    for seed in range(32):
         store_prompts(c, h, kv, [seed])
         time.sleep(0.05)
     writer_idle(srv)
