@@ -3,7 +3,7 @@ with a small L1 and a disk tier, driven by one client (chunks of --chunk-mib MiB
 
   burst     --prompts prompts of 4 chunks stored back to back into --l1-size, then idle: what
             was written and dropped, and after a restart how many prompts the disk serves whole,
-            in part (a prefix) or not at all; chunks on disk that belong to no whole prompt
+            in part (a prefix) or not at all; chunks on disk no lookup reaches (fragments)
   steady    the same with one store every --interval seconds: nothing should be dropped
   long      a prefix of --long-chunks chunks of --long-chunk-mib only on disk (a restarted server), longer than L1:
             a lookup with lock leases the longest prefix that fits (twice), one without lock
@@ -96,7 +96,8 @@ def stores(args, name: str, interval: float) -> dict:
     return {"prompts": args.prompts, "store_s": took, "store_GBps": nbytes / took / 1e9,
             "written": st["written"], "dropped_writes": st["dropped_writes"], "whole": whole,
             "partial": sum(0 < n < 4 for n in counts), "none": counts.count(0), "chunks_on_disk": on_disk,
-            "chunks_not_in_a_whole_prompt": on_disk - 4 * whole, "disk_write_GBps": st["tiers"][0]["write_GBps"]}
+            "chunks_found": sum(counts), "fragments": on_disk - sum(counts),
+            "disk_write_GBps": st["tiers"][0]["write_GBps"]}
 
 
 def long_prefix(args) -> dict:
@@ -146,7 +147,7 @@ def main() -> int:
               f"({r['store_GBps']:.2f} GB/s) into L1 {args.l1_size}; written {r['written']}, dropped "
               f"{r['dropped_writes']} (disk writes {r['disk_write_GBps']:.2f} GB/s); after a restart: "
               f"{r['whole']} whole, {r['partial']} in part, {r['none']} absent; {r['chunks_on_disk']} chunks on "
-              f"disk, {r['chunks_not_in_a_whole_prompt']} of them not in a whole prompt")
+              f"disk, {r['chunks_found']} found by lookups, {r['fragments']} fragments (after a missing chunk)")
     r = out["long"]
     print(f"long: {r['chunks']} chunks of {r['chunk_mib']} MiB on disk, L1 {args.l1_size}: lookup {r['lookup']}; "
           f"with lock {r['locked_first']} ({r['locked_first_s']:.2f} s), again {r['locked_second']} "

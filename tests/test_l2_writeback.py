@@ -54,9 +54,9 @@ def test_writes_go_in_prefix_order_whatever_the_lru_order():
     a = keys_of("a", 4)
     store(l1, a)
     assert l1.lookup("m", 1, [a[0].digest])[0] == 1  # a0 is now the newest: LRU order a1 a2 a3 a0
-    # the zone reaches a1 only: a0 goes first (its prefix), then the rest of the prompt the zone cut
-    zone = l1.arena.stats()["free_slabs"] * l1.arena.stats()["slab_bytes"] + 1
-    got = l1.l2_take(DISK, zone, 1 << 20)
+    # a batch of two chunks begins at a1: a0 goes first (its prefix), and the batch goes on to the
+    # end of the prompt
+    got = l1.l2_take(DISK, 1 << 30, 2 * N)
     assert names(got) == ["a0", "a1", "a2", "a3"]
     assert l1.l2_take(DISK, 1 << 30, 1 << 20) == []  # being written: not handed out twice
     write(l1, got)
@@ -134,9 +134,9 @@ def test_one_off_chunks_are_clean_and_admission_counts_uses():
 
 
 def test_a_tier_that_keeps_up_with_the_stores_loses_nothing():
-    """Prompts stream through an L1 of 16 chunks; after each store the writer takes what lies
-    within a quarter of L1 of the eviction end and writes it (a tier as fast as the stores): every
-    chunk that leaves L1 has been written, in prompt order."""
+    """Prompts stream through an L1 of 16 chunks; after each store the writer takes a batch of a
+    quarter of L1 from the eviction end once less than that is free, and writes it (a tier as fast
+    as the stores): every chunk that leaves L1 has been written, in prompt order."""
     l1, drops = l1_of(16)
     written = []
     for p in range(40):

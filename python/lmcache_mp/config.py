@@ -122,8 +122,8 @@ class ServerConfig:
     l2_admit: int = _setting(
         1, "a chunk goes to L2 only once stored or looked up this many times (keeps one-off chunks off the disk)")
     l2_queue_size: int | str = _setting(
-        "0", "how much of L1, counted from its eviction end (free memory included), L2 writers keep written ahead, "
-             "and the most one write holds in L1 (0: a quarter of L1; at most half of L1)")
+        "0", "L2 writers write ahead of L1's eviction (nearest it first) while less than this much of L1 is free; "
+             "one write holds at most this much of L1 (0: a quarter of L1; at most half of L1)")
     l2_io_threads: int = _setting(4, "threads of each L2 tier's I/O")
     prefetch_timeout: float = _setting(
         0.5, "seconds a lookup with lock waits for chunks found in L2 to reach L1 before it answers")

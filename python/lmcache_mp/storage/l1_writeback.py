@@ -22,10 +22,11 @@ anyway) goes before a dirty one. Only when the window holds no clean object does
 leave L1 unwritten: a dropped write, counted per tier (`on_l2_drop`), and the chunks after it in
 its prompt are then lost too (counted when they leave).
 
-Writers (`l2_take`) take the dirty objects within `zone` bytes of the eviction end (free memory
-counts toward it), oldest first, plus the rest of a prompt the zone cut; a write-through tier
-also takes those its list of fresh objects names (`on_l2_dirty` fills it). Writing ahead of
-eviction this way, while the tier keeps up, means eviction finds clean victims and drops nothing.
+Writers (`l2_take`), while less than `below` bytes of L1 are free: the dirty objects from the
+eviction end on, oldest first, as far as `scan` objects reach, and the whole of a prompt a batch
+begins; a write-through tier also those its list of fresh objects names (`on_l2_dirty` fills it).
+Writing ahead of eviction this way, while the tier keeps up, means eviction finds clean victims
+and drops nothing; a write-back tier's spare bandwidth goes to the chunks nearest eviction first.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Callable
 
 EVICTION_WINDOW = 64  # oldest evictable objects looked through for a clean one before a dirty one goes
 MAX_CHAIN = 64  # predecessors followed (a longer unwritten run is written from there on)
-SCAN = 1024  # objects one write-ahead pass looks at (under the lock: a bounded walk)
+SCAN = 1024  # objects a write-back pass looks at, at most (under the lock: a bounded walk)
 
 
 def busy(obj) -> bool:
@@ -119,27 +120,28 @@ class L1Writeback:
         if obj.uses == self.l2_admit and self.on_l2_dirty is not None:
             self.on_l2_dirty(obj)
 
-    def l2_take(self, bit: int, zone: int, max_bytes: int, fresh=None, dry: bool = False) -> list:
+    def l2_take(self, bit: int, below: int, max_bytes: int, fresh=None, scan: int = SCAN,
+                dry: bool = False) -> list:
         """For the writer of tier `bit`: the dirty objects to write now, each after its unwritten
-        predecessors, up to about max_bytes, marked as being written there (dry: the first one
-        found, unmarked). First those within `zone` bytes of the eviction end and the rest of a
-        prompt the zone cuts, then those `fresh` (a deque, oldest first) names; one of those that
-        cannot be written yet (a predecessor is still being stored or moved) goes back to it."""
+        predecessors, up to about max_bytes (more to finish a prompt), marked as being written
+        there (dry: the first one found, unmarked). While less than `below` bytes are free, those
+        among the `scan` least recently used; then those `fresh` (a deque, oldest first) names;
+        one of those that cannot be written yet (a predecessor is still being stored or moved)
+        goes back to it."""
         st = self.arena.stats()
         free = st["free_slabs"] * st["slab_bytes"]
         out: list = []
         size = 0
         with self._lock:
-            if zone > free:
-                dist, last = free, None
+            if below > free:
+                last = None
                 for n, obj in enumerate(self._lru.oldest()):
-                    if n >= SCAN or (dry and out):
+                    if n >= scan or (dry and out):
                         break
-                    # past the zone or the batch size, only the rest of the prompt last taken (within reason)
+                    # past the batch size, only the rest of the prompt last taken (within reason)
                     rest = last is not None and obj.prev is last and size < 2 * max_bytes
-                    if (dist >= zone or size >= max_bytes) and not rest:
+                    if size >= max_bytes and not rest:
                         break
-                    dist += obj.nbytes
                     got = self._l2_claim(obj, bit, out, dry)
                     if got > 0:
                         size += got

@@ -5,8 +5,8 @@ the local disk writes what L1 is about to evict (`evicted`, ahead of the evictio
 tiers every chunk soon after it is stored (`all`), so that other nodes find it. A chunk is
 admitted once it was stored or looked up `admit` times, so one-off chunks do not churn the tiers.
 Writes keep prefixes whole (storage/l1_writeback.py). `queue_bytes` (0: a quarter of L1, at most
-half of it) is how far from L1's eviction end chunks are written ahead, and the most one write
-holds in L1 at once.
+half of it): write-back writes ahead of eviction while less than that is free, and one write holds
+at most that much of L1.
 
 Reads. `find` continues a lookup into the tiers after the L1 prefix (from their in-memory
 indexes). `prefetch` loads found chunks into L1 on the reader thread and calls back once they
@@ -135,7 +135,7 @@ class L2Tiers:
             through = [w for w in self.writers if w.policy == "all"]
             l1.attach_l2(sum(w.bit for w in self.writers), admit, self._dirty if through else None, self._dropped,
                          self._evicted)
-            logger.info("L2 writes: %s; written ahead within %s of L1's eviction end",
+            logger.info("L2 writes: %s; written ahead of eviction while less than %s of L1 is free",
                         ", ".join(f"{t.name} {w}" for t, w in zip(self.tiers, writes)), format_size(self.queue_limit))
 
     # ---- writes (writers.py), called by L1 with its lock held ----------------------------------

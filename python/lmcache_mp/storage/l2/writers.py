@@ -1,12 +1,12 @@
 """TierWriter: what goes from L1 to one L2 tier, on a thread of its own.
 
 Policies, per tier:
-- `evicted` (write-back, the local disk's default): the chunks nearest L1's eviction end are
-  written ahead of it, oldest first: within `zone` bytes of that end (free memory counts toward
-  it). While the tier writes faster than chunks arrive there, eviction finds them written and
-  drops nothing, and chunks that stay in use in L1 are not written at all.
+- `evicted` (write-back, the local disk's default): while less than `below` bytes of L1 are
+  free, the chunks L1 will evict next are written ahead of the eviction, nearest it first, as far
+  as the tier's bandwidth goes. While the tier writes faster than chunks reach that end,
+  eviction finds them written and drops nothing; while L1 has room, nothing is written.
 - `all` (write-through, the default of the shared tiers): every admitted chunk is written soon
-  after it is stored, so that other nodes find it; the chunks nearest eviction still go first.
+  after it is stored, so that other nodes find it; the few nearest eviction go first.
 - `none`: nothing (the tier is only read).
 
 Writes go in prefix order, a chunk after the chunks before it in its prompt, and when the tier
@@ -26,6 +26,7 @@ from typing import Callable
 import msgspec
 
 from lmcache_mp.config import format_size
+from lmcache_mp.storage.l1_writeback import EVICTION_WINDOW, SCAN
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,15 @@ def format_bytes(format_key: tuple) -> bytes:
 
 
 class TierWriter:
-    def __init__(self, l1, tier, index: int, policy: str, zone: int):
+    def __init__(self, l1, tier, index: int, policy: str, below: int):
         if policy not in ("evicted", "all"):
             raise ValueError(f"a writer's policy is evicted or all, got {policy!r}")
-        self.l1, self.tier, self.policy, self.zone = l1, tier, policy, zone
+        self.l1, self.tier, self.policy, self.below = l1, tier, policy, below
         self.bit = 1 << index
-        self.batch_bytes = max(1, min(WRITE_BATCH_BYTES, zone))
+        self.batch_bytes = max(1, min(WRITE_BATCH_BYTES, below))
+        # write-through: only the objects eviction looks at next, before the fresh ones (the rest
+        # are written already, unless the writer fell behind: a walk over them would be wasted)
+        self.scan = SCAN if policy == "evicted" else EVICTION_WINDOW
         self.fresh: collections.deque | None = collections.deque(maxlen=FRESH_MAX) if policy == "all" else None
         self.counts = collections.Counter({k: 0 for k in ("written", "write_errors", "dropped", "lost")})
         self.written_bytes = 0
@@ -101,7 +105,7 @@ class TierWriter:
             if closing and time.monotonic() > self._deadline:
                 return
             # closing: what write-through still has listed, nothing ahead of eviction any more
-            batch = self.l1.l2_take(self.bit, 0 if closing else self.zone, self.batch_bytes, self.fresh)
+            batch = self.l1.l2_take(self.bit, 0 if closing else self.below, self.batch_bytes, self.fresh, self.scan)
             if batch:
                 self._write(batch)
             self._warn_drops()
@@ -151,7 +155,8 @@ class TierWriter:
 
     def idle(self) -> bool:
         """Nothing being written, and nothing it would write now."""
-        return not self.writing and not self.l1.l2_take(self.bit, self.zone, self.batch_bytes, self.fresh, dry=True)
+        return not self.writing and not self.l1.l2_take(self.bit, self.below, self.batch_bytes, self.fresh, self.scan,
+                                                        dry=True)
 
     def stats(self) -> dict:
         return {"write": self.policy, "written": self.counts["written"], "write_errors": self.counts["write_errors"],
