@@ -75,6 +75,7 @@ class TierWriter:
         self.counts = collections.Counter({k: 0 for k in ("written", "write_errors", "dropped", "lost")})
         self.written_bytes = 0
         self.writing = self.writing_bytes = 0  # the write in flight
+        self._taking = False  # from before it takes a batch until that batch is written
         self._incident = Incident(f"writes to {tier.name}")
         self._wake = threading.Event()
         self._closing = False
@@ -105,9 +106,14 @@ class TierWriter:
             if closing and time.monotonic() > self._deadline:
                 return
             # closing: what write-through still has listed, nothing ahead of eviction any more
-            batch = self.l1.l2_take(self.bit, 0 if closing else self.below, self.batch_bytes, self.fresh, self.scan)
-            if batch:
-                self._write(batch)
+            self._taking = True
+            try:
+                batch = self.l1.l2_take(self.bit, 0 if closing else self.below, self.batch_bytes, self.fresh,
+                                        self.scan)
+                if batch:
+                    self._write(batch)
+            finally:
+                self._taking = False
             self._warn_drops()
             if not batch:
                 if closing:
@@ -154,9 +160,10 @@ class TierWriter:
     # ---- status and shutdown ---------------------------------------------------------------------
 
     def idle(self) -> bool:
-        """Nothing being written, and nothing it would write now."""
-        return not self.writing and not self.l1.l2_take(self.bit, self.below, self.batch_bytes, self.fresh, self.scan,
-                                                        dry=True)
+        """Nothing it would write now, and nothing being written (asked in this order: a batch
+        taken after the first question is still being written at the second)."""
+        return not self.l1.l2_take(self.bit, self.below, self.batch_bytes, self.fresh, self.scan,
+                                   dry=True) and not self._taking
 
     def stats(self) -> dict:
         return {"write": self.policy, "written": self.counts["written"], "write_errors": self.counts["write_errors"],
