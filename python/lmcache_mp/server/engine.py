@@ -344,8 +344,8 @@ class MPCacheEngine(RegistrationHandling, EngineCopies):
                       again: Callable[[list], None], ids: list | None = None) -> list | None:
         """The leading stored objects of a retrieve or read, pinned for reading; None when what
         only L2 holds is being loaded first: `again(objs)` then runs the request once more (the
-        chunks found in L1 and those loaded stay pinned meanwhile, and are the `held` of that run). ids: a list
-        that receives the request's checked block ids (retrieves)."""
+        chunks found in L1 and those loaded stay pinned meanwhile, and are the `held` of that
+        run). ids: a list that receives the request's checked block ids (retrieves)."""
         mark(reply, "started")
         try:
             self._check_open(entry)
