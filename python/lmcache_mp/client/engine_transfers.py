@@ -198,13 +198,18 @@ class EngineTransfers:
             use.release()
             if event is not None:
                 handle.events.give_back(event)
-            # The commit is not waited for: it leaves before any later request of this client on
-            # the lane and is handled first (a lookup after the future resolved sees the chunks).
-            self._commit(r.reservation, error is None)
             if error is not None:
+                self._give_back(reserving)
                 out.set_exception(RequestError(int(p.ErrorCode.DEVICE_ERROR), f"the store's copy failed: {error}"))
-            else:
-                out.set_result(StoreResult(len(chunks), r.present, r.skipped))
+                return
+            # Resolved once committed, so that any client's lookup sees the chunks then (on the
+            # thread that waits for the copy: its result() or the completion thread).
+            try:
+                done = self._commit(r.reservation, True).result()
+            except BaseException as e:  # noqa: BLE001 - the copy ended: the blocks are free either way
+                out.set_exception(e)
+                return
+            out.set_result(StoreResult(done.stored, done.present, done.skipped))
 
         try:
             out.wait_here = handle.copier.copy("gather", block_ids, ptrs, landed,
@@ -213,8 +218,8 @@ class EngineTransfers:
             landed(e)
         return out
 
-    def _commit(self, reservation: int, ok: bool) -> None:
-        """Commit (or give back) a reservation; its reply is only logged if it is an error."""
+    def _commit(self, reservation: int, ok: bool) -> Future:
+        """Commit (or give back) a reservation; the future of its reply (a failure is logged)."""
         c = self._client
 
         def answered(fut: Future) -> None:
@@ -224,19 +229,19 @@ class EngineTransfers:
                 logger.warning("lmcache-mp: a commit of an engine-side store failed (%s); its chunks are not on "
                                "the server", fut.exception())
 
-        try:
-            fut = c._async(p.Commit(client_id=c.client_id, reservation=reservation, ok=ok), c.timeout,
-                           lambda r: c._checked(r, p.CommitReply), None)
-        except ServerUnavailable as e:  # closed meanwhile: the server gives it back once we are gone
-            logger.debug("a commit could not be sent: %s", e)
-            return
+        fut = c._async(p.Commit(client_id=c.client_id, reservation=reservation, ok=ok), c.timeout,
+                       lambda r: c._checked(r, p.CommitReply), None)
         with self._lock:
             self._commits.add(fut)
         fut.add_done_callback(answered)
+        return fut
 
     def _give_back(self, reserving: Future) -> None:
         if reserving.exception() is None and reserving.result().reservation:
-            self._commit(reserving.result().reservation, False)
+            try:
+                self._commit(reserving.result().reservation, False)
+            except ServerUnavailable as e:  # closed meanwhile: the server gives it back once we are gone
+                logger.debug("a reservation could not be given back: %s", e)
 
     @staticmethod
     def _fail(out: Future, handle, event, error: BaseException | None, result: Any = None) -> None:
