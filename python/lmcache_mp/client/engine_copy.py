@@ -9,8 +9,8 @@ ring, a copy engine moves it to host memory) run in the engine's own context, on
 priority ordered after the engine's work, as any work of the engine itself would.
 
 `MappedArena` maps L1 (its file descriptor, from a MAP_ARENA request on a local-lane connection
-of its own) and page-locks it for this process's copies a slab at a time, in the background
-(a request that needs a slab not locked yet locks it first). `EngineCopier` moves one
+of its own) and page-locks it for this process's copies a slab at a time, the first time a
+request needs the slab (that stalls every CUDA call of the process meanwhile: see use_device). `EngineCopier` moves one
 registered cache's chunks: on the GPU with a TransferEngine of its own, on the CPU with the CPU
 copy threads (CPU caches: tests and CPU engines that ask for it).
 """
@@ -88,52 +88,26 @@ class MappedArena:
         self._lock = threading.Lock()
         self._pinned: set[int] = set()  # slabs page-locked here
         self._device = -1  # CUDA device whose context locks the pages (-1: none needed)
-        self._stop = False
-        self._thread: threading.Thread | None = None
         self.closed = False
 
-    def pin_in_background(self, device: int) -> None:
-        """Page-lock every slab for this process's CUDA copies, one at a time, in a thread (a
-        request needing a slab first locks it itself: ensure_pinned)."""
+    def use_device(self, device: int) -> None:
+        """Copies of this process will be CUDA copies on this device: slabs get page-locked here,
+        each the first time a request needs it (ensure_pinned). Never in the background: while
+        cudaHostRegister runs, every other CUDA call of the process waits (0.17 s for a slab of
+        256 MiB on an H200 host, bench/bench_host_register.py), and during a graph capture it
+        fails and breaks the capture."""
         with self._lock:
-            if self._device >= 0 or self.closed:
-                return
-            self._device = device
-        self._thread = threading.Thread(target=self._pin_all, name="lmcache-client-pin", daemon=True)
-        self._thread.start()
+            if self._device < 0:
+                self._device = device
 
-    def _pin_all(self) -> None:
-        slabs = self.capacity // self.slab_bytes
-        for slab in range(slabs):
-            if self._stop:
-                return
-            try:
-                self._pin(slab)
-            except RuntimeError as e:
-                logger.warning("page-locking the server's L1 here failed at slab %d (%s): copies of chunks in the "
-                               "slabs not locked go through the driver's bounce buffers, slower", slab, e)
-                return
-
-    def _pin(self, slab: int) -> None:
-        from lmcache_mp import _C
-
-        with self._lock:
-            if slab in self._pinned or self.closed:
-                return
-            _C.cuda.host_register(self.base + slab * self.slab_bytes, self.slab_bytes, self._device)
-            self._pinned.add(slab)
-
-    def wait_pinned(self, timeout: float | None) -> bool:
-        """Wait for the background page-locking (True when done, or none was asked for)."""
-        thread = self._thread
-        if thread is None:
-            return True
-        thread.join(timeout)
-        return not thread.is_alive()
+    def pin_all(self) -> None:
+        """Page-lock every slab now (before timing a benchmark, or at start-up)."""
+        if self._device >= 0:
+            self.ensure_pinned(np.arange(0, self.capacity, self.slab_bytes, dtype=np.uint64))
 
     def ensure_pinned(self, offsets: np.ndarray) -> None:
-        """Lock the slabs these objects lie in, if the background has not yet (objects never
-        straddle two slabs)."""
+        """Lock the slabs these objects lie in, where not done yet (objects never straddle two
+        slabs)."""
         if self._device < 0:
             return
         for slab in set((offsets // self.slab_bytes).tolist()) - self._pinned:
@@ -149,9 +123,6 @@ class MappedArena:
 
     def close(self) -> None:
         """Unlock and unmap (every copy into it must have ended)."""
-        self._stop = True
-        if self._thread is not None:
-            self._thread.join()
         from lmcache_mp.native import cuda_built
 
         with self._lock:

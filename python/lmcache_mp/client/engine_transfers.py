@@ -126,12 +126,13 @@ class EngineTransfers:
         if old is not None:
             old.close()
         if d.device == "cuda":
-            use.arena.pin_in_background(d.device_index)
+            use.arena.use_device(d.device_index)
 
-    def wait_pinned(self, timeout: float | None) -> bool:
+    def pin_all(self) -> None:
         with self._lock:
             use = self._use
-        return use is None or use.arena.wait_pinned(timeout)
+        if use is not None:
+            use.arena.pin_all()
 
     def close_copiers(self, handles, timeout: float = 10.0) -> None:
         """Wait for every copy of these handles and for the commits they sent, then free them."""
