@@ -177,6 +177,7 @@ def store_and_die(url: str, q):
         client = Client(url, timeout=60)
         kv = make_cuda_kv("mha", torch.bfloat16, layers=2, blocks=64, block_size=BLOCK, seed=3)
         handle = client.register_kv_cache(kv.tensors, model="killed", transfer="engine")
+        client.pin_l1()  # before the long kernel: page-locking waits for other CUDA work of the process
         busy = torch.cuda.Stream()
         with torch.cuda.stream(busy):
             torch.cuda._sleep(20_000_000_000)  # ~10 s of GPU time before the KV is there

@@ -288,3 +288,31 @@ def test_a_retrieve_that_gives_up_at_its_deadline_writes_nothing_later(shm_files
     finally:
         c.close()
         srv.kill()
+
+
+def test_the_engines_page_locking_takes_each_slab_once_when_first_needed(shm_files, servers, clients, monkeypatch):
+    """CUDA copies page-lock L1 in the engine's process: a slab the first time a request needs it
+    (never in the background), each once, all of them with pin_l1(), and none left at close."""
+    import types
+
+    from lmcache_mp import _C
+
+    calls = []
+    fake = types.SimpleNamespace(host_register=lambda ptr, n, dev: calls.append(("lock", ptr, n, dev)),
+                                 host_unregister=lambda ptr, dev: calls.append(("unlock", ptr, dev)))
+    monkeypatch.setattr(_C, "cuda", fake, raising=False)
+    monkeypatch.setattr("lmcache_mp.native.cuda_built", lambda: True)
+    srv = servers(l1_size="8MiB", slab_size="1MiB")
+    c = clients(srv.url)
+    kv, h = _register(c)
+    arena = c._engine.arena().arena
+    arena.use_device(3)  # as a CUDA cache's registration does
+    slab = arena.slab_bytes
+    arena.ensure_pinned(np.array([0, 10, slab + 5], dtype=np.uint64))
+    arena.ensure_pinned(np.array([slab], dtype=np.uint64))  # locked already
+    assert calls == [("lock", arena.base, slab, 3), ("lock", arena.base + slab, slab, 3)]
+    c.pin_l1()
+    locked = sorted(ptr for kind, ptr, *_ in calls if kind == "lock")
+    assert locked == [arena.base + i * slab for i in range(arena.capacity // slab)]
+    c.close()
+    assert sorted(ptr for kind, ptr, _ in (x for x in calls if x[0] == "unlock")) == locked

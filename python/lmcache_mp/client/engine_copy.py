@@ -105,6 +105,15 @@ class MappedArena:
         if self._device >= 0:
             self.ensure_pinned(np.arange(0, self.capacity, self.slab_bytes, dtype=np.uint64))
 
+    def _pin(self, slab: int) -> None:
+        from lmcache_mp import _C
+
+        with self._lock:
+            if slab in self._pinned or self.closed:
+                return
+            _C.cuda.host_register(self.base + slab * self.slab_bytes, self.slab_bytes, self._device)
+            self._pinned.add(slab)
+
     def ensure_pinned(self, offsets: np.ndarray) -> None:
         """Lock the slabs these objects lie in, where not done yet (objects never straddle two
         slabs)."""
