@@ -1,7 +1,7 @@
 """One load-generator worker process: a synthetic KV cache, timed store / lookup / retrieve
 phases against a running server, and a bit-for-bit check of everything retrieved.
 
-Spawned by `lmcache_mp.loadgen.run_workers` (so torch is imported here only inside functions:
+Spawned by `lmcache_mp.loadgen.runs.run_workers` (so torch is imported here only inside functions:
 the package must stay importable without it). Each worker fills its KV cache with random bits
 and then, phases separated by barriers, each begun by WARM_UP untimed requests:
 

@@ -24,7 +24,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from lmcache_mp.loadgen_worker import count_mismatches, random_kv, request_ids, request_tokens
+from lmcache_mp.config import format_size
+from lmcache_mp.loadgen.runs import collect
+from lmcache_mp.loadgen.worker import count_mismatches, object_bytes, random_kv, request_ids, request_tokens
 
 
 def _stamp(kv: list, kind: str, block_ids: np.ndarray, prompt: int) -> None:
@@ -128,8 +130,6 @@ def ideal_lru_hits(trace: list[tuple], capacity: int) -> dict:
 def run_mix(groups: list[dict], workers: int, timeout: float) -> list[dict]:
     """Run `workers` workers of every group (a worker config each) at once; returns, per group,
     the workers' results. Raises RuntimeError with the workers' tracebacks on failure."""
-    from lmcache_mp.loadgen import collect
-
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     barrier = ctx.Barrier(workers * len(groups))
@@ -187,9 +187,6 @@ def print_mix(rows: list[dict]) -> None:
 
 def bench_mix(args, lay: dict, mix: dict, client) -> int:
     """lmcache-mp-bench --mix: run both layouts, print the table, write --json; exit status."""
-    from lmcache_mp.config import format_size
-    from lmcache_mp.loadgen_worker import object_bytes
-
     status = client.status()
     chunk = client.chunk_size
     args.device = args.device or status["device"]
