@@ -25,6 +25,8 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
+from lmcache_mp.errors import ErrorCode, RequestError  # noqa: F401 - ErrorCode: the codes of Error replies
+
 # 2: named leases (LOOKUP returns a lease id; RETRIEVE and RELEASE name it), deadlines
 # 3: STORE, RETRIEVE and UNREGISTER carry the client id; a registration serves only its own client
 PROTOCOL_VERSION = 3
@@ -66,20 +68,6 @@ class Op(enum.IntEnum):
     PING = 9
     STATUS = 10
     BYE = 11
-
-
-class ErrorCode(enum.IntEnum):
-    BAD_REQUEST = 1  # undecodable or truncated frames, wrong field types
-    UNKNOWN_OP = 2
-    PROTOCOL_MISMATCH = 3
-    INVALID_ARGUMENT = 4  # decodable but invalid: sizes, lengths, block-id bounds, names
-    UNKNOWN_REGISTRATION = 5  # kv_id not registered (e.g. the server restarted)
-    UNSUPPORTED = 6  # e.g. a CUDA cache on a server without the CUDA data plane
-    DEVICE_ERROR = 7  # the copy itself failed
-    SHUTTING_DOWN = 8
-    INTERNAL = 9
-    LIMIT_EXCEEDED = 10  # over a per-request or per-client limit (frame bytes, chunks, world size, leases)
-    DEADLINE_EXCEEDED = 11  # a retrieve's deadline passed before its copy started: nothing was written
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=False, forbid_unknown_fields=False):
@@ -298,8 +286,6 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 def too_large(msg: msgspec.Struct, size: int) -> Exception:
     """What a client raises instead of sending a message the transport would drop."""
-    from lmcache_mp.errors import RequestError
-
     return RequestError(int(ErrorCode.LIMIT_EXCEEDED), f"a {type(msg).__name__} of {size} bytes is over the "
                                                        f"{MAX_MESSAGE_BYTES}-byte message limit")
 
