@@ -123,10 +123,11 @@ def test_the_default_http_address_taken_is_a_warning_another_an_error(servers, c
         s.listen(1)
         srv = servers()  # default address: runs without HTTP and says so
         assert srv.engine.http == "" and "no HTTP listener" in caplog.text
+        assert "set http_addr to a free address or off" in caplog.text  # the embedded server's setting, not a flag
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
-        with pytest.raises(OSError, match="cannot serve HTTP"):  # an address given on purpose
+        with pytest.raises(OSError, match=r"cannot serve HTTP on 127\.0\.0\.1:\d+ \(http_addr\)"):  # given on purpose
             servers(http_addr="127.0.0.1:%d" % s.getsockname()[1])
 
 
@@ -167,11 +168,13 @@ def test_curve_lets_in_only_clients_with_the_right_keys(shm_files, servers, clie
     kv, h = register_mha(c, num_blocks=128)
     store_prompts(c, h, kv, [1])
     assert retrieved_exact(c, h, kv, 1) == 4
-    for kw in (dict(),  # plain text
-               dict(curve_server_key=keys["server_public"]),  # a key pair of its own, not let in
-               dict(curve_server_key=keys["server_public"], curve_client_key=keys["other_client"]),
-               dict(curve_server_key=keys["other_server"], curve_client_key=keys["client_secret"])):
-        with pytest.raises(ServerUnavailable):
+    refused = "the server refused this client's CURVE key"
+    for kw, says in ((dict(), "the server probably requires CURVE"),  # plain text
+                     (dict(curve_server_key=keys["server_public"]), refused),  # a key pair of its own, not let in
+                     (dict(curve_server_key=keys["server_public"], curve_client_key=keys["other_client"]), refused),
+                     (dict(curve_server_key=keys["other_server"], curve_client_key=keys["client_secret"]),
+                      "is the server's public key")):
+        with pytest.raises(ServerUnavailable, match=f"no server reachable at {srv.url} within 0.5 s: .*{says}"):
             Client(srv.url, connect_timeout=0.5, **kw)
     assert srv.engine.status()["clients"] == 1  # no request of theirs reached the engine
     assert retrieved_exact(c, h, kv, 1) == 4

@@ -42,7 +42,8 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
         engine.add_close_hook(curve.stop)
     http = None
     try:
-        http = _http_endpoint(config, engine, transport)
+        # embedded (Server, return_engine) the setting is ServerConfig's field; from the CLI, its flag
+        http = _http_endpoint(config, engine, transport, "http_addr" if return_engine else "--http-addr")
     except Exception:
         engine.close()
         raise
@@ -71,10 +72,10 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
     return None
 
 
-def _http_endpoint(config: ServerConfig, engine: MPCacheEngine, transport: Transport):
+def _http_endpoint(config: ServerConfig, engine: MPCacheEngine, transport: Transport, setting: str):
     """The HTTP listener (stopped last, so that /health says "draining" while the server drains).
     The default address taken (another server on this machine) is a warning, any other failure
-    to bind an error."""
+    to bind an error; both name `setting`, where the address came from."""
     if config.http_addr == "off":
         return None
     from lmcache_mp.config import DEFAULT_HTTP_ADDR
@@ -84,9 +85,9 @@ def _http_endpoint(config: ServerConfig, engine: MPCacheEngine, transport: Trans
         http = HttpEndpoint(config.http_addr, engine, transport)
     except OSError as e:
         if config.http_addr != DEFAULT_HTTP_ADDR:
-            raise OSError(f"cannot serve HTTP on {config.http_addr}: {e}") from None
-        logger.warning("no HTTP listener (/metrics, /health): %s is taken (%s); set --http-addr", config.http_addr,
-                       e.strerror or e)
+            raise OSError(f"cannot serve HTTP on {config.http_addr} ({setting}): {e}") from None
+        logger.warning("no HTTP listener (/metrics, /health): %s is taken (%s); set %s to a free address or off",
+                       config.http_addr, e.strerror or e, setting)
         return None
     engine.http, engine.http_endpoint = http.address, http
     engine.add_close_hook(http.stop)
