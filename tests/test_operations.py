@@ -318,3 +318,25 @@ def test_a_full_l1_settles_its_new_chunk_objects_so_young_collections_stay_small
         gc.set_threshold(*thresholds)
         if not frozen:
             gc.unfreeze()
+
+
+def test_an_l1_larger_than_the_machine_is_refused_with_its_memory():
+    from lmcache_mp import Server
+    from lmcache_mp.server.resources import meminfo
+
+    total = meminfo()["MemTotal"]
+    with pytest.raises(ValueError, match=r"l1_size .* is more than this machine's memory: this machine has .* GiB"):
+        Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", http_addr="off", l1_size=2 * total)).start()
+
+
+def test_a_disk_tier_larger_than_its_disk_warns_at_start(servers, tmp_path, caplog):  # noqa: F811
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    srv = servers(l2_disk=str(tmp_path / "l2"), l2_disk_size=2 * free + (1 << 30))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "L2 disk" in r.getMessage()]
+    assert len(warned) == 1 and "l2_disk_size" in warned[0] and "more than its disk can hold" in warned[0], warned
+    assert srv.engine.status()["l2"]["tiers"][0]["name"] == "disk"  # it starts: the tier is lossy
+    caplog.clear()
+    servers(l2_disk=str(tmp_path / "l2b"), l2_disk_size="64MiB")
+    assert not [r for r in caplog.records if "more than its disk" in r.getMessage()]

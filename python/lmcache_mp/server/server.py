@@ -6,9 +6,10 @@ import logging
 import signal
 import threading
 
-from lmcache_mp.config import ServerConfig
+from lmcache_mp.config import ServerConfig, format_size
 from lmcache_mp.server.engine import MPCacheEngine
 from lmcache_mp.server.gc_pauses import settle
+from lmcache_mp.server.resources import check_l1_fits, check_l2_disk_fits, memory_note
 from lmcache_mp.server.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -21,7 +22,16 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
     bound endpoint; `close()` stops the whole server). Otherwise serve until SIGINT or SIGTERM,
     then drain and stop.
     """
-    engine = MPCacheEngine(config)
+    # embedded (Server, return_engine) a setting is ServerConfig's field; from the CLI, its flag
+    setting = (lambda name: name) if return_engine else (lambda name: "--" + name.replace("_", "-"))
+    check_l1_fits(config, setting("l1_size"))
+    check_l2_disk_fits(config, setting("l2_disk_size"))
+    try:
+        engine = MPCacheEngine(config)
+    except RuntimeError as e:
+        if "arena" in str(e):  # e.g. mmap: Cannot allocate memory (where overcommit is off)
+            raise RuntimeError(f"{e} (L1 of {format_size(config.l1_size)}; {memory_note()})") from None
+        raise
     curve = None
     try:
         if config.curve_secret_key:
@@ -42,8 +52,7 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
         engine.add_close_hook(curve.stop)
     http = None
     try:
-        # embedded (Server, return_engine) the setting is ServerConfig's field; from the CLI, its flag
-        http = _http_endpoint(config, engine, transport, "http_addr" if return_engine else "--http-addr")
+        http = _http_endpoint(config, engine, transport, setting("http_addr"))
     except Exception:
         engine.close()
         raise
