@@ -541,7 +541,11 @@ class MPCacheEngine(RegistrationHandling):
     def _reattach(self, journal: L1Journal) -> None:
         """The chunks a previous server left in the arena file, at once (on the cuda device once
         L1 is page-locked: no copy may touch memory that is not)."""
-        live = journal.read_live() if self.arena.reattached else {}
+        live = journal.read_live()  # (says why at WARNING when the journal is of another L1 size)
+        if live and not self.arena.reattached:
+            logger.warning("L1 in %s: the arena file is new (deleted, or resized) but its journal lists %d chunks: "
+                           "they are dropped, L1 starts empty", self.config.l1_persist, len(live))
+            live = {}
         if live and self.device == "cuda":
             logger.info("L1: waiting for the arena to be page-locked before re-attaching %d chunks", len(live))
             self.arena.wait_pinned(3600.0)

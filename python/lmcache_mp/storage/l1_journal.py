@@ -30,6 +30,8 @@ from typing import NamedTuple
 import msgspec
 import xxhash
 
+from lmcache_mp.config import format_size
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"LMCMPJ1\0"
@@ -83,10 +85,21 @@ def format_key_from(value) -> tuple:
     return tuple(format_key_from(x) if isinstance(x, list) else x for x in value)
 
 
+def _other_arena(data: bytes, arena_bytes: int, slab_bytes: int) -> str:
+    """Why a journal's header is not this arena's: the sizes it was made for, or damage."""
+    if len(data) >= _HEAD.size:
+        magic, old_arena, old_slab, check = _HEAD.unpack_from(data)
+        if magic == MAGIC and check == _sum(data[:_HEAD.size - _SUM.size]):
+            return (f"it describes an L1 of {format_size(old_arena)} in slabs of {format_size(old_slab)}, this server "
+                    f"has {format_size(arena_bytes)} in slabs of {format_size(slab_bytes)} (another --l1-size or "
+                    "--slab-size); start with the earlier sizes to re-attach its chunks")
+    return "its header is damaged or of another program"
+
+
 def replay(data: bytes, arena_bytes: int, slab_bytes: int) -> tuple[dict[int, Entry], int, str]:
     """The live chunks by offset, how many bytes were good, and why the replay stopped ("" at the end)."""
     if data[:_HEAD.size] != _header(arena_bytes, slab_bytes):
-        return {}, 0, "the journal is of another arena (size or slab size changed) or damaged"
+        return {}, 0, _other_arena(data, arena_bytes, slab_bytes)
     live: dict[int, Entry] = {}
     pos = _HEAD.size
     while pos < len(data):
@@ -140,10 +153,10 @@ class L1Journal:
         data = os.pread(self._fd, self.bytes, 0) if self.bytes else b""
         if not data:
             return {}
-        live, _, why = replay(data, self._arena_bytes, self._slab_bytes)
+        live, good, why = replay(data, self._arena_bytes, self._slab_bytes)
         if why:
-            logger.warning("L1 journal %s: %s; %d chunks before it are kept, the rest is dropped", self.path, why,
-                           len(live))
+            logger.warning("L1 journal %s: %s; %s", self.path, why,
+                           f"{len(live)} chunks before it are kept, the rest is dropped" if good else "L1 starts empty")
         return live
 
     def rewrite(self, records: list[bytes]) -> None:
