@@ -194,7 +194,8 @@ def test_on_off_settings_from_a_file(tmp_path, text, match):
 
 def test_a_check_across_settings_names_where_each_came_from(tmp_path):
     conf = _write(tmp_path, 'curve_clients = "/etc/keys/clients"\n')
-    with pytest.raises(ValueError, match=f"curve_clients needs curve_secret_key \\(curve_clients from config file {conf}\\)"):
+    where = f"curve_clients needs curve_secret_key \\(curve_clients from config file {conf}\\)"
+    with pytest.raises(ValueError, match=where):
         ServerConfig.from_sources(env={}, config_file=conf)
     with pytest.raises(ValueError, match=r"lease_ttl from --lease-ttl; heartbeat_timeout from LMCACHE_MP_HEARTBEAT"):
         ServerConfig.from_sources(cli={"lease_ttl": 0.0}, env={"LMCACHE_MP_HEARTBEAT_TIMEOUT": "1"})

@@ -35,6 +35,12 @@ def test_two_workers_store_and_retrieve_every_byte(server, tmp_path, capsys):
     assert "the bare round trip's own p99" in printed.out
     assert "store GB/s" in printed.out and "x D2H" not in printed.out  # no ceiling, no ratio columns
     assert server.engine.status()["registrations"] == []  # the workers unregistered their caches
+    # progress while it runs: each phase once both workers finished it, with the counts of both
+    phases = [line.split(" s  ", 1)[1] for line in printed.out.splitlines() if line.startswith("  ") and " s  " in line]
+    assert phases == ["registered: 2 KV caches, 72 blocks", "store: 4 requests, 16 chunks",
+                      "lookup: 40 lookups, 40 bare round trips", "retrieve: 4 requests, 16 chunks",
+                      "verify: 16 chunks checked, 0 missing, 0 mismatching",
+                      "requests after idle gaps: 10 lookups, 10 retrieves"], printed.out
 
 
 def test_trace_times_every_other_request_and_the_others_give_the_latencies(server, tmp_path, capsys):
@@ -89,6 +95,7 @@ def test_mix_of_two_layouts_reports_hit_ratios_next_to_an_ideal_lru(tmp_path, ca
     printed = capsys.readouterr()
     assert rc == 0, printed.err
     assert "ideal LRU" in printed.out and "x ideal" in printed.out
+    assert f"100% of the requests: {2 * requests} requests" in printed.out  # progress, both workers'
     rows = json.loads(out.read_text())["rows"]
     assert [r["layout"] for r in rows] == ["llama3-8b:2", "mla:2"]
     assert [r["object_bytes"] for r in rows] == [2 * 2 * 64 * 2 * 64 * 2, 2 * 64 * 576 * 2]

@@ -25,7 +25,7 @@ from collections import OrderedDict
 import numpy as np
 
 from lmcache_mp.config import format_size
-from lmcache_mp.loadgen.runs import collect
+from lmcache_mp.loadgen.runs import Progress, collect
 from lmcache_mp.loadgen.worker import count_mismatches, object_bytes, random_kv, request_ids, request_tokens
 
 
@@ -48,7 +48,7 @@ def popularity(prompts: int, skew: float, requests: int, seed: int) -> np.ndarra
     return np.random.default_rng(seed).choice(prompts, size=requests, p=w / w.sum())
 
 
-def _mix_worker(cfg: dict, wid: int, barrier) -> dict:
+def _mix_worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: None) -> dict:
     import torch
 
     from lmcache_mp import Client, chunk_hashes
@@ -70,7 +70,8 @@ def _mix_worker(cfg: dict, wid: int, barrier) -> dict:
     hashes = [chunk_hashes(request_tokens((cfg["run"], wid, k), n * chunk), chunk) for k in range(cfg["prompts"])]
     requests, hits, loaded_total, missing, mismatches = [], 0, 0, 0, 0
     barrier.wait(cfg["timeout"])
-    for k in order:
+    quarters = {len(order) * q // 4: q for q in (1, 2, 3, 4)}  # request count -> quarter done
+    for i, k in enumerate(order):
         k = int(k)
         src, dst = request_ids((k, 0), half, 0), request_ids((k, 1), half, half)
         t = time.monotonic()  # one clock for every process on the machine: orders the merged replay
@@ -88,6 +89,8 @@ def _mix_worker(cfg: dict, wid: int, barrier) -> dict:
         requests.append((t, k))
         hits += h
         loaded_total += loaded
+        if i + 1 in quarters:
+            report(f"{25 * quarters[i + 1]}% of the requests", requests=i + 1, hits=hits, mismatching=mismatches)
     barrier.wait(cfg["timeout"])
     client.unregister_kv_cache(handle)
     client.close()
@@ -97,7 +100,10 @@ def _mix_worker(cfg: dict, wid: int, barrier) -> dict:
 
 def _mix_worker_main(cfg: dict, wid: int, barrier, q) -> None:
     try:
-        q.put((wid, "ok", _mix_worker(cfg, wid, barrier)))
+        def report(phase: str, **counts) -> None:
+            q.put((wid, "progress", (phase, counts)))
+
+        q.put((wid, "ok", _mix_worker(cfg, wid, barrier, report)))
     except BaseException:
         with contextlib.suppress(Exception):
             barrier.abort()
@@ -139,8 +145,9 @@ def run_mix(groups: list[dict], workers: int, timeout: float) -> list[dict]:
             p = ctx.Process(target=_mix_worker_main, args=(cfg, g * workers + w, barrier, q), name=f"bench-mix-{g}-{w}")
             p.start()
             procs.append(p)
+    print(f"{len(procs)} worker(s) started, serving prompts; shown once every worker got there:", flush=True)
     try:
-        results = collect(procs, q, timeout + 300)
+        results = collect(procs, q, timeout + 300, Progress(len(procs)))
     finally:
         for p in procs:
             p.join(30)

@@ -90,14 +90,38 @@ def patched_env(values: dict):
                 os.environ[k] = v
 
 
-def collect(procs, q, timeout: float) -> dict:
-    """Results by worker id; a worker that died without one is reported after a grace period."""
+class Progress:
+    """Prints a phase of the workers once every one of them has finished it (they report
+    (phase, {count: n}) on the result queue), with the counts summed and the time since the
+    start: a run of many seconds says what it is doing."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.t0 = time.monotonic()
+        self._reports: dict[str, dict] = {}
+
+    def __call__(self, wid: int, report: tuple[str, dict]) -> None:
+        phase, counts = report
+        got = self._reports.setdefault(phase, {})
+        got[wid] = counts
+        if len(got) == self.workers:
+            total = ", ".join(f"{sum(c[k] for c in got.values())} {k}" for k in counts)
+            print(f"  {time.monotonic() - self.t0:6.1f} s  {phase}: {total}", flush=True)
+
+
+def collect(procs, q, timeout: float, progress: Progress | None = None) -> dict:
+    """Results by worker id; a worker that died without one is reported after a grace period.
+    The workers' progress reports go to `progress`."""
     results: dict = {}
     dead_since: dict = {}
     deadline = time.monotonic() + timeout
     while len(results) < len(procs):
         try:
             wid, status, payload = q.get(timeout=0.5)
+            if status == "progress":
+                if progress is not None:
+                    progress(wid, payload)
+                continue
             results[wid] = (status, payload)
             continue
         except queue.Empty:
@@ -140,8 +164,9 @@ def run_workers(settings: dict, workers: int, uuids: list[str]) -> dict:
             p = ctx.Process(target=worker_main, args=(cfg, w, barrier, q), name=f"bench-worker-{w}")
             p.start()
         procs.append(p)
+    print(f"{workers} worker(s) started; each phase is shown once every worker has finished it:", flush=True)
     try:
-        results = collect(procs, q, settings["timeout"] + 300)
+        results = collect(procs, q, settings["timeout"] + 300, Progress(workers))
     finally:
         for p in procs:
             p.join(30)
