@@ -207,25 +207,6 @@ def test_two_curve_servers_in_one_process(servers, keys):  # noqa: F811
         assert c.ping() >= 0  # one stopping leaves the other's authenticator running
 
 
-def test_every_metric_of_the_dashboard_and_the_docs_exists(servers, tmp_path):  # noqa: F811
-    import re
-    from pathlib import Path
-
-    srv = servers(http_addr="127.0.0.1:0", l2_disk=str(tmp_path / "l2"), l2_disk_size="64MiB")
-    text = get(srv.engine.http, "/metrics")[1].decode()
-    served = set(re.findall(r"^# HELP (lmcache_mp_\w+)", text, re.M))
-    served |= {m[:-len("_total")] for m in served if m.endswith("_total")}
-    served |= {m + suffix for m in re.findall(r"^# TYPE (lmcache_mp_\w+) histogram", text, re.M)
-               for suffix in ("_bucket", "_count", "_sum")}
-    docs = Path(__file__).parent.parent / "docs"
-    dashboard = json.loads((docs / "grafana-dashboard.json").read_text())
-    exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
-    used = set(re.findall(r"lmcache_mp_\w+", exprs))
-    assert used and used <= served, used - served
-    documented = set(re.findall(r"`(lmcache_mp_\w+)`", (docs / "OPERATIONS.md").read_text()))
-    assert documented <= served, documented - served
-
-
 def test_per_client_limits_on_registrations_and_queued_requests(shm_files, servers, clients):  # noqa: F811
     from lmcache_mp.errors import RequestError
     from lmcache_mp.protocol import ErrorCode

@@ -73,25 +73,19 @@ def tune_process() -> None:
     settle_after_setup(True)
 
 
-def keygen_main(argv: list[str]) -> int:
+def _keygen_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lmcache-mp-server keygen",
                                  description="Make CURVE keys: the server's pair and one client's, in DIR.")
     ap.add_argument("dir")
-    args = ap.parse_args(argv)
-    from lmcache_mp.server.curve import keygen
-
-    try:
-        print(keygen(args.dir))
-    except OSError as e:
-        print(f"lmcache-mp-server keygen: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse_command(argv: list[str]) -> tuple[str, object]:
+    """What a command line asks for, checked but not done: ("keygen", DIR), ("doctor", config)
+    or ("serve", config). Bad flags exit like argparse (status 2); bad settings raise ValueError
+    (or OSError) with the command's name in front."""
     if argv[:1] == ["keygen"]:
-        return keygen_main(argv[1:])
+        return "keygen", _keygen_parser().parse_args(argv[1:]).dir
     doctor = argv[:1] == ["doctor"]
     parser = _parser("lmcache-mp-server doctor", DOCTOR_HELP) if doctor else _parser()
     args = vars(parser.parse_args(argv[1:] if doctor else argv))
@@ -99,9 +93,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ServerConfig.from_sources(cli=args, config_file=config_file)
     except (ValueError, OSError) as e:
-        print(f"{parser.prog}: {e}", file=sys.stderr)
+        raise ValueError(f"{parser.prog}: {e}") from None
+    return ("doctor" if doctor else "serve"), config
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        command, what = parse_command(argv)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
-    if doctor:
+    if command == "keygen":
+        from lmcache_mp.server.curve import keygen
+
+        try:
+            print(keygen(what))
+        except OSError as e:
+            print(f"lmcache-mp-server keygen: {e}", file=sys.stderr)
+            return 1
+        return 0
+    config = what
+    if command == "doctor":
         from lmcache_mp.server.doctor import run as run_doctor
 
         return run_doctor(config)

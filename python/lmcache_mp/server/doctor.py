@@ -256,7 +256,8 @@ def check_l2(r: Report, config: ServerConfig) -> None:
             import mooncake.store  # noqa: F401
         except Exception as e:  # noqa: BLE001 - an ImportError, or libibverbs missing
             r.line(WARN, f"L2 mooncake: the client does not load ({e})",
-                   "pip install 'lmcache-mp[mooncake]'; apt-get install libibverbs1")
+                   "pip install '.[mooncake]' in lmcache-mp's clone (the mooncake-transfer-engine-non-cuda package); "
+                   "apt-get install libibverbs1")
         if err or meta_err:
             r.line(WARN, f"L2 mooncake master {config.l2_mooncake}: {err or 'ok'}; metadata {meta or '-'}: "
                    f"{meta_err or 'ok'}", "the server still starts and serves from L1; start mooncake_master")
