@@ -103,7 +103,7 @@ def test_the_scheduler_never_waits_for_a_prefetch(shm_files, servers, clients, t
     store_prompts(c, h, kv, range(2, 7), srv=srv)  # prompt 1 leaves L1
     assert not srv.engine.l1.contains(ObjectKey("m", 1, 0, chunk_hashes(w.prompt(1, 4), CHUNK)[0], b""))
     tiers = srv.engine.l2.tiers
-    tiers[0] = SlowTier(tiers[0], 0.5)
+    tiers[0] = SlowTier(tiers[0], 1.0)
     sched = SchedulerCore(ConnectorConfig(url=srv.url, model="m", block_size=8, lookup_timeout=5.0))
     sched.start()
     try:
@@ -112,8 +112,8 @@ def test_the_scheduler_never_waits_for_a_prefetch(shm_files, servers, clients, t
         assert sched.num_new_matched_tokens("r", tokens, 0) is None  # not known yet: it did not wait for the disk
         while (n := sched.num_new_matched_tokens("r", tokens, 0)) is None:
             time.sleep(0.01)
-        assert n == 4 * CHUNK and time.monotonic() - t0 >= 0.4
-        assert sched.stats["lookup_us_max"] < 400_000  # no call waited for the disk's 0.5 s
+        assert n == 4 * CHUNK and time.monotonic() - t0 >= 0.9
+        assert sched.stats["lookup_us_max"] < 800_000  # no call waited for the disk's 1 s
     finally:
         tiers[0] = tiers[0].inner
         sched.close()
