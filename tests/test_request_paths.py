@@ -238,7 +238,7 @@ def test_the_local_lane_is_used_when_reachable_and_comes_back_after_a_restart(sh
 
 def test_without_a_reachable_lane_the_client_uses_zeromq(shm_files):
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB",
-                         "--chunk-size", str(CHUNK), "--local-lane", "false"])
+                         "--chunk-size", str(CHUNK), "--no-local-lane"])
     url = srv.wait_ready()
     c = Client(url)
     try:
