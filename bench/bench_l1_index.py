@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     l1 = L1Store(HostArena(arena_bytes, 1 << 20))
     l1.on_commit = made_long_lived
     if args.journal:
-        l1.journal = L1Journal(os.path.join(args.journal, "j.journal"), arena_bytes, 1 << 20)
+        l1.attach_journal(L1Journal(os.path.join(args.journal, "j.journal"), arena_bytes, 1 << 20))
         l1.journal.rewrite([])
     fill, churn = [], []
     started = time.perf_counter()
@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(plan.objects) != args.chunks:
             print(f"a store placed {len(plan.objects)} of {args.chunks} chunks", file=sys.stderr)
             return 1
-    if l1.journal is not None:
-        l1.journal.close()
+    l1.close_journal()
     row = {"objects": args.objects, "object_bytes": args.object_bytes, "chunks": args.chunks,
            "journal": bool(args.journal),
            "seconds": time.perf_counter() - started, "objects_held": l1.stats()["objects"],

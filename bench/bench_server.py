@@ -140,6 +140,9 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "lmcache_mp.server.cli", "--url", self.url, "--device", args.device,
                "--l1-size", str(l1_bytes), "--slab-size", str(slab_bytes), "--chunk-size", str(CHUNK),
                "--transfer-mode", args.transfer_mode, "--log-level", "INFO"]
+        self.persist = os.path.join(args.l1_persist, f"lmcache-bench-arena-{os.getpid()}") if args.l1_persist else ""
+        if self.persist:
+            cmd += ["--l1-persist", self.persist]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self.client = None
 
@@ -187,6 +190,9 @@ class ServerProcess:
             self.proc.kill()
             rc = self.proc.wait(10)
         self._log.close()
+        for path in (self.persist, self.persist + ".journal") if self.persist else ():
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         text = open(self.log_path).read()
         return {"exit_code": rc, "tracebacks": text.count("Traceback"),
                 "error_lines": sum(1 for ln in text.splitlines() if " ERROR " in ln), "log": self.log_path}
@@ -202,6 +208,20 @@ def l1_plan(args, obj: int) -> tuple[int, int, int]:
     objects = max(args.workers) * (args.requests * args.chunks + WARM_UP)  # + the warm-up chunks
     slabs = max(4, math.ceil(objects / per_slab) + 1)
     return slabs * slab, slab, objects
+
+
+def journal_caught_up(client, timeout: float = 300) -> dict:
+    """With --l1-persist: how long after the run the journal had recorded every commit, and the
+    rate of the checksums behind it (since the server started)."""
+    t0 = time.monotonic()
+    while True:
+        l1 = client.status()["l1"]
+        if l1["journal_backlog"] == 0 or time.monotonic() - t0 > timeout:
+            break
+        time.sleep(0.01)
+    return {"lag_s": time.monotonic() - t0, "backlog": l1["journal_backlog"],
+            "summed_GiB": l1["summed_bytes"] / GiB,
+            "sum_GBps": l1["summed_bytes"] / l1["sum_seconds"] / 1e9 if l1["sum_seconds"] else 0.0}
 
 
 def mem_available() -> int:
@@ -232,6 +252,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5, help="ceiling: timed copies (median)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a worker waits on a request or barrier")
     loadgen_cli.add_tail_args(ap)
+    ap.add_argument("--l1-persist", metavar="DIR", help="the server keeps L1 in a file in DIR (e.g. /dev/shm) "
+                    "with its journal; each run reports how fast the journal's checksums were taken")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     args.workers = [int(w) for w in str(args.workers).split(",") if w.strip()]
@@ -316,6 +338,11 @@ def main() -> int:
             modes = row["transfer_mode"]
             if not clean:
                 exit_code = 1
+            if args.l1_persist:
+                row["journal"] = journal_caught_up(client)
+                j = row["journal"]
+                print(f"  journal: every commit recorded {j['lag_s']:.2f} s after the run; checksums of "
+                      f"{j['summed_GiB']:.1f} GiB at {j['sum_GBps']:.1f} GB/s", flush=True)
             client.clear()  # the next run starts from an empty L1
 
         print()

@@ -8,7 +8,10 @@
 # "build tests sanitizer bench"; add "peer" for LMCache's self-test, "server" for bench_server,
 # "latency" for 1-chunk requests, "crossproc" for them while the engine process uses the GPU,
 # "l1sizes" for L1 shared by two object sizes, "l2" for the disk tier on L2_BENCH_DIR, "l2net" for
-# Valkey and Mooncake started on loopback; "l2tests" runs the L2 tests, which start them too).
+# Valkey and Mooncake started on loopback; "l2tests" runs the L2 tests, which start them too;
+# "contention" for the engine's throughput and our transfers while it computes, each transfer
+# path ("contentionquick": shorter windows); "persist" for 64-chunk stores with and without
+# --l1-persist). TESTS_LIMIT bounds the gpu tests (seconds, default 600).
 set -uo pipefail
 LOG=${1:-${OUT:-$PWD/gpu-check-logs}}
 mkdir -p "$LOG"
@@ -56,8 +59,16 @@ for step in $STEPS; do
         --json "$LOG/bench_l1_sizes.json" ;;
     servermla) run servermla 300 python3 bench/bench_server.py --layout mla --requests 1 --workers 1,2 \
         --json "$LOG/bench_server_mla.json" ;;
-    tests) run tests 600 python3 -m pytest -m gpu -q -rfEs --tb=short -p no:cacheprovider tests \
+    tests) run tests "${TESTS_LIMIT:-600}" python3 -m pytest -m gpu -q -rfEs --tb=short -p no:cacheprovider tests \
         tests/test_native_errors.py ;;
+    contention) run contention 540 python3 bench/bench_engine_contention.py --json "$LOG/bench_engine_contention.json" ;;
+    contentionquick) run contentionquick 300 python3 bench/bench_engine_contention.py --quick \
+        --json "$LOG/bench_engine_contention_quick.json" ;;
+    persist)  # the same 64-chunk requests without and with the journal's checksums
+      run persist_off 200 python3 bench/bench_server.py --requests 4 --workers 1 --chunks 64 --lookups 50 \
+        --json "$LOG/bench_server_persist_off.json"
+      run persist_on 200 python3 bench/bench_server.py --requests 4 --workers 1 --chunks 64 --lookups 50 \
+        --l1-persist /dev/shm --json "$LOG/bench_server_persist_on.json" ;;
     sanitizer) run sanitizer 600 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_transfer.py \
         -k "(test_gather or test_scatter) and random and (mha- or mla-) or many_launches" ;;

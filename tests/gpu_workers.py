@@ -46,10 +46,12 @@ def _write(kv, ids, values):
 
 
 def roundtrip(url: str, model: str, rank: int, world: int, layout: str, seed: int, q, token_seed=None,
-              data_seed=None, barrier=None):
-    """Write KV on a busy stream, store (the server waits on our event), overwrite the source,
+              data_seed=None, barrier=None, transfer="auto", staging_bytes=None):
+    """Write KV on a busy stream, store (the copy waits for that stream), overwrite the source,
     retrieve into other blocks (host wait and stream wait), compare. Ranks of one model share
-    token_seed (the same prompt); MLA ranks also share data_seed (the same KV bytes)."""
+    token_seed (the same prompt); MLA ranks also share data_seed (the same KV bytes). transfer:
+    who copies ("engine": this process; "server"); staging_bytes: the engine's ring (1: two
+    chunks, less than a request: the copies wait for free slots)."""
     try:
         import torch
         from gpu_kv import make_cuda_kv
@@ -59,7 +61,10 @@ def roundtrip(url: str, model: str, rank: int, world: int, layout: str, seed: in
         torch.cuda.set_device(0)
         client = Client(url, timeout=60)
         kv = make_cuda_kv(layout, torch.bfloat16, layers=4, blocks=128, block_size=BLOCK, seed=seed)
-        handle = client.register_kv_cache(kv.tensors, model=model, world_size=world, rank=rank)
+        handle = client.register_kv_cache(kv.tensors, model=model, world_size=world, rank=rank, transfer=transfer,
+                                          staging_bytes=staging_bytes)
+        if transfer != "auto" and (handle.transfer_mode == "engine") != (transfer == "engine"):
+            raise AssertionError(f"asked for {transfer} copies, got transfer mode {handle.transfer_mode}")
         rng = np.random.default_rng(seed)
         n = 4
         src = rng.permutation(64)[: n * BPC]
@@ -154,5 +159,30 @@ def persisted(url: str, phase: str, seed: int, q):
                 raise AssertionError("the re-attached chunks differ from what was stored")
         client.close()
         q.put(("ok", got))
+    except BaseException:
+        q.put(("fail", traceback.format_exc()))
+
+
+def store_and_die(url: str, q):
+    """Registers for its own copies, queues a store behind a long kernel (the copy has not run
+    when it reports), and waits to be killed."""
+    try:
+        import torch
+        from gpu_kv import make_cuda_kv
+
+        from lmcache_mp import Client, chunk_hashes
+
+        client = Client(url, timeout=60)
+        kv = make_cuda_kv("mha", torch.bfloat16, layers=2, blocks=64, block_size=BLOCK, seed=3)
+        handle = client.register_kv_cache(kv.tensors, model="killed", transfer="engine")
+        busy = torch.cuda.Stream()
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(20_000_000_000)  # ~10 s of GPU time before the KV is there
+        tokens = np.random.default_rng(3).integers(0, 50000, 4 * CHUNK)
+        client.store(handle, chunk_hashes(tokens, client.chunk_size), np.arange(4 * BPC), stream=busy)
+        q.put(("ok", "reserved"))
+        import time
+
+        time.sleep(120)
     except BaseException:
         q.put(("fail", traceback.format_exc()))

@@ -45,6 +45,11 @@ def valid_requests(kv_id: int = 7, shm_name: str = "lmcache_mp_1_ab", shm_size: 
         p.Ping(client_id=CID),
         p.Status(),
         p.Bye(client_id=os.urandom(16)),
+        p.MapArena(client_id=CID),
+        p.Reserve(kv_id=kv_id, hashes=h, client_id=owner, salt=b"s", deadline=1e12),
+        p.Commit(client_id=owner, reservation=5),
+        p.Read(kv_id=kv_id, hashes=h, client_id=owner, lease=3),
+        p.ReadDone(client_id=owner, read=5),
     ]
     assert {p.peek_op(p.encode(m)) for m in msgs} == {int(op) for op in p.Op}
     return [p.encode(m) for m in msgs]

@@ -15,6 +15,20 @@ pytestmark = pytest.mark.gpu
 CHUNK = 64
 
 
+def _wait_for_server(url: str, proc, timeout: float = 120) -> None:
+    from lmcache_mp import Client
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            Client(url, connect_timeout=1).close()
+            return
+        except Exception:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the server at {url} did not start") from None
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def cuda_server(tmp_path_factory):
     """A server process whose CUDA_VISIBLE_DEVICES names the GPU by UUID (the workers use the
@@ -63,39 +77,110 @@ def _run(targets):
     return [info for _, info in results]
 
 
-def test_two_workers_share_one_server_through_ipc(cuda_server):
+TRANSFERS = ["engine", "server"]  # the engine's own copies, and the server's
+
+
+@pytest.mark.parametrize("transfer", TRANSFERS)
+def test_two_workers_share_one_server(cuda_server, transfer):
     import gpu_workers
 
     infos = _run([
-        (gpu_workers.roundtrip, (cuda_server, "model-a", 0, 1, "mha", 11), {}),
-        (gpu_workers.roundtrip, (cuda_server, "model-b", 0, 1, "block_major", 12), {}),
+        (gpu_workers.roundtrip, (cuda_server, f"model-a-{transfer}", 0, 1, "mha", 11), {"transfer": transfer}),
+        (gpu_workers.roundtrip, (cuda_server, f"model-b-{transfer}", 0, 1, "block_major", 12),
+         {"transfer": transfer}),
     ])
     assert {i["layout"] for i in infos} == {"mha", "block_major"}
 
 
-def test_tensor_parallel_ranks_mha_each_store_their_shard(cuda_server):
+@pytest.mark.parametrize("transfer", TRANSFERS)
+def test_tensor_parallel_ranks_mha_each_store_their_shard(cuda_server, transfer):
     import gpu_workers
 
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(2)
     infos = _run([
-        (gpu_workers.roundtrip, (cuda_server, "tp-mha", r, 2, "mha", 20 + r), {"token_seed": 77, "barrier": barrier})
+        (gpu_workers.roundtrip, (cuda_server, f"tp-mha-{transfer}", r, 2, "mha", 20 + r),
+         {"token_seed": 77, "barrier": barrier, "transfer": transfer})
         for r in range(2)
     ])
     assert all(not i["shared"] for i in infos)
 
 
-def test_mla_is_stored_once_and_read_by_every_rank(cuda_server):
+@pytest.mark.parametrize("transfer", TRANSFERS)
+def test_mla_is_stored_once_and_read_by_every_rank(cuda_server, transfer):
     import gpu_workers
 
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(2)
     infos = _run([
-        (gpu_workers.roundtrip, (cuda_server, "tp-mla", r, 2, "mla", 30 + r),
-         {"token_seed": 99, "data_seed": 99, "barrier": barrier})
+        (gpu_workers.roundtrip, (cuda_server, f"tp-mla-{transfer}", r, 2, "mla", 30 + r),
+         {"token_seed": 99, "data_seed": 99, "barrier": barrier, "transfer": transfer})
         for r in range(2)
     ])
     assert all(i["shared"] for i in infos)
+
+
+def test_engine_and_server_copies_share_chunks_and_a_small_ring_waits_for_its_slots(cuda_server):
+    """TP ranks of one model, one copying itself through a ring of two chunks (a request of four
+    waits for free slots on the GPU, no error), the other through the server: each reads what
+    the other stored."""
+    import gpu_workers
+
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    _run([
+        (gpu_workers.roundtrip, (cuda_server, "mixed", 0, 2, "mla", 40),
+         {"token_seed": 5, "data_seed": 5, "barrier": barrier, "transfer": "engine", "staging_bytes": 1}),
+        (gpu_workers.roundtrip, (cuda_server, "mixed", 1, 2, "mla", 41),
+         {"token_seed": 5, "data_seed": 5, "barrier": barrier, "transfer": "server"}),
+    ])
+
+
+def test_a_cpu_server_serves_an_engine_that_copies_itself(tmp_path):
+    """The server on --device cpu (no CUDA context of its own, no IPC) and a CUDA engine that
+    moves its bytes itself."""
+    import gpu_workers
+
+    url = f"ipc://{tmp_path}/cpu.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", url, "--device", "cpu",
+                             "--l1-size", "1GiB", "--chunk-size", str(CHUNK), "--http-addr", "off"])
+    try:
+        _wait_for_server(url, proc)
+        _run([(gpu_workers.roundtrip, (url, "cpu-server", 0, 1, "mha", 50), {"transfer": "engine"})])
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
+
+
+def test_an_engine_killed_with_its_copy_queued_leaves_nothing_and_its_slots_come_back(cuda_server):
+    import signal
+
+    import gpu_workers
+
+    from lmcache_mp import Client, chunk_hashes
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=gpu_workers.store_and_die, args=(cuda_server, q))
+    proc.start()
+    c = Client(cuda_server)
+    try:
+        status, info = q.get(timeout=120)
+        assert status == "ok", info
+        assert c.status()["engine_copies"]["reservations"] >= 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+        deadline = time.time() + 30
+        while c.status()["engine_copies"]["reservations"] and time.time() < deadline:
+            time.sleep(0.1)
+        st = c.status()
+        assert st["engine_copies"]["reservations"] == 0 and st["l1"]["writing"] == 0
+        tokens = np.random.default_rng(3).integers(0, 50000, 4 * CHUNK)  # the worker's prompt
+        assert c.lookup(chunk_hashes(tokens, c.chunk_size), model="killed") == 0
+    finally:
+        c.close()
+        if proc.is_alive():
+            proc.kill()
 
 
 def test_lookup_counts_a_chunk_only_when_every_rank_stored_it(cuda_server):
@@ -134,6 +219,35 @@ def test_bad_block_ids_are_rejected_before_any_copy(cuda_server):
     client.close()
 
 
+def test_a_store_whose_copy_ends_after_its_deadline_keeps_nothing(cuda_server):
+    """The server queues the copy before the deadline, but it waits for the engine's stream,
+    which is busy for longer: the copy ends after the deadline (the engine had given up on the
+    store and may have reused the blocks), so nothing of it is kept."""
+    import torch
+    from gpu_kv import make_cuda_kv
+
+    from lmcache_mp import Client, ServerUnavailable, chunk_hashes
+
+    client = Client(cuda_server)
+    kv = make_cuda_kv("mha", torch.bfloat16, layers=2, blocks=32, block_size=16)
+    h = client.register_kv_cache(kv.tensors, model="late", world_size=1, rank=0, transfer="server")
+    hashes = chunk_hashes(np.arange(2 * CHUNK) + 7, client.chunk_size)
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time before the KV is there
+    fut = client.store(h, hashes, list(range(8)), stream=busy, timeout=0.2)
+    with pytest.raises(ServerUnavailable):
+        fut.result()
+    busy.synchronize()
+    deadline = time.time() + 10
+    while client.status()["l1"]["writing"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert client.lookup(hashes, model="late") == 0
+    assert client.store(h, hashes, list(range(8))).result().stored == 2  # in time: kept
+    assert client.lookup(hashes, model="late") == 2
+    client.close()
+
+
 def test_l1_persist_on_the_gpu_survives_sigkill(tmp_path):
     """--l1-persist with page-locked L1: chunks stored from GPU blocks, the server killed, a new
     one re-attaches them (after pinning) and retrieves them into GPU blocks byte-exact."""
@@ -164,6 +278,10 @@ def test_l1_persist_on_the_gpu_survives_sigkill(tmp_path):
     try:
         proc = start(1)
         assert _run([(persisted, (url, "store", 7), {})]) == [4]
+        with Client(url) as c:  # commits are recorded a moment later, once their bytes are summed
+            deadline = time.time() + 30
+            while c.status()["l1"]["journal_backlog"] and time.time() < deadline:
+                time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
         proc = start(2)

@@ -218,3 +218,122 @@ def test_a_stalled_server_never_writes_into_blocks_after_the_engine_gave_up(shm_
         for e in engines:
             e.close()
         srv.kill()
+
+
+# ---- no store saves blocks the engine reused after giving up on it ---------------------------------
+
+
+def test_a_stalled_server_never_saves_blocks_the_engine_reused_after_the_stores_timeout(shm_files):
+    """The issue's reproduction: the server is stopped (SIGSTOP) when a store is sent with a short
+    timeout; the future fails and the engine writes other bytes into those blocks; the resumed
+    server must not save them under the store's keys (its deadline passed: nothing is copied)."""
+    srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB",
+                         "--chunk-size", str(CHUNK), "--heartbeat-timeout", "60"])
+    url = srv.wait_ready()
+    c = Client(url)
+    try:
+        kv, h = register_mha(c)
+        hashes = chunk_hashes(w.prompt(1, 2), CHUNK)
+        w.write_tokens(kv, "mha", blocks_of(2), w.reference(1, "mha", 2 * CHUNK))  # X
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        wait_until(lambda: stopped(srv.proc.pid), 5, "the server to stop")  # SIGSTOP lands asynchronously
+        try:
+            fut = c.store(h, hashes, blocks_of(2), timeout=0.5)
+            with pytest.raises(Exception):
+                fut.result(10)
+            w.fill_blocks(kv, "mha", blocks_of(2), 7)  # Y: the engine reuses the blocks
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        # A later store on the same registration is answered after the stale one was handled.
+        other = chunk_hashes(w.prompt(2, 1), CHUNK)
+        w.write_tokens(kv, "mha", blocks_of(1, start=32), w.reference(2, "mha", CHUNK))
+        assert c.store(h, other, blocks_of(1, start=32)).result(10).stored == 1
+        assert c.lookup(hashes, model="m") == 0
+        assert c.retrieve(h, hashes, blocks_of(2, start=16)).result(10).loaded == 0
+        assert "Traceback" not in "\n".join(srv.lines)
+    finally:
+        c.close()
+        srv.kill()
+
+
+def test_a_store_past_its_deadline_or_ending_after_it_keeps_nothing(shm_files, server, monkeypatch):
+    c = Client(server.url)
+    raw = RawClient(server.url)
+    try:
+        kv, h = register_mha(c)
+        hashes = chunk_hashes(w.prompt(3, 2), CHUNK)
+        w.write_tokens(kv, "mha", blocks_of(2), w.reference(3, "mha", 2 * CHUNK))
+
+        def store(deadline: float) -> p.Error:
+            _, reply = raw.request(p.encode(p.Store(kv_id=h.kv_id, hashes=b"".join(hashes),
+                                                    block_ids=p.pack_block_ids(blocks_of(2)), client_id=c.client_id,
+                                                    deadline=deadline)))
+            return reply
+
+        reply = store(time.monotonic() - 0.001)  # passed before it arrived: no copy starts
+        assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.DEADLINE_EXCEEDED, reply
+        ctx = server.engine._entries[h.kv_id].ctx
+        real_copy = ctx.copy
+
+        def stalled_copy(*args, **kwargs):  # the server stalls mid-copy, past the deadline
+            real_copy(*args, **kwargs)
+            time.sleep(2.0)
+
+        monkeypatch.setattr(ctx, "copy", stalled_copy)
+        reply = store(time.monotonic() + 1.0)  # (a second for the copy to start, even on a loaded machine)
+        assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.DEADLINE_EXCEEDED, reply
+        assert "after its deadline" in reply.message
+        st = c.status()["l1"]
+        assert st["objects"] == 0 and st["writing"] == 0  # the slots went back
+        assert c.lookup(hashes, model="m") == 0
+        monkeypatch.setattr(ctx, "copy", real_copy)
+        assert isinstance(store(time.monotonic() + 10), p.StoreReply)
+        assert c.retrieve(h, hashes, blocks_of(2, start=16)).result(10).loaded == 2
+        assert (w.read_tokens(kv, "mha", blocks_of(2, start=16)) == w.reference(3, "mha", 2 * CHUNK)).all()
+    finally:
+        raw.close()
+        c.close()
+
+
+def test_the_connector_gives_blocks_back_at_a_stores_deadline_and_nothing_late_is_saved(shm_files):
+    """Through the connector: a store stuck behind a stopped server is reported finished (its
+    blocks go back to the engine) once its deadline passed; the engine reuses them; the resumed
+    server saves nothing of that store."""
+    from test_connector_core import BS, CS, LAYERS, Engine, ScheduledRequest, block_view, matched, prompt
+
+    srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "64MiB",
+                         "--chunk-size", str(CS), "--heartbeat-timeout", "60"])
+    url = srv.wait_ready()
+    engines = []
+    try:
+        a = Engine(url, store_timeout=0.5)
+        engines.append(a)
+        toks = prompt(5, 300)
+        worker = a.workers[0]
+        assert matched(a.sched, "r1", toks, 0) == 0
+        blocks = a.alloc(-(-len(toks) // BS))
+        a.sched.on_allocated("r1", blocks, 0)
+        plan = a.sched.build_plan([ScheduledRequest("r1", 0, len(toks), blocks)])
+        assert plan.stores
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        wait_until(lambda: stopped(srv.proc.pid), 5, "the server to stop")  # SIGSTOP lands asynchronously
+        try:
+            a.execute(plan, compute=[(toks, blocks, 0, len(toks))])
+            assert a.sched.request_finished("r1") is True  # a store in flight: blocks held
+            assert worker.finished({"r1"}) == set()
+            wait_until(lambda: "r1" in worker.finished(set()), 10, "the store's deadline to give the blocks back")
+            for layer in range(LAYERS):  # the engine gives the blocks to another request
+                for blk in blocks[: len(toks) // BS]:
+                    block_view(a.caches[0][layer], blk, a.kind).fill_(7.0)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        b = Engine(url)
+        engines.append(b)
+        assert b.workers[0].link.get().ping(timeout=10) >= 0
+        assert matched(b.sched, "probe", toks, 0) == 0  # nothing of the late store was kept
+        log = "\n".join(srv.lines)
+        assert "Traceback" not in log, log
+    finally:
+        for e in engines:
+            e.close()
+        srv.kill()

@@ -24,7 +24,7 @@ REQUESTS = [
     p.RegisterKVCache(client_id=b"c" * 16, model="llama", world_size=4, rank=3, device="cpu", device_uuid=b"u" * 16,
                       layout="mha", layers=[LAYER, LAYER], block_size=16),
     p.RegisterKVCache(client_id=b"d" * 16, model="ds", world_size=2, rank=1, device="cuda", device_uuid=b"v" * 16,
-                      layout="mla", layers=[CUDA_LAYER]),
+                      layout="mla", layers=[CUDA_LAYER], transfer="engine"),
     p.UnregisterKVCache(kv_id=(1 << 63) - 1),
     p.Store(kv_id=7, hashes=H, block_ids=IDS, salt=b"tenant", event=b"e" * 64),
     p.Retrieve(kv_id=8, hashes=H, block_ids=IDS, salt=b"s", event=b"f" * 64, reply_on_submit=True, lease=77,
@@ -35,6 +35,11 @@ REQUESTS = [
     p.Ping(client_id=b"c" * 16),
     p.Status(),
     p.Bye(client_id=b"c" * 16),
+    p.MapArena(client_id=b"c" * 16),
+    p.Reserve(kv_id=9, hashes=H, client_id=b"c" * 16, salt=b"t", deadline=99.5),
+    p.Commit(client_id=b"c" * 16, reservation=(1 << 62) + 1, ok=False),
+    p.Read(kv_id=10, hashes=H, client_id=b"c" * 16, salt=b"u", lease=78),
+    p.ReadDone(client_id=b"c" * 16, read=(1 << 62) + 2),
 ]
 
 REPLIES = [
@@ -52,6 +57,12 @@ REPLIES = [
     p.PingReply(session_id=b"s" * 16),
     p.StatusReply(status={"l1": {"objects": 3, "bytes": 1.5}, "registrations": [{"kv_id": 1}], "ok": True}),
     p.ByeReply(leases=2, registrations=1),
+    p.MapArenaReply(capacity=1 << 40, slab_bytes=1 << 28, session_id=b"s" * 16),
+    p.ReserveReply(reservation=3, chunks=IDS, offsets=p.pack_offsets([0, 1 << 35]), object_bytes=4096, present=1,
+                   skipped=2),
+    p.CommitReply(stored=2, present=1, skipped=3),
+    p.ReadReply(read=4, offsets=p.pack_offsets([1 << 33]), object_bytes=4096),
+    p.ReadDoneReply(released=6),
 ]
 
 
@@ -117,7 +128,7 @@ BAD_BODIES = {
     "layer is not a struct": (_encode([int(p.Op.REGISTER_KV_CACHE), b"c", "m", 1, 0, "cpu", b"", "auto", [7]]),
                               p.ErrorCode.BAD_REQUEST),
     "unknown op 99": (_encode([99, b"c"]), p.ErrorCode.UNKNOWN_OP),
-    "unknown op 12 (next to be assigned)": (_encode([12]), p.ErrorCode.UNKNOWN_OP),
+    "unknown op 17 (next to be assigned)": (_encode([17]), p.ErrorCode.UNKNOWN_OP),
     "a reply's tag (Error) as a request": (p.encode(REPLIES[0]), p.ErrorCode.UNKNOWN_OP),
 }
 

@@ -6,6 +6,7 @@
 #include "common.h"
 #include "cuda/cuda_runtime.h"
 #include "cuda/transfer_engine.h"
+#include "pinned_memory.h"
 #include "py_batch.h"
 
 namespace py = pybind11;
@@ -110,26 +111,52 @@ void init_cuda_bindings(py::module_& m) {
   c.def("destroy_stream", &destroy_stream, py::arg("stream"), py::call_guard<py::gil_scoped_release>());
   c.def("stream_synchronize", &stream_synchronize, py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 
+  // Host memory another process allocated (the server's arena, mapped here) page-locked for this
+  // process's copies: an engine that moves its KV itself.
+  // The device is made current first: a thread with none would create a context on device 0.
+  c.def(
+      "host_register",
+      [](uintptr_t ptr, uint64_t bytes, int device) {
+        std::string error;
+        bool ok;
+        {
+          py::gil_scoped_release nogil;
+          DeviceGuard g(device);
+          ok = pin_host_memory(reinterpret_cast<void*>(ptr), bytes, &error);
+        }
+        if (!ok) throw std::runtime_error(error);
+      },
+      py::arg("ptr"), py::arg("bytes"), py::arg("device"),
+      "Page-lock [ptr, ptr + bytes) for this process's copies (cudaHostRegister)");
+  c.def(
+      "host_unregister",
+      [](uintptr_t ptr, int device) {
+        DeviceGuard g(device);
+        unpin_host_memory(reinterpret_cast<void*>(ptr));
+      },
+      py::arg("ptr"), py::arg("device"), py::call_guard<py::gil_scoped_release>());
+
   py::class_<TransferEngine, std::unique_ptr<TransferEngine, ReleaseGilDelete>>(c, "TransferEngine")
       .def(py::init([](int device, const KVLayout& layout, int64_t chunk_size, int64_t staging_bytes, int direct_ctas,
-                       int pack_ctas, int threads, bool blocking_sync) {
+                       int pack_ctas, int threads, bool blocking_sync, bool high_priority) {
              EngineOptions o;
              o.staging_bytes = staging_bytes;
              o.direct_ctas = direct_ctas;
              o.pack_ctas = pack_ctas;
              o.threads = threads;
              o.blocking_sync = blocking_sync;
+             o.high_priority = high_priority;
              py::gil_scoped_release nogil;  // allocates the staging ring and streams: driver work
              return new TransferEngine(device, layout, chunk_size, o);
            }),
            py::arg("device"), py::arg("layout"), py::arg("chunk_size"), py::arg("staging_bytes") = 256ll << 20,
            py::arg("direct_ctas") = 4, py::arg("pack_ctas") = 0, py::arg("threads") = 1024,
-           py::arg("blocking_sync") = false)
+           py::arg("blocking_sync") = false, py::arg("high_priority") = true)
       .def(
           "submit",
           [](TransferEngine& e, const std::string& direction, const std::string& mode, const IdArray& ids,
              const PtrArray& ptrs, int64_t chunk_size, int64_t object_capacity, uintptr_t wait_event,
-             bool with_handle) -> py::object {
+             bool with_handle, uintptr_t then_stream) -> py::object {
             const ChunkBatch b = make_batch(ids, ptrs, chunk_size, object_capacity);
             const Direction d = parse_direction(direction);
             const Mode md = parse_mode(mode);
@@ -138,14 +165,16 @@ void init_cuda_bindings(py::module_& m) {
             uint64_t ticket;
             {
               py::gil_scoped_release nogil;
-              ticket = e.submit(d, md, b, wait_event, with_handle ? &handle : nullptr);
+              ticket = e.submit(d, md, b, wait_event, with_handle ? &handle : nullptr, then_stream);
             }
             if (!with_handle) return py::int_(ticket);
             return py::make_tuple(ticket, py::bytes(handle));
           },
           py::arg("direction"), py::arg("mode"), py::arg("block_ids"), py::arg("object_ptrs"), py::arg("chunk_size"),
           py::arg("object_capacity"), py::arg("wait_event") = 0, py::arg("with_handle") = false,
-          "the transfer's ticket; (ticket, completion event's IPC handle) with with_handle")
+          py::arg("then_stream") = 0,
+          "the transfer's ticket; (ticket, completion event's IPC handle) with with_handle; then_stream (a "
+          "stream of this process) is made to wait for the transfer")
       .def("wait", &TransferEngine::wait, py::arg("ticket"), py::call_guard<py::gil_scoped_release>())
       .def(
           "wait_next",

@@ -59,10 +59,10 @@ TransferEngine::TransferEngine(int device, const KVLayout& layout, int64_t chunk
   object_bytes_ = layout_.object_bytes(chunk_size_);
 
   for (int d = 0; d < 2; ++d) {
-    // High priority: our short packing kernels get SMs at the next kernel boundary of the
-    // engine's work instead of queueing behind it, so the copy engines never run dry.
-    sides_[d].main = reinterpret_cast<cudaStream_t>(create_stream(device_, true));
-    sides_[d].copy = reinterpret_cast<cudaStream_t>(create_stream(device_, true));
+    // High priority (server side): our short packing kernels get SMs at the next kernel boundary
+    // of the engine's work instead of queueing behind it, so the copy engines never run dry.
+    sides_[d].main = reinterpret_cast<cudaStream_t>(create_stream(device_, opt_.high_priority));
+    sides_[d].copy = reinterpret_cast<cudaStream_t>(create_stream(device_, opt_.high_priority));
   }
 }
 
@@ -264,7 +264,7 @@ void TransferEngine::validate(Mode mode, const ChunkBatch& b) const {
 }
 
 uint64_t TransferEngine::submit(Direction dir, Mode mode, const ChunkBatch& b, uintptr_t wait_event,
-                                std::string* completion_handle) {
+                                std::string* completion_handle, uintptr_t then_stream) {
   validate(mode, b);
   const bool gather = dir == Direction::kGather;
   Side& side = sides_[gather ? 0 : 1];
@@ -289,6 +289,9 @@ uint64_t TransferEngine::submit(Direction dir, Mode mode, const ChunkBatch& b, u
   const int ev = take_event(side);
   check(cudaEventRecord(side.pool[ev], last), "cudaEventRecord");
   if (completion_handle) *completion_handle = side.pool_handles[ev];
+  if (then_stream) {
+    check(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(then_stream), side.pool[ev], 0), "cudaStreamWaitEvent");
+  }
   const int d = gather ? 0 : 1;
   std::lock_guard<std::mutex> tl(ticket_mu_);
   const uint64_t id = next_ticket_++;

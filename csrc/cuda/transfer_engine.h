@@ -40,6 +40,9 @@ struct EngineOptions {
   int pack_ctas = 0;  // 0: one per SM
   int threads = 1024;
   bool blocking_sync = false;  // host waits sleep in the driver instead of spinning
+  // The server's streams are of high priority (its short kernels get SMs between the engine's);
+  // an engine moving its own KV uses low ones, so its compute keeps the SMs it wants.
+  bool high_priority = true;
 };
 
 struct EngineStats {
@@ -63,9 +66,10 @@ class TransferEngine {
   // Validates everything (nothing is enqueued on error), makes the work wait for wait_event
   // (0: none; e.g. an event the worker recorded after producing the KV), enqueues the copies and
   // returns a ticket. Thread-safe per direction. completion_handle, when given, receives the
-  // inter-process handle of the completion event, for a client stream to wait on.
+  // inter-process handle of the completion event, for a client stream to wait on; then_stream,
+  // when given (a stream of this process), is made to wait for the completion.
   uint64_t submit(Direction dir, Mode mode, const ChunkBatch& batch, uintptr_t wait_event,
-                  std::string* completion_handle = nullptr);
+                  std::string* completion_handle = nullptr, uintptr_t then_stream = 0);
   // Blocks (call without the GIL) until the ticket's copies have finished; rethrows CUDA errors.
   // Returns when the host saw them finish (CLOCK_MONOTONIC ns, for request traces).
   int64_t wait(uint64_t ticket);

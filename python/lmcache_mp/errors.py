@@ -17,7 +17,7 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 8
     INTERNAL = 9
     LIMIT_EXCEEDED = 10  # over a per-request or per-client limit (frame bytes, chunks, world size, leases)
-    DEADLINE_EXCEEDED = 11  # a retrieve's deadline passed before its copy started: nothing was written
+    DEADLINE_EXCEEDED = 11  # a deadline passed: a retrieve wrote nothing, a store kept nothing
 
 
 class LMCacheMPError(Exception):

@@ -29,6 +29,7 @@ from lmcache_mp.errors import ErrorCode, RequestError  # noqa: F401 - ErrorCode:
 
 # 2: named leases (LOOKUP returns a lease id; RETRIEVE and RELEASE name it), deadlines
 # 3: STORE, RETRIEVE and UNREGISTER carry the client id; a registration serves only its own client
+#    (ops 12-16, the engine's own copies, were appended within it)
 PROTOCOL_VERSION = 3
 
 # Per-request limits: what one request may name, so that its cost stays bounded. Larger requests
@@ -68,6 +69,13 @@ class Op(enum.IntEnum):
     PING = 9
     STATUS = 10
     BYE = 11
+    # The engine's own copies (a registration with transfer="engine"): the client maps L1 and
+    # moves the bytes itself; the server allocates, indexes, leases and commits.
+    MAP_ARENA = 12
+    RESERVE = 13
+    COMMIT = 14
+    READ = 15
+    READ_DONE = 16
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=False, forbid_unknown_fields=False):
@@ -117,6 +125,7 @@ class RegisterKVCache(_Msg, tag=int(Op.REGISTER_KV_CACHE)):
     layout: str  # "auto" or a layout kind
     layers: list[LayerRef]
     block_size: int = 0  # only for opaque layouts whose block size the shape does not tell
+    transfer: str = ""  # "engine": the client copies (RESERVE/COMMIT, READ/READ_DONE); else the server does
 
 
 class UnregisterKVCache(_Msg, tag=int(Op.UNREGISTER_KV_CACHE)):
@@ -131,6 +140,7 @@ class Store(_Msg, tag=int(Op.STORE)):
     salt: bytes = b""
     event: bytes = b""  # IPC event the worker recorded after producing the KV (CUDA)
     client_id: bytes = b""  # the registration's own client (no other may use it)
+    deadline: float = 0.0  # CLOCK_MONOTONIC seconds: no copy starts after it, none that ends after it is kept
 
 
 class Retrieve(_Msg, tag=int(Op.RETRIEVE)):
@@ -180,7 +190,50 @@ class Bye(_Msg, tag=int(Op.BYE)):
     client_id: bytes
 
 
-Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Store, Retrieve, Lookup, Release, Clear, Ping, Status, Bye]
+class MapArena(_Msg, tag=int(Op.MAP_ARENA)):
+    """On a connection of the local lane of its own: the reply carries L1's file descriptor
+    (SCM_RIGHTS), which the client maps to copy chunks itself."""
+
+    client_id: bytes
+
+
+class Reserve(_Msg, tag=int(Op.RESERVE)):
+    """A store the client copies itself: slots for the chunks not stored yet, held for it until
+    its COMMIT (or until its process is gone)."""
+
+    kv_id: int
+    hashes: bytes
+    client_id: bytes
+    salt: bytes = b""
+    deadline: float = 0.0  # CLOCK_MONOTONIC seconds: reserved after it, nothing is (DEADLINE_EXCEEDED)
+
+
+class Commit(_Msg, tag=int(Op.COMMIT)):
+    """The reservation's bytes have landed (ok), or the copy failed (the slots go back)."""
+
+    client_id: bytes
+    reservation: int
+    ok: bool = True
+
+
+class Read(_Msg, tag=int(Op.READ)):
+    """A retrieve the client copies itself: where the leading stored chunks are, held for it
+    (not evicted, moved or reused) until its READ_DONE (or until its process is gone)."""
+
+    kv_id: int
+    hashes: bytes
+    client_id: bytes
+    salt: bytes = b""
+    lease: int = 0  # the lookup lease this read consumes (0: none)
+
+
+class ReadDone(_Msg, tag=int(Op.READ_DONE)):
+    client_id: bytes
+    read: int
+
+
+Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Store, Retrieve, Lookup, Release, Clear, Ping, Status, Bye,
+                MapArena, Reserve, Commit, Read, ReadDone]
 
 # ---- replies ---------------------------------------------------------------------------------
 
@@ -252,6 +305,37 @@ class ByeReply(_Msg, tag=int(Op.BYE)):
     registrations: int
 
 
+class MapArenaReply(_Msg, tag=int(Op.MAP_ARENA)):
+    capacity: int  # bytes of the file to map (offsets in RESERVE and READ replies are into it)
+    slab_bytes: int  # objects never straddle a slab: the unit to page-lock
+    session_id: bytes
+
+
+class ReserveReply(_Msg, tag=int(Op.RESERVE)):
+    reservation: int  # 0: nothing to write (then the counts are final)
+    chunks: bytes  # packed int32: the request's chunks to write, in order
+    offsets: bytes  # packed uint64: where each goes in the arena
+    object_bytes: int
+    present: int  # chunks that were already there (or being written by another request)
+    skipped: int  # chunks not stored: no memory
+
+
+class CommitReply(_Msg, tag=int(Op.COMMIT)):
+    stored: int
+    present: int
+    skipped: int
+
+
+class ReadReply(_Msg, tag=int(Op.READ)):
+    read: int  # 0 when nothing was found
+    offsets: bytes  # packed uint64: the leading chunks found, in order
+    object_bytes: int
+
+
+class ReadDoneReply(_Msg, tag=int(Op.READ_DONE)):
+    released: int
+
+
 Reply = Union[
     Error,
     HelloReply,
@@ -265,6 +349,11 @@ Reply = Union[
     PingReply,
     StatusReply,
     ByeReply,
+    MapArenaReply,
+    ReserveReply,
+    CommitReply,
+    ReadReply,
+    ReadDoneReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -355,6 +444,8 @@ MAX_FRAME_BYTES = {
     Op.RETRIEVE: MAX_MESSAGE_BYTES,
     Op.LOOKUP: MAX_CHUNKS * 16 + 2048,
     Op.RELEASE: MAX_CHUNKS * 16 + 1024,
+    Op.RESERVE: MAX_CHUNKS * 16 + 2048,
+    Op.READ: MAX_CHUNKS * 16 + 2048,
 }
 
 
@@ -408,6 +499,19 @@ def pack_block_ids(block_ids) -> bytes:
     if ids.size and (ids.min() < 0 or ids.max() > _BLOCK_ID_MAX):
         raise ValueError("block ids must be in [0, 2**31)")
     return np.ascontiguousarray(ids, dtype=BLOCK_ID_DTYPE).tobytes()
+
+
+OFFSET_DTYPE = np.dtype("<u8")
+
+
+def pack_offsets(offsets) -> bytes:
+    return np.ascontiguousarray(offsets, dtype=OFFSET_DTYPE).tobytes()
+
+
+def unpack_offsets(data: bytes) -> np.ndarray:
+    if len(data) % OFFSET_DTYPE.itemsize:
+        raise ValueError(f"offsets must be packed uint64, got {len(data)} bytes")
+    return np.frombuffer(data, dtype=OFFSET_DTYPE)
 
 
 def unpack_block_ids(data: bytes) -> np.ndarray:

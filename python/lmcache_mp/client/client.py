@@ -19,7 +19,6 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import zmq
@@ -28,46 +27,36 @@ from lmcache_mp import protocol as p
 from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_stream
 from lmcache_mp.client.curve import apply_curve
 from lmcache_mp.client.endpoint import check_url, unreachable_hint
+from lmcache_mp.client.engine_transfers import EngineTransfers
 from lmcache_mp.client.io_thread import ZMQ_EVENTS, ZMQ_POLLIN, IOThread, add_trace
 from lmcache_mp.client.leases import HeldLeases, LookupResult
+from lmcache_mp.client.results import RetrieveResult, StoreResult, check_reply as _check
 from lmcache_mp.client.tensors import DescribedCache, describe_kv_caches
-from lmcache_mp.errors import ProtocolMismatch, RequestError, ServerUnavailable
+from lmcache_mp.errors import RequestError, ServerUnavailable
 from lmcache_mp.keys import DIGEST_BYTES, pack_hashes, unpack_hashes
-from lmcache_mp.native import default_spin_us, spin_poll
+from lmcache_mp.native import default_spin_us, request_block_ids, spin_poll
 
 logger = logging.getLogger(__name__)
 
 RECOVERY_CALL_S = 2.0  # longest one call of a recovery after a suspected restart may take
 
 
-@dataclass(frozen=True)
-class StoreResult:
-    stored: int  # chunks written by this request
-    present: int  # chunks that were already stored
-    skipped: int  # chunks the server had no memory for (everything else leased or in use)
-
-    @property
-    def chunks(self) -> int:
-        """Leading chunks of the request now present on the server."""
-        return self.stored + self.present
-
-
-@dataclass(frozen=True)
-class RetrieveResult:
-    loaded: int  # leading chunks written into the given blocks
-
-
 class KVCacheHandle:
     """A registered KV cache. Keeps its tensors alive; re-registered after a server restart."""
 
     def __init__(self, tensors: list, model: str, world_size: int, rank: int, layout: str,
-                 block_size: int | None, described: DescribedCache):
+                 block_size: int | None, described: DescribedCache, transfer: str = "auto",
+                 staging_bytes: int | None = None, pack_ctas: int = 0):
         self.tensors = tensors
         self.model = model
         self.world_size = world_size
         self.rank = rank
         self.requested_layout = layout
         self.requested_block_size = block_size
+        self.requested_transfer = transfer
+        self.staging_bytes = staging_bytes  # the engine-side copier's GPU ring (None: a few chunks)
+        self.pack_ctas = pack_ctas
+        self.copier = None  # an EngineCopier when this process copies (transfer_mode "engine")
         self.described = described
         self.kv_id = 0
         self.layout = ""
@@ -91,18 +80,6 @@ class KVCacheHandle:
     def __repr__(self) -> str:
         return (f"KVCacheHandle(model={self.model!r}, rank={self.rank}/{self.world_size}, layout={self.layout}, "
                 f"device={self.device}, kv_id={self.kv_id})")
-
-
-def _check(reply: Any, expected: type) -> Any:
-    if isinstance(reply, p.Error):
-        if reply.code == p.ErrorCode.PROTOCOL_MISMATCH:
-            raise ProtocolMismatch(reply.message)
-        if reply.code == p.ErrorCode.SHUTTING_DOWN:
-            raise ServerUnavailable(reply.message)
-        raise RequestError(reply.code, reply.message)
-    if not isinstance(reply, expected):
-        raise RequestError(int(p.ErrorCode.INTERNAL), f"expected {expected.__name__}, got {type(reply).__name__}")
-    return reply
 
 
 # Synchronous calls that take the local lane when there is one (small replies, quick on the server).
@@ -143,6 +120,7 @@ class Client:
         self._closed = False
         self._restarting = threading.Lock()
         self._io: IOThread | None = None
+        self._engine = EngineTransfers(self)
         try:
             hello = self._hello(connect_timeout)
         except BaseException:
@@ -332,24 +310,59 @@ class Client:
     # ---- registration ------------------------------------------------------------------------
 
     def register_kv_cache(self, kv_caches: Sequence[Any] | dict, *, model: str, world_size: int = 1, rank: int = 0,
-                          layout: str = "auto", block_size: int | None = None) -> KVCacheHandle:
-        """Register one tensor per layer (CPU tensors in shared memory, or CUDA tensors)."""
+                          layout: str = "auto", block_size: int | None = None, transfer: str = "auto",
+                          staging_bytes: int | None = None, pack_ctas: int = 0) -> KVCacheHandle:
+        """Register one tensor per layer (CPU tensors in shared memory, or CUDA tensors).
+
+        transfer: who moves the bytes. "engine": this process, in its own CUDA context (it maps
+        the server's L1; client/engine_copy.py), so that the transfers of a busy engine share its
+        GPU as its own work does; "server": the server, with its kernels and copy engines (the
+        only way from another machine or network namespace); "auto" (default): "engine" for CUDA
+        caches when the server's local lane is reachable, else "server". handle.transfer_mode
+        says which was taken. staging_bytes, pack_ctas: the engine-side copier's GPU ring and its
+        packing kernels' CTAs (0: one per SM)."""
+        if transfer not in ("auto", "server", "engine"):
+            raise ValueError(f"transfer must be 'auto', 'server' or 'engine', got {transfer!r}")
         tensors = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
-        handle = KVCacheHandle(tensors, model, world_size, rank, layout, block_size, describe_kv_caches(tensors))
-        self._register(handle)
+        handle = KVCacheHandle(tensors, model, world_size, rank, layout, block_size, describe_kv_caches(tensors),
+                               transfer, staging_bytes, pack_ctas)
         if handle.device == "cuda":
             handle.events = EventPool(handle.described.device_index)
+        self._register(handle)
         with self._lock:
             self._handles.append(handle)
         return handle
 
+    def wait_pinned(self, timeout: float | None = None) -> bool:
+        """Wait until this process has page-locked the server's L1 for its own copies (in the
+        background from the first engine-side registration; until then a request locks the
+        slabs it needs first). True when done, or when this process copies nothing itself."""
+        return self._engine.wait_pinned(timeout)
+
+    def _engine_copies(self, handle: KVCacheHandle) -> bool:
+        """Whether this process copies the handle's chunks itself (mapping L1 first if so)."""
+        want = handle.requested_transfer
+        if want == "server" or (want == "auto" and handle.device != "cuda"):
+            return False
+        try:
+            self._engine.arena()
+            return True
+        except (RequestError, ServerUnavailable) as e:
+            if want == "engine":
+                raise
+            logger.info("lmcache-mp: the server copies this KV cache's chunks (%s)", e)
+            return False
+
     def _register(self, handle: KVCacheHandle) -> None:
         d = handle.described
+        engine = self._engine_copies(handle)
         msg = p.RegisterKVCache(client_id=self.client_id, model=handle.model, world_size=handle.world_size,
                                 rank=handle.rank, device=d.device, device_uuid=d.device_uuid,
                                 layout=handle.requested_layout, layers=d.layers,
-                                block_size=handle.requested_block_size or 0)
+                                block_size=handle.requested_block_size or 0, transfer="engine" if engine else "")
         handle._apply(self._call(msg, p.RegisterReply, max(self.timeout, 30.0)))
+        if engine:
+            self._engine.attach(handle)
 
     def unregister_kv_cache(self, handle: KVCacheHandle, timeout: float | None = None) -> None:
         with self._lock:
@@ -357,6 +370,9 @@ class Client:
                 self._handles.remove(handle)
         if handle.closed:
             return
+        if handle.copier is not None:  # its copies end (and commit) first
+            handle.copier.close()
+            handle.copier = None
         handle.closed = True
         try:
             self._call(p.UnregisterKVCache(kv_id=handle.kv_id, client_id=self.client_id), p.UnregisterReply, timeout)
@@ -366,32 +382,46 @@ class Client:
 
     # ---- store / retrieve --------------------------------------------------------------------
 
-    def _request_args(self, handle: KVCacheHandle, hashes, block_ids) -> tuple[bytes, bytes]:
+    def _request_args(self, handle: KVCacheHandle, hashes, block_ids, distinct: bool = False) -> tuple[bytes, bytes]:
+        """Packed hashes and block ids. The engine-side path checks the ids here, before any slot
+        is reserved (the server checks them for its own copies)."""
         if handle.closed:
             raise ValueError("this KV cache was unregistered")
         packed = pack_hashes(hashes)
         ids = p.pack_block_ids(block_ids)
         n = len(packed) // DIGEST_BYTES
-        need = n * (self.chunk_size // handle.block_size)
-        if len(ids) // 4 != need:
-            raise ValueError(f"{n} chunks of {self.chunk_size} tokens need {need} block ids "
+        per_chunk = self.chunk_size // handle.block_size
+        if len(ids) // 4 != n * per_chunk:
+            raise ValueError(f"{n} chunks of {self.chunk_size} tokens need {n * per_chunk} block ids "
                              f"(blocks of {handle.block_size} tokens), got {len(ids) // 4}")
+        if handle.copier is not None:
+            request_block_ids(ids, n, per_chunk, handle.num_blocks, distinct)
         return packed, ids
 
     def store(self, handle: KVCacheHandle, hashes: bytes | Iterable[bytes], block_ids, *, salt: bytes = b"",
               stream: Any = None, timeout: float | None = None) -> "Future[StoreResult]":
         """Copy these chunks' blocks into the server. The future resolves once the bytes are in
         host memory (the blocks may then be reused). On CUDA the server first waits for the work
-        queued so far on `stream` (default: the current stream), so the KV may still be in flight."""
+        queued so far on `stream` (default: the current stream), so the KV may still be in flight.
+
+        The store's deadline is `timeout` seconds from now (default: the client's timeout): the
+        server starts no copy after it and keeps none that ended after it (DEADLINE_EXCEEDED). So
+        once the future has failed for its timeout, the blocks may be reused whatever the server
+        does later: a stalled server that resumes never saves bytes the engine wrote since."""
         stamps = [("call", time.monotonic_ns())] if self.trace else None
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout  # before the future's own expiry, which is armed later
         packed, ids = self._request_args(handle, hashes, block_ids)
+        if handle.copier is not None:
+            stream_ptr = self._stream_ptr(handle, stream) if handle.events is not None else 0
+            return self._engine.store(handle, packed, ids, salt, stream_ptr, timeout, stamps)
         event, ev_handle, settled = None, b"", None
         if handle.events is not None:
             event, ev_handle = handle.events.record(self._stream_ptr(handle, stream))
             if event is not None:
                 settled = lambda: handle.events.give_back(event)  # noqa: E731
         msg = p.Store(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle,
-                      client_id=self.client_id)
+                      client_id=self.client_id, deadline=deadline)
 
         def convert(reply: Any) -> StoreResult:
             r = self._checked(reply, p.StoreReply)
@@ -416,7 +446,12 @@ class Client:
         stamps = [("call", time.monotonic_ns())] if self.trace else None
         if wait not in ("host", "stream"):
             raise ValueError("wait must be 'host' or 'stream'")
-        packed, ids = self._request_args(handle, hashes, block_ids)
+        packed, ids = self._request_args(handle, hashes, block_ids, distinct=True)
+        if handle.copier is not None:
+            stream_ptr = self._stream_ptr(handle, stream) if handle.events is not None else 0
+            return self._engine.retrieve(handle, packed, ids, salt, stream_ptr, wait,
+                                         int(getattr(lease, "lease", lease) or 0), deadline,
+                                         self.timeout if timeout is None else timeout, stamps)
         event, ev_handle, settled, stream_ptr = None, b"", None, 0
         if handle.events is not None:
             stream_ptr = self._stream_ptr(handle, stream)
@@ -526,6 +561,9 @@ class Client:
         """Unregister every KV cache, drop this client's leases on the server, stop threads."""
         if self._closed:
             return
+        with self._lock:
+            handles = list(self._handles)
+        self._engine.close_copiers(handles)  # this process's copies end (and commit) before the goodbye
         try:
             self._call(p.Bye(client_id=self.client_id), p.ByeReply, min(self.timeout, 0.5))
         except Exception as e:  # the server may be gone; its heartbeat timeout cleans up
@@ -541,6 +579,7 @@ class Client:
         if self._io is not None:
             self._io.stop()
         self._close_sockets()
+        self._engine.unmap()
 
     def _close_sockets(self) -> None:
         with self._lock:

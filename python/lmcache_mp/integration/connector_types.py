@@ -29,6 +29,7 @@ class ConnectorConfig:
     connect_timeout: float = 2.0  # how long start-up waits for the first connection
     retry_interval: float = 5.0  # least time between connection attempts / after a failure
     load_timeout: float = 30.0  # longest a forward pass waits for its loads
+    store_timeout: float = 10.0  # a store's deadline: the server keeps nothing of it after that, blocks go back
     flush_timeout: float = 30.0  # longest shutdown (or a preemption) waits for stores in flight
     store_decode: bool = False  # also store chunks completed by generated tokens
     recompute_on_load_error: bool = True  # engine recomputes what a load missed (else fails it)

@@ -198,7 +198,10 @@ class WorkerCore:
             if client is None:
                 continue
             try:
-                fut = client.store(self._handle, t.hashes, self._tensor_block_ids(t.block_ids))
+                # The server starts no copy after the deadline and keeps none that ended after
+                # it, so a store's blocks go back to vLLM at the latest then (finished()).
+                fut = client.store(self._handle, t.hashes, self._tensor_block_ids(t.block_ids),
+                                   timeout=self.cfg.store_timeout)
             except (LMCacheMPError, ValueError) as exc:
                 self._store_failed(exc)
                 continue

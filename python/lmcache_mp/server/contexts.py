@@ -92,6 +92,20 @@ def _check_extent(spec: LayoutSpec, i: int, offset: int, size: int) -> None:
         )
 
 
+class EngineCopyContext:
+    """A KV cache whose engine moves its chunks itself (transfer="engine", server/engine_copies.py):
+    the server knows its layout, never its memory."""
+
+    transfer_mode = "engine"
+
+    def __init__(self, reg: Registration, req: p.RegisterKVCache):
+        self.reg = reg
+        self.device = req.device
+
+    def close(self) -> None:
+        pass
+
+
 class CPUCacheContext:
     device = "cpu"
     transfer_mode = "cpu"

@@ -36,6 +36,7 @@ from lmcache_mp.server.devices import gpu_numa_node, resolve_device
 from lmcache_mp.server.gc_pauses import GCPauses, made_long_lived
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.validation import RequestFailure, chunk_request, over_limit
+from lmcache_mp.server.engine_copies import EngineCopies
 from lmcache_mp.server.registrations import Entry, RegistrationHandling
 from lmcache_mp.server.replies import Reply, mark, mark_all
 from lmcache_mp.server.workers import SerialWorker
@@ -51,7 +52,7 @@ INLINE_CHUNKS = 64  # stores and retrieves of at most this many chunks may run o
 INLINE_CPU_BYTES = 256 << 10  # ... and on the CPU device, of at most this many bytes
 
 
-class MPCacheEngine(RegistrationHandling):
+class MPCacheEngine(RegistrationHandling, EngineCopies):
     def __init__(self, config: ServerConfig):
         self.config = config
         self.device = resolve_device(config.device)
@@ -86,6 +87,7 @@ class MPCacheEngine(RegistrationHandling):
 
             self._uuids = {_C.cuda.device_uuid(i): i for i in range(_C.cuda.device_count())}
         self._bulk = SerialWorker("lmcache-housekeeping")
+        self._init_engine_copies()
         self._pinned = False  # the arena's background pinning has finished
         self.lane = ""  # the transport's local-lane address, told to clients in HELLO
         self.url = ""  # the bound endpoint
@@ -178,7 +180,8 @@ class MPCacheEngine(RegistrationHandling):
         logger.debug("hello from %s (pid %d)", msg.client_name or msg.client_id.hex(), msg.pid)
         reply(p.HelloReply(protocol_version=p.PROTOCOL_VERSION, server_version=__version__,
                            session_id=self.session_id, chunk_size=self.config.chunk_size, device=self.device,
-                           capabilities=["lookup_lock", "reply_on_submit", "named_leases", "deadlines"],
+                           capabilities=["lookup_lock", "reply_on_submit", "named_leases", "deadlines",
+                                         "engine_copy"],
                            lease_ttl=self.config.lease_ttl, lane=self.lane))
 
     def _ping(self, msg: p.Ping, reply: Reply) -> None:
@@ -202,7 +205,7 @@ class MPCacheEngine(RegistrationHandling):
         return np.array([base + o.offset for o in objs], dtype=np.uint64)
 
     def store(self, msg: p.Store, reply: Reply) -> None:
-        entry = self._entry(msg.kv_id, msg.client_id)
+        entry = self._server_entry(msg.kv_id, msg.client_id)
         entry.run(self._job(reply, lambda: self._run_store(entry, msg, reply)), self._cheap(entry, msg.hashes),
                   limit=self.config.max_queued_requests)
 
@@ -223,6 +226,37 @@ class MPCacheEngine(RegistrationHandling):
         if entry.closed:
             raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION, "the KV cache was unregistered")
 
+    def _server_entry(self, kv_id: int, client_id: bytes) -> Entry:
+        entry = self._entry(kv_id, client_id)
+        if entry.ctx.transfer_mode == "engine":
+            raise RequestFailure(p.ErrorCode.INVALID_ARGUMENT, "this KV cache was registered for the engine's own "
+                                 "copies: use RESERVE/COMMIT and READ/READ_DONE")
+        return entry
+
+    @staticmethod
+    def _check_deadline(msg: p.Retrieve | p.Store | p.Reserve | p.Read) -> None:
+        """A worker gives up on a request at its deadline and the engine may reuse the blocks: no
+        copy may start after it."""
+        deadline = getattr(msg, "deadline", 0.0)
+        if deadline and time.monotonic() > deadline:
+            late = time.monotonic() - deadline
+            if isinstance(msg, (p.Store, p.Reserve)):
+                raise RequestFailure(p.ErrorCode.DEADLINE_EXCEEDED,
+                                     f"the store's deadline passed {late:.3f} s ago; nothing was stored")
+            raise RequestFailure(p.ErrorCode.DEADLINE_EXCEEDED,
+                                 f"the retrieve's deadline passed {late:.3f} s ago; nothing was written")
+
+    @staticmethod
+    def _ended_late(msg: p.Store) -> RequestFailure | None:
+        """A store's copy that ended after its deadline may have read blocks the engine had reused
+        by then (the server stalled mid-copy): its bytes are not kept. The check comes after the
+        copy is known to have ended, on the clock the client's deadline is on."""
+        if msg.deadline and time.monotonic() > msg.deadline:
+            return RequestFailure(p.ErrorCode.DEADLINE_EXCEEDED,
+                                  f"the store's copy ended {time.monotonic() - msg.deadline:.3f} s after its "
+                                  "deadline; nothing was kept")
+        return None
+
     def _run_store(self, entry: Entry, msg: p.Store, reply: Reply) -> None:
         mark(reply, "started")
         self._check_open(entry)
@@ -230,6 +264,7 @@ class MPCacheEngine(RegistrationHandling):
         keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
         mark(reply, "checked")
         self._touch(reg.client_id)
+        self._check_deadline(msg)
         plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key)
         mark(reply, "in L1")
         if plan.skipped:
@@ -247,7 +282,17 @@ class MPCacheEngine(RegistrationHandling):
             self.l1.abort(plan)
             if code == p.ErrorCode.DEVICE_ERROR:
                 logger.error("store on model %s rank %d failed: %s", reg.model, reg.rank, err)
+            elif code == p.ErrorCode.DEADLINE_EXCEEDED:  # the server was stalled: its log says more
+                logger.debug("store on model %s rank %d: %s", reg.model, reg.rank, err)
             reply(p.Error(code=int(code), message=str(err)))
+
+        def landed() -> None:
+            late = self._ended_late(msg)
+            if late is not None:
+                fail(late, late.code)
+                return
+            self.l1.commit(plan)
+            answer()
 
         if not plan.objects:
             answer()
@@ -257,6 +302,7 @@ class MPCacheEngine(RegistrationHandling):
         capacity = plan.objects[0].nbytes
         mark(reply, "planned")
         try:
+            self._check_deadline(msg)  # the last moment before a byte may move
             if entry.store_done is None:
                 entry.ctx.copy("gather", block_ids, ptrs, capacity)
                 mark(reply, "copied")
@@ -270,41 +316,42 @@ class MPCacheEngine(RegistrationHandling):
                     if err is not None:
                         fail(err, p.ErrorCode.DEVICE_ERROR)
                         return
-                    self.l1.commit(plan)
-                    answer()
+                    landed()
 
                 entry.store_done.add(ticket, done)
                 return
+        except RequestFailure as e:
+            fail(e, e.code)
+            return
         except ValueError as e:
             fail(e, p.ErrorCode.INVALID_ARGUMENT)
             return
         except Exception as e:
             fail(e, p.ErrorCode.DEVICE_ERROR)
             return
-        self.l1.commit(plan)
-        answer()
+        landed()
 
     def retrieve(self, msg: p.Retrieve, reply: Reply) -> None:
-        entry = self._entry(msg.kv_id, msg.client_id)
+        entry = self._server_entry(msg.kv_id, msg.client_id)
         entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply)), self._cheap(entry, msg.hashes),
                   limit=self.config.max_queued_requests)
 
-    @staticmethod
-    def _check_deadline(msg: p.Retrieve) -> None:
-        """A worker gives up on a load at its deadline and the engine may reuse the blocks: no copy
-        may start after it."""
-        if msg.deadline and time.monotonic() > msg.deadline:
-            raise RequestFailure(p.ErrorCode.DEADLINE_EXCEEDED,
-                                 f"the retrieve's deadline passed {time.monotonic() - msg.deadline:.3f} s ago; "
-                                 "nothing was written")
 
-    def _run_retrieve(self, entry: Entry, msg: p.Retrieve, reply: Reply, held: list | None = None) -> None:
-        """held: the objects an earlier run of this retrieve kept while L2 chunks were loaded."""
+    def _read_objects(self, entry: Entry, msg: p.Retrieve | p.Read, reply: Reply, held: list | None,
+                      again: Callable[[list], None], ids: list | None = None) -> list | None:
+        """The leading stored objects of a retrieve or read, pinned for reading; None when what
+        only L2 holds is being loaded first: `again(objs)` then runs the request once more (the
+        chunks found in L1 stay pinned meanwhile, and are the `held` of that run). ids: a list
+        that receives the request's checked block ids (retrieves)."""
         mark(reply, "started")
         try:
             self._check_open(entry)
             reg = entry.ctx.reg
-            keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt, distinct=True)
+            if ids is None:
+                keys = check.chunk_keys(reg, msg.hashes, msg.salt)
+            else:
+                keys, checked = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt, distinct=True)
+                ids.append(checked)
             mark(reply, "checked")
             self._touch(reg.client_id)
             self._check_deadline(msg)
@@ -314,21 +361,31 @@ class MPCacheEngine(RegistrationHandling):
             if held:
                 self.l1.end_read(held)
         if held is None and self.l2 is not None and len(objs) < len(keys):
-            # Load what L2 has, then run again (the chunks found in L1 stay pinned meanwhile);
-            # a remote tier is asked from the L2 reader thread, not from here.
-            def again() -> None:
-                entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply, held=objs)))
-
+            # Load what L2 has, then run again; a remote tier is asked from the L2 reader thread,
+            # not from here.
             if self.l2.remote:
-                self.l2.load_keys(keys[len(objs):], again)
-                return
+                self.l2.load_keys(keys[len(objs):], lambda: again(objs))
+                return None
             found = self.l2.find_keys(keys[len(objs):])
             if found:
-                self.l2.load(found, again)
-                return
+                self.l2.load(found, lambda: again(objs))
+                return None
+        return objs
+
+    def _run_retrieve(self, entry: Entry, msg: p.Retrieve, reply: Reply, held: list | None = None) -> None:
+        """held: the objects an earlier run of this retrieve kept while L2 chunks were loaded."""
+        def again(objs: list) -> None:
+            entry.run(self._job(reply, lambda: self._run_retrieve(entry, msg, reply, held=objs)))
+
+        checked: list = []
+        objs = self._read_objects(entry, msg, reply, held, again, ids=checked)
+        if objs is None:
+            return
+        reg = entry.ctx.reg
         if not objs:
             reply(p.RetrieveReply(loaded=0))
             return
+        ids = checked[0]
         block_ids = ids[: len(objs)].reshape(-1)
         ptrs = self._object_ptrs(objs)
         mark(reply, "planned")
@@ -478,6 +535,7 @@ class MPCacheEngine(RegistrationHandling):
         dropped = self.l1.drop_owner(client)
         for kv_id in owned:
             self.unregister_kv_cache(p.UnregisterKVCache(kv_id=kv_id))
+        self._client_gone(client)
         return dropped, len(owned)
 
     def _bye(self, msg: p.Bye, reply: Reply) -> None:
@@ -498,6 +556,7 @@ class MPCacheEngine(RegistrationHandling):
 
         def run() -> None:
             self.l1.expire()
+            self._reap_reservations()
             for client in silent:
                 if self._clients.get(client, 0) >= deadline:
                     continue  # heard from again meanwhile
@@ -536,20 +595,20 @@ class MPCacheEngine(RegistrationHandling):
         }
         if self.l2 is not None:
             out["l2"] = self.l2.stats()
+        out["engine_copies"] = self.engine_copies_status()
         return out
 
     def _reattach(self, journal: L1Journal) -> None:
         """The chunks a previous server left in the arena file, at once (on the cuda device once
         L1 is page-locked: no copy may touch memory that is not)."""
-        live = journal.read_live()  # (says why at WARNING when the journal is of another L1 size)
-        if live and not self.arena.reattached:
-            logger.warning("L1 in %s: the arena file is new (deleted, or resized) but its journal lists %d chunks: "
-                           "they are dropped, L1 starts empty", self.config.l1_persist, len(live))
-            live = {}
+        live = journal.read_live() if self.arena.reattached else {}
+        if not self.arena.reattached and journal.bytes:
+            logger.warning("L1 in %s: the arena file was not of %s (--l1-size or --slab-size changed, or the file "
+                           "was damaged): L1 starts empty", self.config.l1_persist, format_size(self.arena.capacity))
         if live and self.device == "cuda":
             logger.info("L1: waiting for the arena to be page-locked before re-attaching %d chunks", len(live))
             self.arena.wait_pinned(3600.0)
-        self.l1.journal = journal
+        self.l1.attach_journal(journal)
         restored, dropped = self.l1.restore(live.values())
         what = f"re-attached {restored} chunks of the previous server" + (f", dropped {dropped}" if dropped else "")
         logger.info("L1 in %s: %s", self.config.l1_persist, what if self.arena.reattached else "a new arena file")
@@ -586,7 +645,7 @@ class MPCacheEngine(RegistrationHandling):
         if self._events is not None:
             self._events.close()
         if self.l1.journal is not None:  # the chunks stay in the arena file for the next server
-            self.l1.journal.close()
+            self.l1.close_journal()
         else:
             self.l1.clear()
         for hook in self._close_hooks:  # e.g. stop the transport once the last replies are out
@@ -605,4 +664,9 @@ class MPCacheEngine(RegistrationHandling):
         p.Lookup: lookup,
         p.Release: release,
         p.Bye: _bye,
+        p.MapArena: EngineCopies._map_arena,
+        p.Reserve: EngineCopies._reserve,
+        p.Commit: EngineCopies._commit,
+        p.Read: EngineCopies._read,
+        p.ReadDone: EngineCopies._read_done,
     }

@@ -13,10 +13,12 @@ socket (reachable from this network namespace, like a loopback TCP port).
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import secrets
 import socket
+import struct
 import threading
 from typing import Iterator
 
@@ -32,20 +34,34 @@ MAX_CONNECTIONS = 4096  # beyond this, new connections are closed at once (those
 class LaneConn:
     """One client's connection. Sends come from any thread; the lock keeps a send off a closed fd."""
 
-    __slots__ = ("sock", "fd", "_lock", "_open")
+    __slots__ = ("sock", "fd", "_lock", "_open", "_peer")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.fd = sock.fileno()
         self._lock = threading.Lock()
         self._open = True
+        self._peer = None
 
-    def send(self, datagram: bytes) -> None:
+    @property
+    def peer(self) -> tuple[int, int, int]:
+        """(pid, uid, gid) of the process that connected, as the kernel saw it (pid 0: the
+        process is in a pid namespace this server cannot see)."""
+        if self._peer is None:
+            creds = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            self._peer = struct.unpack("3i", creds)
+        return self._peer
+
+    def send(self, datagram: bytes, fds: tuple[int, ...] = ()) -> None:
         with self._lock:
             if not self._open:
                 return
             try:
-                self.sock.send(datagram, socket.MSG_DONTWAIT)
+                if fds:
+                    self.sock.sendmsg([datagram], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+                                      socket.MSG_DONTWAIT)
+                else:
+                    self.sock.send(datagram, socket.MSG_DONTWAIT)
             except OSError as e:  # gone, or not reading (a full buffer): like a dropped ZeroMQ reply
                 logger.debug("dropped a lane reply: %s", e)
 

@@ -48,6 +48,15 @@ class StatusCollector:
         yield GaugeMetricFamily("lmcache_mp_l1_leases", "live lookup leases", value=l1["leases"])
         yield GaugeMetricFamily("lmcache_mp_l1_pinned_bytes", "page-locked bytes",
                                 value=l1["pinning"]["bytes_pinned"])
+        yield GaugeMetricFamily("lmcache_mp_l1_journal_backlog", "committed chunks not yet recorded in the L1 "
+                                "journal (--l1-persist; a crash now would not re-attach them)",
+                                value=l1["journal_backlog"])
+        held = GaugeMetricFamily("lmcache_mp_engine_copies_held", "what engines that copy their own chunks hold on "
+                                 "the server: slots reserved for their stores, chunks pinned for their reads",
+                                 labels=["kind"])
+        for kind in ("reservations", "reads"):
+            held.add_metric([kind], st["engine_copies"][kind])
+        yield held
         yield GaugeMetricFamily("lmcache_mp_registrations", "registered KV caches", value=len(st["registrations"]))
         yield GaugeMetricFamily("lmcache_mp_clients", "clients heard from recently", value=st["clients"])
         reasons = CounterMetricFamily("lmcache_mp_l1_removed", "chunks L1 let go, by reason: capacity (evicted for "

@@ -18,6 +18,7 @@ from lmcache_mp.native import pinning_paused
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.contexts import (
     CPUCacheContext,
+    EngineCopyContext,
     GPUCacheContext,
     Registration,
     RegistrationError,
@@ -27,7 +28,8 @@ from lmcache_mp.server.gc_pauses import settle
 from lmcache_mp.server.policy import choose_transfer_mode
 from lmcache_mp.server.replies import Reply
 from lmcache_mp.server.validation import RequestFailure, invalid, over_limit
-from lmcache_mp.server.workers import CompletionWaiter, SerialWorker
+from lmcache_mp.completions import CompletionWaiter
+from lmcache_mp.server.workers import SerialWorker
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +92,10 @@ class RegistrationHandling:
             raise over_limit(f"{len(msg.layers)} layers, over the limit of {p.MAX_LAYERS}")
         if msg.device not in ("cpu", "cuda"):
             raise invalid(f"device must be 'cpu' or 'cuda', got {msg.device!r}")
-        if msg.device != self.device:
+        if msg.transfer not in ("", "server", "engine"):
+            raise invalid(f"transfer must be 'server' or 'engine', got {msg.transfer!r}")
+        engine_copies = msg.transfer == "engine"  # the engine moves the bytes: any device will do
+        if msg.device != self.device and not engine_copies:
             raise RequestFailure(
                 p.ErrorCode.UNSUPPORTED,
                 f"this server runs on the {self.device} device; it cannot take a {msg.device} KV cache",
@@ -111,7 +116,9 @@ class RegistrationHandling:
             ctx = None
             try:
                 reg = self._registration(kv_id, msg)
-                if self.device == "cpu":
+                if engine_copies:
+                    ctx = EngineCopyContext(reg, msg)
+                elif self.device == "cpu":
                     ctx = CPUCacheContext(reg, msg)
                 else:
                     dev = self._uuids.get(msg.device_uuid)
@@ -122,7 +129,7 @@ class RegistrationHandling:
                         ctx = GPUCacheContext(reg, msg, dev, self._ipc, self._events, self.config.transfer_mode,
                                               choose_transfer_mode, self.config.staging_size, self.config.direct_ctas)
                 entry = Entry(ctx, worker)
-                if self.device == "cuda":
+                if isinstance(ctx, GPUCacheContext):
                     # Through ctx, not a bound method: the engine must go when the context closes.
                     engine_of = lambda ctx=ctx: ctx.engine  # noqa: E731
                     spin = min(self.config.spin_us, COMPLETION_SPIN_US)

@@ -49,15 +49,17 @@ class Responder:
 
 
 class LaneResponder:
-    """The `Reply` of one request that came on the local lane."""
+    """The `Reply` of one request that came on the local lane. `conn` is its connection (the
+    peer's credentials); a handler may set `fds` to pass file descriptors with the reply."""
 
-    __slots__ = ("_conn", "_req_id", "stamps", "op", "t0", "_stats")
+    __slots__ = ("conn", "_req_id", "stamps", "op", "t0", "_stats", "fds")
 
     def __init__(self, conn: LaneConn, req_id: int, stamps: list | None, stats: RequestStats):
-        self._conn = conn
+        self.conn = conn
         self._req_id = req_id
         self.stamps = stamps
         self.op, self.t0, self._stats = "invalid", time.monotonic(), stats
+        self.fds: tuple[int, ...] = ()
 
     def __call__(self, msg: p._Msg) -> None:
         body = p.encode(msg)
@@ -71,7 +73,7 @@ class LaneResponder:
             err = p.Error(code=int(p.ErrorCode.LIMIT_EXCEEDED),
                           message=f"a {type(msg).__name__} reply is too large for the local lane: use ZeroMQ")
             datagram = p.pack_lane(self._req_id, p.encode(err))
-        self._conn.send(datagram)
+        self.conn.send(datagram, self.fds)
         self._stats.done(self.op, self.t0, msg)  # counted once the client can have it
 
 

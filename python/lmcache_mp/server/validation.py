@@ -77,15 +77,21 @@ def lookup_cost(msg: p.Lookup) -> int:
     return cost
 
 
-def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: bytes, distinct: bool = False):
-    """The object keys and the `[chunks, blocks per chunk]` block ids of a store or retrieve,
-    every field checked against the registration (distinct: no block id twice)."""
+def chunk_keys(reg: Registration, hashes: bytes, salt: bytes) -> list[ObjectKey]:
+    """The object keys of a request's chunks for this registration (hashes and salt checked)."""
     found = digests(hashes)
     if len(salt) > p.MAX_SALT_BYTES:
         raise invalid(f"salt must be at most {p.MAX_SALT_BYTES} bytes")
+    rank = SHARED_RANK if reg.shared else reg.rank
+    return [ObjectKey(reg.model, reg.world_size, rank, d, salt) for d in found]
+
+
+def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: bytes, distinct: bool = False):
+    """The object keys and the `[chunks, blocks per chunk]` block ids of a store or retrieve,
+    every field checked against the registration (distinct: no block id twice)."""
+    keys = chunk_keys(reg, hashes, salt)
     try:  # one call: on a small request the checks would cost more than the rest of its path
-        ids = request_block_ids(block_ids, len(found), reg.blocks_per_chunk, reg.spec.num_blocks, distinct)
+        ids = request_block_ids(block_ids, len(keys), reg.blocks_per_chunk, reg.spec.num_blocks, distinct)
     except ValueError as e:
         raise invalid(f"{e} (chunks of {reg.chunk_size} tokens, blocks of {reg.spec.block_size})") from None
-    rank = SHARED_RANK if reg.shared else reg.rank
-    return [ObjectKey(reg.model, reg.world_size, rank, d, salt) for d in found], ids
+    return keys, ids

@@ -82,6 +82,9 @@ class OffsetShards:
     def __getitem__(self, key: int):
         return self.parts[(key * _GOLDEN >> 58) & PART_MASK][key]
 
+    def get(self, key: int, default=None):
+        return self.parts[(key * _GOLDEN >> 58) & PART_MASK].get(key, default)
+
     def __delitem__(self, key: int) -> None:
         del self.parts[(key * _GOLDEN >> 58) & PART_MASK][key]
 

@@ -33,8 +33,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, NamedTuple, Sequence
 
-from lmcache_mp.storage.l1_journal import commit_record, free_record
-from lmcache_mp.storage.index import PART_MASK, SHARDS, Lru, OffsetShards, Shards
+from lmcache_mp.storage.l1_journal import free_record
+from lmcache_mp.storage.l1_persist import L1Persistence
+from lmcache_mp.storage.index import PART_MASK, Lru, OffsetShards, Shards
 from lmcache_mp.storage.leases import Lease, LeaseTable
 from lmcache_mp.storage.slab_moves import MAX_MOVES, SlabMove, SlabMoves
 
@@ -43,7 +44,6 @@ logger = logging.getLogger(__name__)
 SHARED_RANK = -1  # rank of objects shared by every rank (MLA)
 _NO_SPACE = Shards()  # the index of a namespace with no objects (never written)
 SLICE = 256  # keys (lookups: key visits x ranks) per hold of the lock
-JOURNAL_RECORD_ESTIMATE = 160  # bytes of one chunk's journal record (a rewrite compares with this)
 
 
 class ObjectKey(NamedTuple):
@@ -71,6 +71,7 @@ class L1Object:
     in_l2: bool = False  # a copy is in L2 (written there or loaded from there)
     l2_queued: bool = False  # its L2 write is queued or running: not freed or moved until it has read it
     spill: bool = False  # evicted while its L2 write was queued: freed once written, unless used again
+    checksum: int | None = None  # of its bytes, once summed for the journal (storage/l1_persist.py)
     older: L1Object | None = field(default=None, repr=False)  # neighbours in the LRU list (index.Lru)
     newer: L1Object | None = field(default=None, repr=False)
 
@@ -86,7 +87,7 @@ class StorePlan:
     pending: list[L1Object] = field(default_factory=list)  # being written by another request
 
 
-class L1Store(SlabMoves):
+class L1Store(SlabMoves, L1Persistence):
     def __init__(self, arena, clock: Callable[[], float] = time.monotonic):
         self.arena = arena
         self._clock = clock
@@ -102,7 +103,6 @@ class L1Store(SlabMoves):
         self._class_bytes: dict[int, int] = {}  # size class -> object bytes
         self._evicted: dict[int, int] = {}  # size class -> objects evicted
         self._committed = 0
-        self.journal = None  # an L1Journal when L1 outlives the server (l1_journal.py)
         self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "moved": 0, "slab_moves": 0,
                          "spilled": 0, "cleared": 0, "replaced": 0, "format_mismatches": 0}
         self._mismatches_logged: set[str] = set()
@@ -290,70 +290,11 @@ class L1Store(SlabMoves):
                 obj.waiters = None
             self.counters["stored"] += len(plan.objects)
             if self.journal is not None and plan.objects:
-                self.journal.write([self._commit_record(o) for o in plan.objects])
-                if not self.journal.rewriting and self.journal.wants_rewrite(self._committed * JOURNAL_RECORD_ESTIMATE):
-                    self.journal.start_rewrite()
-                    threading.Thread(target=self._compact_journal, args=(self.journal,), name="lmcache-l1-journal",
-                                     daemon=True).start()
+                self._journal_commits(plan.objects)
         for fn in waiters:
             fn(True)
         if self.on_commit is not None:
             self.on_commit(len(plan.objects))
-
-    def _commit_record(self, obj: L1Object) -> bytes:
-        return commit_record(obj.offset, self._class_bytes[obj.size_class], obj.key, obj.format_key)
-
-    def _compact_journal(self, journal) -> None:
-        """Rewrite the journal from the live chunks (its start_rewrite was called, lock held): the
-        offset index a part at a time under the lock, the records made and written without it
-        (l1_journal.py says why what changes meanwhile is not lost). A million chunks' records
-        built and written under the lock had held every request for seconds."""
-        old = -1
-        try:
-            n = journal.write_rewrite(self._journal_parts())
-            with self._lock:
-                before = journal.bytes
-                old = journal.finish_rewrite()
-            if old >= 0:
-                logger.info("L1 journal rewritten: %d chunks, %.1f -> %.1f MiB", n, before / 2**20,
-                            journal.bytes / 2**20)
-        except Exception:
-            logger.exception("rewriting the L1 journal failed; it goes on growing until the next attempt")
-        finally:
-            journal.close_old(old)
-            if journal.rewriting:  # it failed before finishing
-                with self._lock:
-                    journal.abandon_rewrite()
-
-    def _journal_parts(self):
-        """The commit records of the live chunks, one part of the offset index at a time."""
-        for part in range(SHARDS):
-            with self._lock:
-                live = [(o.offset, o.size_class, o.key, o.format_key)
-                        for o in self._at.parts[part].values() if o.committed]
-            yield [commit_record(off, self._class_bytes[cls], key, fmt) for off, cls, key, fmt in live]
-
-    def restore(self, entries) -> tuple[int, int]:
-        """Re-attach a previous server's committed chunks (l1_journal.Entry, oldest first) at their
-        slots, before any request; the journal is then rewritten to what was restored. Returns
-        (restored, dropped): a slot that cannot be claimed or a key met twice is dropped."""
-        kept, dropped = [], 0
-        with self._lock:
-            for e in entries:
-                cls = self._size_class(e.object_bytes)
-                key = ObjectKey(*e.key)
-                if self._get(key) is not None or not self.arena.claim(e.offset, cls):
-                    dropped += 1
-                    continue
-                obj = L1Object(key=key, offset=e.offset, size_class=cls, nbytes=self.arena.slot_bytes(cls),
-                               format_key=e.format_key, committed=True)
-                self._put(obj)
-                self._committed += 1
-                self._park(obj)
-                kept.append(obj)
-            if self.journal is not None:  # in the order they came back: the order of use
-                self.journal.rewrite([self._commit_record(o) for o in kept])
-        return len(kept), dropped
 
     def abort(self, plan: StorePlan) -> None:
         waiters = []
@@ -579,5 +520,6 @@ class L1Store(SlabMoves):
                 "bytes_used": a["bytes_allocated"],
                 "evictable": len(self._lru),
                 "leases_expired": self._leases.expired,
+                "journal_backlog": self.journal_backlog(),
                 **self.counters,
             }

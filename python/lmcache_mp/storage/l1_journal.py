@@ -5,17 +5,23 @@ re-attaches both and serves the old chunks at once.
 The journal is a header (magic, arena size, slab size, their XXH3) and records, each
 `u32 length | msgpack payload | u64 XXH3 of the payload`:
 
-    ["c", offset, object_bytes, model, world_size, rank, digest, salt, format_key]   committed
-    ["f", offset]                                                                     freed
+    ["c", offset, object_bytes, model, world_size, rank, digest, salt, format_key, checksum]  committed
+    ["f", offset]                                                                               freed
 
-Records are written (one `write` per L1 operation, to a file in memory: it survives the process,
-SIGKILL included, as the arena does) *before* L1 hands a freed slot to anyone else, and after a
-chunk's bytes landed. So the last record of a slot tells the truth: a committed chunk whose slot
-has not been freed since holds exactly its bytes. Chunks being written at a crash have no commit
-record and are dropped; a torn or damaged record ends the replay there. Only one server may use
-a PATH at a time (an exclusive lock on the journal). A journal grown to several times what it
-describes is rewritten (to a temporary file, then renamed) from the live chunks, in the
-background: L1 holds its lock for one part of its index at a time (L1Store._compact_journal).
+`checksum` is the XXH3 of the chunk's object bytes, taken after they landed (in the background:
+storage/l1_persist.py), and a restarted server re-attaches a chunk only if its slot still holds
+bytes of that checksum. That is what makes a wrong byte impossible whatever is lost or damaged:
+records after damage in the journal (a bit flip, a torn tail after a crash mid-write, a full
+disk) are dropped, and with them the free records that said a slot was reused, so an older
+commit record may describe a slot that now holds another chunk's bytes; and the arena file
+itself may be damaged. Either way the bytes no longer match the checksum and the chunk is
+dropped. Records are written (one `write` per L1 operation, to a file in memory: it survives the
+process, SIGKILL included, as the arena does); a free record before L1 hands a freed slot to
+anyone else, so an undamaged journal is also exact. Chunks being written or not yet summed at
+a crash have no commit record and are dropped; the replay stops at the first torn or damaged
+record. Only one server may use a PATH at a time (an exclusive lock on the journal). A journal
+grown to several times what it describes is rewritten (to a temporary file, then renamed) from
+the live chunks, in the background: L1 holds its lock for one part of its index at a time.
 """
 
 from __future__ import annotations
@@ -30,11 +36,9 @@ from typing import NamedTuple
 import msgspec
 import xxhash
 
-from lmcache_mp.config import format_size
-
 logger = logging.getLogger(__name__)
 
-MAGIC = b"LMCMPJ1\0"
+MAGIC = b"LMCMPJ2\0"  # 2: commit records carry the chunk's checksum
 _HEAD = struct.Struct("<8sQQQ")  # magic, arena bytes, slab bytes, XXH3 of the three
 _LEN = struct.Struct("<I")
 _SUM = struct.Struct("<Q")
@@ -51,15 +55,21 @@ class Entry(NamedTuple):
     object_bytes: int
     key: tuple  # ObjectKey fields
     format_key: tuple
+    checksum: int  # chunk_sum of the object bytes when they were committed
 
 
 def _record(payload: bytes) -> bytes:
     return _LEN.pack(len(payload)) + payload + _SUM.pack(_sum(payload))
 
 
-def commit_record(offset: int, object_bytes: int, key, format_key: tuple) -> bytes:
+def chunk_sum(data) -> int:
+    """The checksum of a chunk's object bytes (a buffer; the GIL is let go while it runs)."""
+    return _sum(data)
+
+
+def commit_record(offset: int, object_bytes: int, key, format_key: tuple, checksum: int) -> bytes:
     return _record(_encode(["c", offset, object_bytes, key.model, key.world_size, key.rank, key.digest, key.salt,
-                            format_key]))
+                            format_key, checksum]))
 
 
 def free_record(offset: int) -> bytes:
@@ -85,21 +95,20 @@ def format_key_from(value) -> tuple:
     return tuple(format_key_from(x) if isinstance(x, list) else x for x in value)
 
 
-def _other_arena(data: bytes, arena_bytes: int, slab_bytes: int) -> str:
-    """Why a journal's header is not this arena's: the sizes it was made for, or damage."""
-    if len(data) >= _HEAD.size:
-        magic, old_arena, old_slab, check = _HEAD.unpack_from(data)
-        if magic == MAGIC and check == _sum(data[:_HEAD.size - _SUM.size]):
-            return (f"it describes an L1 of {format_size(old_arena)} in slabs of {format_size(old_slab)}, this server "
-                    f"has {format_size(arena_bytes)} in slabs of {format_size(slab_bytes)} (another --l1-size or "
-                    "--slab-size); start with the earlier sizes to re-attach its chunks")
-    return "its header is damaged or of another program"
+def _why_not_ours(head: bytes, arena_bytes: int, slab_bytes: int) -> str:
+    if len(head) < _HEAD.size or _sum(head[:_HEAD.size - 8]) != _SUM.unpack_from(head, _HEAD.size - 8)[0]:
+        return "its header is damaged"
+    magic, arena, slab, _ = _HEAD.unpack_from(head)
+    if magic != MAGIC:
+        return f"it is of another format ({magic.rstrip(bytes(1))!r}, this server writes {MAGIC.rstrip(bytes(1))!r})"
+    return (f"it describes an arena of {arena} bytes in slabs of {slab}, and this one has {arena_bytes} in slabs "
+            f"of {slab_bytes} (--l1-size or --slab-size changed)")
 
 
 def replay(data: bytes, arena_bytes: int, slab_bytes: int) -> tuple[dict[int, Entry], int, str]:
     """The live chunks by offset, how many bytes were good, and why the replay stopped ("" at the end)."""
     if data[:_HEAD.size] != _header(arena_bytes, slab_bytes):
-        return {}, 0, _other_arena(data, arena_bytes, slab_bytes)
+        return {}, 0, "the journal is not this arena's: " + _why_not_ours(data[:_HEAD.size], arena_bytes, slab_bytes)
     live: dict[int, Entry] = {}
     pos = _HEAD.size
     while pos < len(data):
@@ -115,10 +124,10 @@ def replay(data: bytes, arena_bytes: int, slab_bytes: int) -> tuple[dict[int, En
         try:
             rec = _decode(payload)
             if rec[0] == "c":
-                _, offset, object_bytes, model, world_size, rank, digest, salt, fmt = rec
+                _, offset, object_bytes, model, world_size, rank, digest, salt, fmt, checksum = rec
                 live.pop(offset, None)  # (re-inserted: the dict keeps the order of the commits)
                 key = (model, world_size, rank, digest, salt)
-                live[offset] = Entry(offset, object_bytes, key, format_key_from(fmt))
+                live[offset] = Entry(offset, object_bytes, key, format_key_from(fmt), checksum)
             elif rec[0] == "f":
                 live.pop(rec[1], None)
             else:
@@ -154,9 +163,11 @@ class L1Journal:
         if not data:
             return {}
         live, good, why = replay(data, self._arena_bytes, self._slab_bytes)
-        if why:
-            logger.warning("L1 journal %s: %s; %s", self.path, why,
-                           f"{len(live)} chunks before it are kept, the rest is dropped" if good else "L1 starts empty")
+        if why and not good:
+            logger.warning("L1 journal %s: %s; L1 starts empty", self.path, why)
+        elif why:
+            logger.warning("L1 journal %s: %s; the %d chunks described before it are checked against their "
+                           "checksums, the records after it are dropped", self.path, why, len(live))
         return live
 
     def rewrite(self, records: list[bytes]) -> None:

@@ -106,7 +106,9 @@ class SlabMoves:
                 obj.offset = dst
                 self._at[dst] = obj
                 if self.journal is not None and obj.committed:  # one write: the chunk is at dst now
-                    self.journal.write([free_record(old), self._commit_record(obj)])
+                    # (not summed yet: its sum is taken at dst, and recorded then)
+                    self.journal.write([free_record(old)] + ([self._commit_record(obj)]
+                                                             if obj.checksum is not None else []))
                 self.arena.free(old)
                 self.counters["moved"] += 1
             else:

@@ -1,0 +1,297 @@
+"""Stores and retrieves of KV caches registered with transfer="engine": this process copies.
+
+A store asks the server for slots (RESERVE, one round trip), copies the chunks not stored yet
+into them (client/engine_copy.py: on the GPU after the work queued so far on the caller's
+stream, on streams of low priority), and then commits them (COMMIT): they become visible to
+lookups only then. A retrieve asks where the leading stored chunks are (READ, which pins them on
+the server), copies them into the blocks and lets them go (READ_DONE).
+
+Deadlines: a store's reservation is asked for until its deadline (its timeout from now) and the
+server reserves nothing after it; a reservation that arrives later is given back unused. Once
+reserved, the copy is this process's own: its future fails only after the copy has ended, so
+the blocks may be reused whenever the future is done, whatever the server does. A retrieve with
+a deadline gives up on the READ at it (a late READ is let go at once); no byte is copied after.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from lmcache_mp import protocol as p
+from lmcache_mp.client.engine_copy import EngineCopier, MappedArena
+from lmcache_mp.client.results import RetrieveResult, StoreResult
+from lmcache_mp.errors import RequestError, ServerUnavailable
+from lmcache_mp.layout import infer_layout
+
+logger = logging.getLogger(__name__)
+
+
+class ArenaUse:
+    """Counts the copies into a mapped arena, so that it is unmapped only once none runs."""
+
+    def __init__(self, arena: MappedArena):
+        self.arena = arena
+        self._cv = threading.Condition()
+        self._users = 0
+
+    def acquire(self) -> MappedArena:
+        with self._cv:
+            self._users += 1
+        return self.arena
+
+    def release(self) -> None:
+        with self._cv:
+            self._users -= 1
+            self._cv.notify_all()
+
+    def close(self, timeout: float) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._users == 0, timeout):
+                logger.warning("copies into the server's old L1 mapping did not end; it stays mapped")
+                return
+        self.arena.close()
+
+
+class EngineTransfers:
+    """The engine-side copies of one Client: its mapping of the server's L1 and each handle's copier."""
+
+    def __init__(self, client):
+        self._client = client
+        self._lock = threading.Lock()
+        self._use: ArenaUse | None = None
+
+    # ---- the mapping -------------------------------------------------------------------------
+
+    def arena(self) -> ArenaUse:
+        """The current session's mapping of L1 (mapped on first use, and again after a restart)."""
+        c = self._client
+        with self._lock:
+            use = self._use
+            if use is not None and use.arena.session_id == c.session_id:
+                return use
+            lane = c.server_info.get("lane", "")
+            if not lane or "engine_copy" not in c.server_info.get("capabilities", ()):
+                raise RequestError(int(p.ErrorCode.UNSUPPORTED), "the server offers no engine-side copies here "
+                                   "(no local lane reachable: another machine or network namespace, or CURVE)")
+            self._use = ArenaUse(MappedArena(lane, c.client_id, c.timeout))
+        if use is not None:  # the old session's mapping, once its last copy ended
+            threading.Thread(target=use.close, args=(60.0,), name="lmcache-client-unmap", daemon=True).start()
+        return self._use
+
+    def attach(self, handle) -> None:
+        """Give a handle registered for engine-side copies its copier (after registering)."""
+        c = self._client
+        d = handle.described
+        first = d.layers[0]
+        spec = infer_layout(first.shape, first.strides, first.element_size, first.dtype, len(d.layers),
+                            handle.layout, block_size=handle.block_size or None)
+        if spec.object_bytes(c.chunk_size) != handle.object_bytes:
+            raise RequestError(int(p.ErrorCode.INTERNAL), f"the server's chunk objects are {handle.object_bytes} bytes, "
+                               f"this cache's {spec.object_bytes(c.chunk_size)}")
+        use = self.arena()
+        old = handle.copier
+        handle.copier = EngineCopier(spec, handle.tensors, c.chunk_size, d.device_index, handle.object_bytes,
+                                     handle.staging_bytes, handle.pack_ctas)
+        if old is not None:
+            old.close()
+        if d.device == "cuda":
+            use.arena.pin_in_background(d.device_index)
+
+    def wait_pinned(self, timeout: float | None) -> bool:
+        with self._lock:
+            use = self._use
+        return use is None or use.arena.wait_pinned(timeout)
+
+    @staticmethod
+    def close_copiers(handles) -> None:
+        """Wait for every copy of these handles (their commits and reads end), then free them."""
+        for h in handles:
+            if h.copier is not None:
+                h.copier.close()
+                h.copier = None
+
+    def unmap(self) -> None:
+        with self._lock:
+            use, self._use = self._use, None
+        if use is not None:
+            use.close(60.0)
+
+    # ---- stores ------------------------------------------------------------------------------
+
+    def store(self, handle, packed: bytes, ids: bytes, salt: bytes, stream_ptr: int, timeout: float,
+              stamps: list | None) -> Future:
+        c = self._client
+        out: Future = Future()
+        out.trace = stamps  # the request's stages when traced (its RESERVE's), as other futures have
+        deadline = time.monotonic() + timeout
+        event = None
+        if handle.events is not None:
+            event, _ = handle.events.record(stream_ptr)
+        msg = p.Reserve(kv_id=handle.kv_id, hashes=packed, client_id=c.client_id, salt=salt, deadline=deadline)
+        reserving = c._async(msg, timeout, lambda r: c._checked(r, p.ReserveReply), None, expires=False,
+                             stamps=stamps)
+        try:
+            r = reserving.result(max(0.0, deadline - time.monotonic()))
+        except cf.TimeoutError:
+            reserving.add_done_callback(self._give_back)  # a reservation that comes later goes unused
+            self._fail(out, handle, event, ServerUnavailable(f"no reservation for a store within {timeout:.3g} s"))
+            return out
+        except BaseException as e:  # noqa: BLE001 - the future carries it
+            self._fail(out, handle, event, e)
+            return out
+        if not r.reservation:
+            self._fail(out, handle, event, None, StoreResult(0, r.present, r.skipped))
+            return out
+        use = None
+        try:
+            if r.object_bytes != handle.object_bytes:
+                raise RequestError(int(p.ErrorCode.INTERNAL), "the server's objects are of another size")
+            chunks = p.unpack_block_ids(r.chunks)
+            bpc = c.chunk_size // handle.block_size
+            block_ids = np.frombuffer(ids, dtype=p.BLOCK_ID_DTYPE).reshape(-1, bpc)[chunks].reshape(-1)
+            use = self.arena()
+            arena = use.acquire()
+            offsets = p.unpack_offsets(r.offsets)
+            arena.ensure_pinned(offsets)
+            ptrs = arena.pointers(offsets, r.object_bytes)
+        except BaseException as e:  # noqa: BLE001 - the slots go back, the future carries the error
+            if use is not None:
+                use.release()
+            self._give_back(reserving)
+            self._fail(out, handle, event, e)
+            return out
+
+        def landed(error: BaseException | None) -> None:
+            use.release()
+            if event is not None:
+                handle.events.give_back(event)
+            try:
+                done = self._commit(r.reservation, error is None)
+            except BaseException as e:  # noqa: BLE001 - the copy ended: the blocks are free either way
+                out.set_exception(e if error is None else error)
+                return
+            if error is not None:
+                out.set_exception(RequestError(int(p.ErrorCode.DEVICE_ERROR), f"the store's copy failed: {error}"))
+            else:
+                out.set_result(StoreResult(done.stored, done.present, done.skipped))
+
+        try:
+            handle.copier.copy("gather", block_ids, ptrs, landed, wait_event=event[0] if event else 0)
+        except BaseException as e:  # noqa: BLE001 - refused before anything was queued
+            landed(e)
+        return out
+
+    def _commit(self, reservation: int, ok: bool) -> p.CommitReply:
+        c = self._client
+        msg = p.Commit(client_id=c.client_id, reservation=reservation, ok=ok)
+        return c._async(msg, c.timeout, lambda r: c._checked(r, p.CommitReply), None).result()
+
+    def _give_back(self, reserving: Future) -> None:
+        if reserving.exception() is None and reserving.result().reservation:
+            try:
+                self._commit(reserving.result().reservation, False)
+            except Exception as e:  # the server forgets it when this client's process is gone
+                logger.debug("giving back a late reservation failed: %s", e)
+
+    @staticmethod
+    def _fail(out: Future, handle, event, error: BaseException | None, result: Any = None) -> None:
+        if event is not None:
+            handle.events.give_back(event)
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(result)
+
+    # ---- retrieves ---------------------------------------------------------------------------
+
+    def retrieve(self, handle, packed: bytes, ids: bytes, salt: bytes, stream_ptr: int, wait: str, lease: int,
+                 deadline: float | None, timeout: float, stamps: list | None) -> Future:
+        c = self._client
+        out: Future = Future()
+        out.trace = stamps  # (its READ's stages when traced)
+        end = deadline if deadline else time.monotonic() + timeout
+        msg = p.Read(kv_id=handle.kv_id, hashes=packed, client_id=c.client_id, salt=salt, lease=lease)
+        reading = c._async(msg, timeout, lambda r: c._checked(r, p.ReadReply), None, expires=False, stamps=stamps)
+        try:
+            r = reading.result(max(0.0, end - time.monotonic()))
+        except cf.TimeoutError:
+            reading.add_done_callback(self._let_go)  # no byte is copied after the deadline
+            if deadline:
+                out.set_exception(RequestError(int(p.ErrorCode.DEADLINE_EXCEEDED), "the server did not say where "
+                                               "the chunks are before the deadline; nothing was written"))
+            else:
+                out.set_exception(ServerUnavailable(f"no reply to Read within {timeout:.3g} s"))
+            return out
+        except BaseException as e:  # noqa: BLE001 - the future carries it
+            out.set_exception(e)
+            return out
+        offsets = p.unpack_offsets(r.offsets)
+        n = len(offsets)
+        if not r.read:
+            out.set_result(RetrieveResult(0))
+            return out
+        event, use = None, None
+        try:
+            if r.object_bytes != handle.object_bytes:
+                raise RequestError(int(p.ErrorCode.INTERNAL), "the server's objects are of another size")
+            bpc = c.chunk_size // handle.block_size
+            block_ids = np.frombuffer(ids, dtype=p.BLOCK_ID_DTYPE)[: n * bpc]
+            use = self.arena()
+            arena = use.acquire()
+            arena.ensure_pinned(offsets)
+            ptrs = arena.pointers(offsets, r.object_bytes)
+            if handle.events is not None:
+                event, _ = handle.events.record(stream_ptr)  # the blocks' earlier work comes first
+        except BaseException as e:  # noqa: BLE001
+            if use is not None:
+                use.release()
+            self._read_done(r.read)
+            out.set_exception(e)
+            return out
+        early = wait == "stream" and handle.copier.cuda
+
+        def copied(error: BaseException | None) -> None:
+            use.release()
+            if event is not None:
+                handle.events.give_back(event)
+            self._read_done(r.read)
+            if error is not None:
+                logger.error("a retrieve's copy failed: %s", error)
+            if out.done():
+                return
+            if error is not None:
+                out.set_exception(RequestError(int(p.ErrorCode.DEVICE_ERROR), f"the retrieve's copy failed: {error}"))
+            else:
+                out.set_result(RetrieveResult(n))
+
+        try:
+            handle.copier.copy("scatter", block_ids, ptrs, copied, wait_event=event[0] if event else 0,
+                               then_stream=stream_ptr if early else 0)
+        except BaseException as e:  # noqa: BLE001 - refused before anything was queued
+            copied(e)
+            return out
+        if early and not out.done():
+            out.set_result(RetrieveResult(n))  # the caller's stream waits for the copy
+        return out
+
+    def _read_done(self, read: int) -> None:
+        c = self._client
+
+        def done(fut: Future) -> None:
+            if fut.exception() is not None:
+                logger.debug("finishing a read failed (%s): the server lets it go with this client",
+                             fut.exception())
+
+        c._async(p.ReadDone(client_id=c.client_id, read=read), c.timeout,
+                 lambda r: c._checked(r, p.ReadDoneReply), None).add_done_callback(done)
+
+    def _let_go(self, reading: Future) -> None:
+        if reading.exception() is None and reading.result().read:
+            self._read_done(reading.result().read)

@@ -1,0 +1,272 @@
+"""The engine's own copies (registrations with transfer="engine"): a part of MPCacheEngine.
+
+Without MPS a GPU runs the kernels of one CUDA context at a time, so packing kernels of the
+server's context take the engine's time slice. For a registration made with transfer="engine"
+the engine's process moves the bytes itself, in its own context: it maps L1 (MAP_ARENA: the
+arena's file descriptor, passed over a local-lane connection) and copies between its KV cache
+and the arena; the server allocates, indexes, leases and commits, and never touches the GPU.
+
+- RESERVE: slots for the chunks of a store that are not stored yet (begin_store), held for the
+  client until its COMMIT, which commits them (visible to lookups only then) or gives them back.
+- READ: the leading stored chunks (loaded from L2 first where only L2 has them), pinned for the
+  client (not evicted, moved or reused) until its READ_DONE.
+
+Trust: whoever maps L1 can read and write every chunk in it. MAP_ARENA is answered only on the
+local lane (a unix socket: for an ipc:// endpoint, a file of mode 0600, or 0660 of --ipc-group)
+and only to processes of this server's user, root, or --ipc-group (the kernel's credentials of
+the connecting process).
+
+A client that goes away (BYE, its heartbeats stop) has its reads ended at once; its
+reservations are held until its process is gone (a copy of it may still be landing in those
+slots), then given back: nothing of them ever becomes visible. When the server cannot see the
+client's process (another pid namespace), they are held for ORPHAN_HOLD_S instead.
+"""
+
+from __future__ import annotations
+
+import grp
+import itertools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from lmcache_mp import protocol as p
+from lmcache_mp.keys import DIGEST_BYTES
+from lmcache_mp.server import validation as check
+from lmcache_mp.server.replies import Reply, mark
+from lmcache_mp.server.validation import RequestFailure, chunk_keys, over_limit
+
+logger = logging.getLogger(__name__)
+
+ORPHAN_HOLD_S = 60.0  # reservations of a client gone from view, whose process cannot be watched
+MAX_HELD = 8192  # reservations and reads one client may hold at once
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of a live (not zombie) process, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+@dataclass
+class Holder:
+    """One client's reservations and reads, and what is known of its process."""
+
+    pid: int = 0
+    start: int | None = None
+    reservations: dict = field(default_factory=dict)  # id -> (plan, object_bytes)
+    reads: dict = field(default_factory=dict)  # id -> objects
+    gone_at: float = 0.0  # when the client was forgotten (0: it is not)
+
+    def process_gone(self) -> bool:
+        return bool(self.pid) and process_start(self.pid) != self.start
+
+
+class EngineCopies:
+    """Expects MPCacheEngine's config, arena, l1, l2, session_id, _entry, _touch, _job,
+    _read_objects, _count_moved and _check_deadline."""
+
+    def _init_engine_copies(self) -> None:
+        self._holders: dict[bytes, Holder] = {}
+        self._holders_lock = threading.Lock()
+        self._held_ids = itertools.count(1)
+        self._group_gid = None
+        if self.config.ipc_group:
+            g = self.config.ipc_group
+            self._group_gid = int(g) if g.isdigit() else grp.getgrnam(g).gr_gid
+
+    # ---- MAP_ARENA ---------------------------------------------------------------------------
+
+    def _may_map(self, pid: int, uid: int, gid: int) -> bool:
+        if uid in (0, os.getuid()):
+            return True
+        if self._group_gid is None:
+            return False
+        if gid == self._group_gid:
+            return True
+        try:  # supplementary groups
+            with open(f"/proc/{pid}/status") as f:
+                groups = next((ln.split()[1:] for ln in f if ln.startswith("Groups:")), [])
+            return str(self._group_gid) in groups
+        except OSError:
+            return False
+
+    def _map_arena(self, msg: p.MapArena, reply: Reply) -> None:
+        conn = getattr(reply, "conn", None)
+        if conn is None:
+            raise RequestFailure(p.ErrorCode.UNSUPPORTED, "MAP_ARENA is answered on the local lane only (a file "
+                                 "descriptor cannot cross ZeroMQ)")
+        check.client_id(msg.client_id)
+        pid, uid, gid = conn.peer
+        if not self._may_map(pid, uid, gid):
+            raise RequestFailure(p.ErrorCode.UNSUPPORTED, f"a process of user {uid} may not map this server's L1 "
+                                 "(only its own user, root or --ipc-group may): copies stay in the server")
+        self._touch(msg.client_id)
+        with self._holders_lock:
+            h = self._holders.setdefault(msg.client_id, Holder())
+            h.pid, h.start = pid, process_start(pid) if pid else None
+        reply.fds = (self.arena.fd,)
+        logger.debug("L1 mapped by pid %d (client %s)", pid, msg.client_id.hex()[:8])
+        reply(p.MapArenaReply(capacity=self.arena.capacity, slab_bytes=self.arena.slab_bytes,
+                              session_id=self.session_id))
+
+    # ---- stores ------------------------------------------------------------------------------
+
+    def _engine_entry(self, kv_id: int, client_id: bytes):
+        entry = self._entry(kv_id, client_id)
+        if entry.ctx.transfer_mode != "engine":
+            raise RequestFailure(p.ErrorCode.INVALID_ARGUMENT, "this KV cache was registered for the server's "
+                                 "copies: use STORE and RETRIEVE")
+        return entry
+
+    def _holder(self, client_id: bytes) -> Holder:
+        """(holders lock held) The client's holder; LIMIT_EXCEEDED when it holds too much."""
+        h = self._holders.setdefault(client_id, Holder())
+        if len(h.reservations) + len(h.reads) >= MAX_HELD:
+            raise over_limit(f"this client holds {MAX_HELD} reservations and reads, the most allowed: commit or "
+                             "finish some first")
+        return h
+
+    def _reserve(self, msg: p.Reserve, reply: Reply) -> None:
+        entry = self._engine_entry(msg.kv_id, msg.client_id)
+        self._touch(msg.client_id)
+        chunks = len(msg.hashes) // DIGEST_BYTES
+        entry.run(self._job(reply, lambda: self._run_reserve(entry, msg, reply)),
+                  inline=chunks <= 64, limit=self.config.max_queued_requests)
+
+    def _run_reserve(self, entry, msg: p.Reserve, reply: Reply) -> None:
+        mark(reply, "started")
+        reg = entry.ctx.reg
+        keys = chunk_keys(reg, msg.hashes, msg.salt)
+        self._check_deadline(msg)
+        with self._holders_lock:
+            holder = self._holder(msg.client_id)
+        plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key)
+        mark(reply, "in L1")
+        if not plan.objects:
+            def answer(failed: int) -> None:  # once the chunks others were writing landed
+                reply(p.ReserveReply(reservation=0, chunks=b"", offsets=b"", object_bytes=reg.object_bytes,
+                                     present=plan.present + len(plan.pending) - failed,
+                                     skipped=plan.skipped + failed))
+
+            self.l1.when_written(plan.pending, answer)
+            return
+        rid = next(self._held_ids)
+        with self._holders_lock:
+            holder.reservations[rid] = (plan, reg.object_bytes)
+        reply(p.ReserveReply(reservation=rid, chunks=p.pack_block_ids(plan.indices),
+                             offsets=p.pack_offsets([o.offset for o in plan.objects]),
+                             object_bytes=reg.object_bytes, present=plan.present, skipped=plan.skipped))
+
+    def _commit(self, msg: p.Commit, reply: Reply) -> None:
+        self._touch(msg.client_id)
+        with self._holders_lock:
+            holder = self._holders.get(msg.client_id)
+            held = holder.reservations.pop(msg.reservation, None) if holder is not None else None
+        if held is None:
+            raise RequestFailure(p.ErrorCode.INVALID_ARGUMENT, f"no reservation {msg.reservation} of this client "
+                                 "(committed already, or the server restarted)")
+        plan, object_bytes = held
+        if not msg.ok:
+            self.l1.abort(plan)
+            reply(p.CommitReply(stored=0, present=plan.present, skipped=plan.skipped + len(plan.objects)))
+            return
+        self.l1.commit(plan)
+        self._count_moved("store", len(plan.objects) * object_bytes)
+
+        def answer(failed: int) -> None:
+            reply(p.CommitReply(stored=len(plan.objects), present=plan.present + len(plan.pending) - failed,
+                                skipped=plan.skipped + failed))
+
+        self.l1.when_written(plan.pending, answer)
+
+    # ---- retrieves ---------------------------------------------------------------------------
+
+    def _read(self, msg: p.Read, reply: Reply) -> None:
+        entry = self._engine_entry(msg.kv_id, msg.client_id)
+        self._touch(msg.client_id)
+        chunks = len(msg.hashes) // DIGEST_BYTES
+        entry.run(self._job(reply, lambda: self._run_read(entry, msg, reply)),
+                  inline=chunks <= 64, limit=self.config.max_queued_requests)
+
+    def _run_read(self, entry, msg: p.Read, reply: Reply, held: list | None = None) -> None:
+        def again(objs: list) -> None:  # after L2 loads, on the registration's worker
+            entry.run(self._job(reply, lambda: self._run_read(entry, msg, reply, held=objs)))
+
+        objs = self._read_objects(entry, msg, reply, held, again)
+        if objs is None:
+            return  # loading from L2; runs again
+        reg = entry.ctx.reg
+        if not objs:
+            reply(p.ReadReply(read=0, offsets=b"", object_bytes=reg.object_bytes))
+            return
+        try:
+            with self._holders_lock:
+                holder = self._holder(msg.client_id)
+                rid = next(self._held_ids)
+                holder.reads[rid] = objs
+        except RequestFailure:
+            self.l1.end_read(objs)
+            raise
+        self._count_moved("retrieve", len(objs) * reg.object_bytes)
+        reply(p.ReadReply(read=rid, offsets=p.pack_offsets([o.offset for o in objs]), object_bytes=reg.object_bytes))
+
+    def _read_done(self, msg: p.ReadDone, reply: Reply) -> None:
+        with self._holders_lock:
+            holder = self._holders.get(msg.client_id)
+            objs = holder.reads.pop(msg.read, None) if holder is not None else None
+        if objs is None:
+            raise RequestFailure(p.ErrorCode.INVALID_ARGUMENT, f"no read {msg.read} of this client (finished "
+                                 "already, or the server restarted)")
+        self.l1.end_read(objs)
+        reply(p.ReadDoneReply(released=len(objs)))
+
+    # ---- clients that go away ----------------------------------------------------------------
+
+    def _client_gone(self, client: bytes) -> None:
+        """The client was forgotten: its reads end now; its reservations once its process is."""
+        with self._holders_lock:
+            holder = self._holders.get(client)
+            if holder is None:
+                return
+            reads, holder.reads = list(holder.reads.values()), {}
+            holder.gone_at = holder.gone_at or time.monotonic()
+        for objs in reads:
+            self.l1.end_read(objs)
+        self._reap_reservations()
+
+    def _reap_reservations(self) -> None:
+        """Give back the reservations of clients that were forgotten and whose process is gone (or,
+        unseen, after ORPHAN_HOLD_S): no copy of theirs can land any more (called on ticks)."""
+        now = time.monotonic()
+        dropped, reads = [], []
+        with self._holders_lock:
+            for client, h in list(self._holders.items()):
+                dead = h.process_gone()
+                if not (dead or h.gone_at):
+                    continue  # a live client: what it holds is its own business
+                if h.reservations and not dead and (h.pid or now - h.gone_at <= ORPHAN_HOLD_S):
+                    continue  # forgotten, but its process (or one we cannot see) may still be copying
+                dropped += [plan for plan, _ in h.reservations.values()]
+                reads += h.reads.values()
+                del self._holders[client]
+        for objs in reads:
+            self.l1.end_read(objs)
+        for plan in dropped:
+            self.l1.abort(plan)
+        if dropped:
+            logger.info("gave back %d reservations of clients whose processes are gone (nothing of them was "
+                        "committed)", len(dropped))
+
+    def engine_copies_status(self) -> dict:
+        with self._holders_lock:
+            return {"clients": len(self._holders),
+                    "reservations": sum(len(h.reservations) for h in self._holders.values()),
+                    "reads": sum(len(h.reads) for h in self._holders.values()),
+                    "held_for_gone_clients": sum(len(h.reservations) for h in self._holders.values() if h.gone_at)}

@@ -1,0 +1,239 @@
+"""How L1 keeps its journal (--l1-persist; the file format is in storage/l1_journal.py): a part of
+L1Store, which holds the lock and the index.
+
+A commit record carries the checksum of the chunk's bytes, so that a restarted server can tell a
+chunk's own bytes from whatever a lost or damaged record let it believe. Summing is not on the
+store path: committed objects are queued, and a thread sums them (a few at once, on threads that
+let go of the GIL) without the lock, then writes their records with it. An object freed or moved
+while it was summed is not recorded from that sum (a moved one is queued again at its new slot),
+so a sum never describes bytes that were not the chunk's. A crash loses the records of the chunks
+committed in the last moments before it (they are not re-attached; nothing else is lost), and a
+clean stop writes them all first (close_journal).
+
+At start-up `restore` claims the slots the journal names and sums them all (on every core, before
+any request), keeping only the chunks whose bytes match.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from lmcache_mp.storage.l1_journal import chunk_sum, commit_record
+from lmcache_mp.storage.index import SHARDS
+
+logger = logging.getLogger(__name__)
+
+SUM_BATCH_BYTES = 256 << 20  # bytes summed between two takes of the lock
+SUM_INLINE_BYTES = 8 << 20  # a batch this small is summed on the summing thread alone
+SUM_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))  # while serving: a few cores at most
+MAX_UNSUMMED = 1 << 20  # objects waiting for their sum; beyond it the oldest go unrecorded
+JOURNAL_RECORD_ESTIMATE = 170  # bytes of one chunk's journal record (a rewrite compares with this)
+
+
+def _background() -> None:
+    """This thread yields the cores to the copies and the socket thread when they want them."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except OSError:  # not allowed here: the thread runs at the process's priority
+        pass
+
+
+class L1Persistence:
+    """The journal's side of L1Store: expects its `arena`, `_lock`, `_at`, `_class_bytes`,
+    `_committed`, `_size_class`, `_put`, `_park`, `_get` and `counters`."""
+
+    journal = None  # an L1Journal when L1 outlives the server (set by attach_journal)
+
+    def attach_journal(self, journal) -> None:
+        self.journal = journal
+        self._unsummed: collections.deque = collections.deque()
+        self._sums_wanted = threading.Condition(self._lock)  # the summing thread waits for work
+        self._sums_done = threading.Condition(self._lock)  # flush_journal waits for records
+        self._summing = 0  # objects taken by the summing thread and not yet recorded
+        self._sums_stop = False
+        for name in ("unrecorded", "summed_bytes"):
+            self.counters.setdefault(name, 0)
+        self.counters.setdefault("sum_seconds", 0.0)
+        self._sum_pool = ThreadPoolExecutor(SUM_THREADS, thread_name_prefix="lmcache-l1-sum", initializer=_background)
+        self._sum_thread = threading.Thread(target=self._sum_loop, name="lmcache-l1-journal-sums", daemon=True)
+        self._sum_thread.start()
+
+    def _journal_commits(self, objs) -> None:
+        """Committed objects, to be summed and recorded (lock held)."""
+        self._unsummed.extend(objs)
+        over = len(self._unsummed) - MAX_UNSUMMED
+        for _ in range(max(0, over)):
+            self._unsummed.popleft()
+        if over > 0:
+            self.counters["unrecorded"] += over
+        self._sums_wanted.notify()
+
+    def _commit_record(self, obj) -> bytes:
+        return commit_record(obj.offset, self._class_bytes[obj.size_class], obj.key, obj.format_key, obj.checksum)
+
+    def _sum_loop(self) -> None:
+        _background()
+        while True:
+            with self._lock:
+                while not self._unsummed and not self._sums_stop:
+                    self._sums_wanted.wait()
+                if not self._unsummed:
+                    return
+                todo, size = [], 0
+                while self._unsummed and size < SUM_BATCH_BYTES:
+                    obj = self._unsummed.popleft()
+                    if obj.committed and self._at.get(obj.offset) is obj and obj.checksum is None:
+                        nbytes = self._class_bytes[obj.size_class]
+                        todo.append((obj, obj.offset, nbytes))
+                        size += nbytes
+                self._summing = len(todo)
+            t0 = time.perf_counter()
+            try:
+                one = lambda t: chunk_sum(self.arena.view(t[1], t[2]))  # noqa: E731
+                sums = list(map(one, todo) if size <= SUM_INLINE_BYTES else self._sum_pool.map(one, todo))
+            except Exception:
+                logger.exception("summing L1 chunks for the journal failed; they are not recorded")
+                sums = [None] * len(todo)
+            took = time.perf_counter() - t0
+            with self._lock:
+                self.counters["summed_bytes"] += size
+                self.counters["sum_seconds"] += took
+                records = []
+                for (obj, offset, _), value in zip(todo, sums):
+                    if value is None or self._at.get(obj.offset) is not obj:
+                        continue  # freed meanwhile: nothing to record
+                    if obj.offset != offset:
+                        self._unsummed.append(obj)  # moved meanwhile: sum its new slot
+                        continue
+                    obj.checksum = value
+                    records.append(self._commit_record(obj))
+                self.journal.write(records)
+                self._summing = 0
+                self._sums_done.notify_all()
+                self._maybe_compact()
+
+    def journal_backlog(self) -> int:
+        """Committed objects whose records are not written yet (lock held or not: a glance)."""
+        return len(self._unsummed) + self._summing if self.journal is not None else 0
+
+    def flush_journal(self, timeout: float = 60.0) -> bool:
+        """Wait until every object committed so far is recorded; False after timeout."""
+        if self.journal is None:
+            return True
+        end = time.monotonic() + timeout
+        with self._lock:
+            while self._unsummed or self._summing:
+                left = end - time.monotonic()
+                if left <= 0 or not self._sum_thread.is_alive():
+                    return False
+                self._sums_done.wait(min(left, 1.0))
+        return True
+
+    def close_journal(self, timeout: float = 60.0) -> None:
+        """Record what was committed (a clean stop loses nothing), then close the journal."""
+        if self.journal is None:
+            return
+        if not self.flush_journal(timeout):
+            logger.warning("L1 journal: %d chunks were not recorded before the stop", self.journal_backlog())
+        with self._lock:
+            self._sums_stop = True
+            self._sums_wanted.notify_all()
+        self._sum_thread.join(timeout)
+        self._sum_pool.shutdown(wait=False)
+        self.journal.close()
+
+    # ---- rewrites -----------------------------------------------------------------------------
+
+    def _maybe_compact(self) -> None:
+        """(lock held) Start a rewrite when the journal has grown to several times its content."""
+        journal = self.journal
+        if not journal.rewriting and journal.wants_rewrite(self._committed * JOURNAL_RECORD_ESTIMATE):
+            journal.start_rewrite()
+            threading.Thread(target=self._compact_journal, args=(journal,), name="lmcache-l1-journal",
+                             daemon=True).start()
+
+    def _compact_journal(self, journal) -> None:
+        """Rewrite the journal from the recorded chunks (its start_rewrite was called, lock held):
+        the offset index a part at a time under the lock, the records made and written without it
+        (l1_journal.py says why what changes meanwhile is not lost). A million chunks' records
+        built and written under the lock had held every request for seconds."""
+        old = -1
+        try:
+            n = journal.write_rewrite(self._journal_parts())
+            with self._lock:
+                before = journal.bytes
+                old = journal.finish_rewrite()
+            if old >= 0:
+                logger.info("L1 journal rewritten: %d chunks, %.1f -> %.1f MiB", n, before / 2**20,
+                            journal.bytes / 2**20)
+        except Exception:
+            logger.exception("rewriting the L1 journal failed; it goes on growing until the next attempt")
+        finally:
+            journal.close_old(old)
+            if journal.rewriting:  # it failed before finishing
+                with self._lock:
+                    journal.abandon_rewrite()
+
+    def _journal_parts(self):
+        """The commit records of the recorded chunks, one part of the offset index at a time
+        (those still waiting for their sum are written once summed, after the rewrite began)."""
+        for part in range(SHARDS):
+            with self._lock:
+                live = [(o.offset, o.size_class, o.key, o.format_key, o.checksum)
+                        for o in self._at.parts[part].values() if o.committed and o.checksum is not None]
+            yield [commit_record(off, self._class_bytes[cls], key, fmt, value) for off, cls, key, fmt, value in live]
+
+    # ---- start-up -----------------------------------------------------------------------------
+
+    def restore(self, entries) -> tuple[int, int]:
+        """Re-attach a previous server's chunks (l1_journal.Entry, oldest first) at their slots,
+        before any request: a chunk comes back only if its slot still holds bytes of its
+        checksum. The journal is then rewritten to what was restored. Returns (restored,
+        dropped): dropped are slots that cannot be claimed, keys met twice and bytes that changed."""
+        from lmcache_mp.storage.l1 import L1Object, ObjectKey
+
+        t0 = time.monotonic()
+        claimed, dropped = [], 0
+        with self._lock:
+            for e in entries:
+                try:
+                    cls = self._size_class(e.object_bytes)
+                    ok = e.object_bytes > 0 and self.arena.claim(e.offset, cls)
+                except (ValueError, RuntimeError):
+                    ok = False
+                if ok:
+                    claimed.append((e, cls))
+                else:
+                    dropped += 1
+        with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1)), thread_name_prefix="lmcache-l1-check") as pool:
+            same = list(pool.map(lambda c: chunk_sum(self.arena.view(c[0].offset, c[0].object_bytes)) == c[0].checksum,
+                                 claimed))
+        changed = same.count(False)
+        checked = sum(e.object_bytes for e, _ in claimed)
+        kept = []
+        with self._lock:
+            for (e, cls), ok in zip(claimed, same):
+                key = ObjectKey(*e.key)
+                if not ok or self._get(key) is not None:
+                    self.arena.free(e.offset)
+                    continue
+                obj = L1Object(key=key, offset=e.offset, size_class=cls, nbytes=self.arena.slot_bytes(cls),
+                               format_key=e.format_key, committed=True, checksum=e.checksum)
+                self._put(obj)
+                self._committed += 1
+                self._park(obj)
+                kept.append(obj)
+            if self.journal is not None:  # in the order they came back: the order of use
+                self.journal.rewrite([self._commit_record(o) for o in kept])
+        dropped += len(claimed) - len(kept)
+        if entries:
+            logger.info("L1 journal: %d chunks described, %.2f GiB of them checked in %.2f s: %d re-attached, %d "
+                        "dropped (%d whose bytes changed)", len(entries), checked / 2**30, time.monotonic() - t0,
+                        len(kept), dropped, changed)
+        return len(kept), dropped
+
