@@ -62,6 +62,10 @@ BLOCK = 16
 BPC = CHUNK // BLOCK  # blocks per chunk
 POOL = 2  # stored requests the retrieving thread cycles through
 PATHS = {"cuda": ("server-staged", "server-dma", "engine", "in-process"), "cpu": ("server", "engine", "in-process")}
+# Variants of the engine path, by the client's tuning knobs (client/engine_copy.py): its copy
+# streams at high priority, or its packing kernels on 16 CTAs instead of one per SM.
+ENGINE_VARIANTS = {"engine": {}, "engine-high": {"LMCACHE_MP_COPY_PRIORITY": "high"},
+                   "engine-ctas16": {"LMCACHE_MP_PACK_CTAS": "16"}}
 
 
 def fresh_hashes(rng: np.random.Generator, n: int) -> list[bytes]:
@@ -247,10 +251,20 @@ class ServerMover:
     checked = True
 
     def __init__(self, client: Client, kv: list, layout: str, path: str, cpu: bool):
-        self.client, want = client, ("engine" if path == "engine" else "server")
+        self.client, want = client, ("engine" if path.startswith("engine") else "server")
         kw = dict(model=f"contention-{path}-{layout}", world_size=1, rank=0,
                   layout="mla" if layout == "mla" else "auto")
-        self.h = client.register_kv_cache(kv, transfer=want, **kw)
+        knobs = ENGINE_VARIANTS.get(path, {})
+        saved = {k: os.environ.get(k) for k in knobs}
+        os.environ.update(knobs)  # read when the copier is made, at registration
+        try:
+            self.h = client.register_kv_cache(kv, transfer=want, **kw)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         if (self.h.transfer_mode == "engine") != (want == "engine"):
             raise RuntimeError(f"asked for {want} copies, got transfer mode {self.h.transfer_mode}")
         if not client.wait_pinned(600):  # the engine's page-locking of L1 runs before any timing
@@ -438,7 +452,7 @@ def run_path(path: str, lr: LayoutRun, server: ServerProcess | None, loads: dict
     label = f"{path}/{lr.layout}"
     mover = lr.copy if server is None else ServerMover(server.client, lr.kv, lr.layout, path, not lr.cuda)
     info = {"path": path, "layout": lr.layout, "transfer_mode": mover.transfer_mode}
-    if server is not None and path != "engine" and server.mode not in (mover.transfer_mode, "cpu"):
+    if server is not None and not path.startswith("engine") and server.mode not in (mover.transfer_mode, "cpu"):
         print(f"  {label}: WARNING: the server chose transfer mode {mover.transfer_mode!r}", flush=True)
     first = len(rows)
     try:
@@ -525,7 +539,7 @@ def main() -> int:
     paths = args.paths.split(",") if args.paths else list(PATHS[args.device])
     layouts = [x for x in args.layouts.split(",") if x]
     load_names = [x for x in args.loads.split(",") if x]
-    bad = ([p for p in paths if p not in PATHS[args.device]] + [x for x in layouts if x not in ("mha", "mla")]
+    bad = ([p for p in paths if p not in PATHS[args.device] and p not in ENGINE_VARIANTS] + [x for x in layouts if x not in ("mha", "mla")]
            + [x for x in load_names if x not in ("gemm", "decode")])
     if bad:
         ap.error(f"unknown for --device {args.device}: {bad} (paths: {', '.join(PATHS[args.device])}; "

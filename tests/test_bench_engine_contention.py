@@ -27,7 +27,7 @@ def test_cpu_run_end_to_end(tmp_path):
     r = json.loads(out.read_text())
     assert r["failures"] == []
     assert r["server_exit_codes"] == {"cpu": 0}
-    assert set(r["ceilings_gbps"]["mla"]) == {"d2h", "h2d"}
+    assert set(r["ceilings_gbps"]["mla"]) == {"d2h", "h2d", "both"}
     rows = {(x["path"], x["load"]): x for x in r["results"]}
     assert set(rows) == {(p, ld) for p in ("server", "engine", "in-process") for ld in ("idle", "gemm")}
     for row in rows.values():
