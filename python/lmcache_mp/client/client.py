@@ -232,7 +232,7 @@ class Client:
                       capabilities=["reply_on_submit"])
         try:
             return self._call(msg, p.HelloReply, timeout)
-        except ServerUnavailable as e:
+        except ServerUnavailable:
             hint = unreachable_hint(self._ctx, self.url, self.curve)  # what is there: nothing, or a CURVE server?
             if not hint:
                 raise
