@@ -86,6 +86,9 @@ def test_a_damaged_journal_keeps_what_comes_before(shm_files, servers, clients, 
     c = clients(srv.url)
     kv, h = register_mha(c, num_blocks=128)
     store_prompts(c, h, kv, [1])
+    # commits are recorded a moment after the store's reply (once their bytes are summed): the
+    # first prompt's records must all be in before the size marks where the second's begin
+    assert srv.engine.l1.flush_journal(30)
     size = os.path.getsize(persist_path + ".journal")
     store_prompts(c, h, kv, [2])
     c.close()
