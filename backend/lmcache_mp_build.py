@@ -37,6 +37,37 @@ def _say(msg: str) -> None:
     print(f"lmcache-mp build: {msg}", file=sys.stderr, flush=True)
 
 
+def _tell(msg: str) -> None:
+    """Say msg where the person installing sees it. pip captures a backend's output and shows it
+    only with -v or after a failure, so on the terminal itself when there is one (pip's spinner
+    goes on below it); else on stderr (pip -v, python -m build, CI logs)."""
+    try:
+        fd = os.open("/dev/tty", os.O_WRONLY | os.O_NOCTTY)
+    except OSError:  # no controlling terminal: CI, a service
+        _say(msg)
+        return
+    try:
+        os.write(fd, f"\nlmcache-mp build: {msg}\n".encode())
+    except OSError:
+        _say(msg)
+    finally:
+        os.close(fd)
+
+
+def _announce() -> None:
+    """What the build compiles and how long it may take, before the compiler starts."""
+    nvcc = system_nvcc() if _setting() != "OFF" else None  # (the registry's, once pointed at)
+    if nvcc:
+        archs = (os.environ.get("CMAKE_CUDA_ARCHITECTURES") or os.environ.get("CUDAARCHS")
+                 or "75;80;86;89;90;100;120")
+        _tell(f"compiling the extension with its CUDA data plane for GPU architectures {archs} ({nvcc}); a first "
+              "build takes one to a few minutes (CMAKE_CUDA_ARCHITECTURES=90 builds for one only). "
+              "pip install -v shows each step.")
+    else:
+        _tell("compiling the extension without CUDA (LMCACHE_MP_CUDA=OFF, or no nvcc and no NVIDIA driver); "
+              "under a minute for a first build. pip install -v shows each step.")
+
+
 def _setting() -> str:
     return os.environ.get("LMCACHE_MP_CUDA", "AUTO").strip().upper()
 
@@ -94,8 +125,8 @@ def registry_nvcc() -> str | None:
 def _requires(base: list[str]) -> list[str]:
     version = registry_cuda_version()
     if version is not None:
-        _say(f"no nvcc here; the CUDA compiler and headers come from the package registry: "
-             f"{' '.join(requirements(version))}")
+        _tell(f"no nvcc here; the CUDA compiler and headers come from the package registry (pip downloads them "
+              f"next): {' '.join(requirements(version))}")
         return base + requirements(version)
     if _setting() == "AUTO" and not system_nvcc():
         _say("no NVIDIA driver and no nvcc: building the CPU-only extension (LMCACHE_MP_CUDA=ON for CUDA)")
@@ -145,9 +176,11 @@ def prepare_metadata_for_build_editable(metadata_directory, config_settings=None
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     _point_cmake_at_registry_cuda()
+    _announce()
     return _skbuild.build_wheel(wheel_directory, config_settings, metadata_directory)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
     _point_cmake_at_registry_cuda()
+    _announce()
     return _skbuild.build_editable(wheel_directory, config_settings, metadata_directory)

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import zmq
 
-from lmcache_mp.loadgen_trace import ECHO
+from lmcache_mp.loadgen.trace import ECHO
 
 
 def percentiles(xs: list[float]) -> dict:

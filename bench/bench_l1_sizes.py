@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from lmcache_mp import Client, loadgen
+from lmcache_mp import Client
+from lmcache_mp.loadgen import cli as loadgen
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,9 +41,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from lmcache_mp import loadgen
-from lmcache_mp.loadgen_trace import echo_peer
-from lmcache_mp.loadgen_worker import LAYOUTS, WARM_UP, object_bytes
+from lmcache_mp.loadgen import cli as loadgen_cli
+from lmcache_mp.loadgen import runs as loadgen
+from lmcache_mp.loadgen.trace import echo_peer
+from lmcache_mp.loadgen.worker import LAYOUTS, WARM_UP, object_bytes
 
 CHUNK = 256
 SLAB = 256 << 20
@@ -250,7 +251,7 @@ def main() -> int:
     ap.add_argument("--transfer-mode", default="auto", choices=("auto", "direct", "staged", "dma"))
     ap.add_argument("--repeat", type=int, default=5, help="ceiling: timed copies (median)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a worker waits on a request or barrier")
-    loadgen.add_tail_args(ap)
+    loadgen_cli.add_tail_args(ap)
     ap.add_argument("--l1-persist", metavar="DIR", help="the server keeps L1 in a file in DIR (e.g. /dev/shm) "
                     "with its journal; each run reports how fast the journal's checksums were taken")
     ap.add_argument("--json", help="write the results here")

@@ -155,9 +155,13 @@ def test_config_file(sock_path, tmp_path):
     (["--l1-size", "lots"], {}, "not a size"),
     (["--device", "tpu"], {}, "device must be one of"),
     (["--log-level", "verbose"], {}, "log_level must be one of"),
-    (["--config", "/nonexistent/lmcache.toml"], {}, "No such file"),
+    (["--config", "/nonexistent/lmcache.toml"], {}, "config file /nonexistent/lmcache.toml: no such file"),
     ([], {"LMCACHE_MP_CHUNK_SIZE": "abc"}, "LMCACHE_MP_CHUNK_SIZE: chunk_size must be an integer"),
-], ids=["unknown-flag", "bad-int", "bad-size", "bad-device", "bad-log-level", "missing-config", "bad-env"])
+    ([], {"LMCACHE_MP_L1_SIZE": "lots"}, "LMCACHE_MP_L1_SIZE: l1_size: not a size: 'lots'"),
+    (["--local-lane", "maybe"], {}, "unrecognized arguments: maybe"),  # a switch takes no value
+    ([], {"LMCACHE_MP_LOCAL_LANE": "maybe"}, "LMCACHE_MP_LOCAL_LANE: local_lane must be on or off"),
+], ids=["unknown-flag", "bad-int", "bad-size", "bad-device", "bad-log-level", "missing-config", "bad-env",
+        "bad-env-size", "switch-with-a-value", "bad-env-switch"])
 def test_bad_settings_exit_2_with_a_message(args, env, message):
     out = subprocess.run(server_command() + args, env=dict(os.environ, **env), capture_output=True, text=True,
                          timeout=60)
@@ -188,3 +192,43 @@ def test_version_and_help():
     assert out.returncode == 0
     for flag in ("--l1-size", "--chunk-size", "--heartbeat-timeout", "--config", "LMCACHE_MP_"):
         assert flag in out.stdout
+
+
+def test_switches_turn_on_and_off(capsys):
+    from lmcache_mp.server.cli import _parser
+
+    ap = _parser()
+    assert vars(ap.parse_args(["--no-local-lane"]))["local_lane"] is False
+    assert vars(ap.parse_args(["--local-lane", "--l2-redis-cluster"]))["l2_redis_cluster"] is True
+    assert vars(ap.parse_args([]))["local_lane"] is None  # not given: the environment, file or default decide
+    ap.print_help()
+    text = capsys.readouterr().out
+    assert "--local-lane, --no-local-lane" in text and "LOCAL_LANE" not in text
+
+
+def test_doctor_help_is_the_doctors():
+    out = subprocess.run(server_command() + ["doctor", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert out.stdout.startswith("usage: lmcache-mp-server doctor")
+    assert "would work on this machine" in out.stdout and "--l1-size" in out.stdout
+
+
+def test_an_l1_larger_than_the_machine_says_how_much_memory_there_is(sock_path):
+    out = subprocess.run(server_command() + ["--url", f"ipc://{sock_path}", "--device", "cpu", "--http-addr", "off",
+                                             "--l1-size", "100TiB"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert "cannot start: --l1-size 100.0 TiB is more than this machine's memory: this machine has" in out.stderr
+    assert "GiB of memory" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_taken_http_address_names_the_flag(sock_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        addr = "127.0.0.1:%d" % s.getsockname()[1]
+        out = subprocess.run(server_command() + ["--url", f"ipc://{sock_path}", "--device", "cpu", "--l1-size", "16MiB",
+                                                 "--http-addr", addr], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert f"cannot serve HTTP on {addr} (--http-addr)" in out.stderr

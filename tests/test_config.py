@@ -142,18 +142,22 @@ def test_file_with_unknown_settings_is_rejected(tmp_path):
         ServerConfig.from_sources(env={}, config_file=conf)
 
 
-def test_missing_or_broken_files(tmp_path):
-    with pytest.raises(OSError):
-        ServerConfig.from_sources(env={}, config_file=str(tmp_path / "nope.toml"))
-    with pytest.raises(ValueError):  # tomllib.TOMLDecodeError is a ValueError
-        ServerConfig.from_sources(env={}, config_file=_write(tmp_path, "l1_size = = 3"))
+def test_missing_or_broken_files_are_named(tmp_path):
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(ValueError, match=f"config file {missing}: no such file"):
+        ServerConfig.from_sources(env={}, config_file=missing)
+    broken = _write(tmp_path, "l1_size = = 3")
+    with pytest.raises(ValueError, match=f"config file {broken}: not valid TOML: .*line 1"):
+        ServerConfig.from_sources(env={}, config_file=broken)
 
 
 @pytest.mark.parametrize("env, match", [
     ({"LMCACHE_MP_CHUNK_SIZE": "abc"}, r"LMCACHE_MP_CHUNK_SIZE.*chunk_size must be an integer.*'abc'"),
     ({"LMCACHE_MP_LEASE_TTL": "forever"}, r"LMCACHE_MP_LEASE_TTL.*lease_ttl must be a number"),
-    ({"LMCACHE_MP_L1_SIZE": "huge"}, "not a size"),
-    ({"LMCACHE_MP_DEVICE": "gpu"}, "device must be one of"),
+    ({"LMCACHE_MP_L1_SIZE": "huge"}, r"LMCACHE_MP_L1_SIZE: l1_size: not a size: 'huge'"),
+    ({"LMCACHE_MP_DEVICE": "gpu"}, r"device must be one of .* \(device from LMCACHE_MP_DEVICE\)"),
+    ({"LMCACHE_MP_L1_SIZE": "1KiB"}, r"at least one slab \(l1_size from LMCACHE_MP_L1_SIZE\)"),
+    ({"LMCACHE_MP_LOCAL_LANE": "maybe"}, r"LMCACHE_MP_LOCAL_LANE: local_lane must be on or off .*'maybe'"),
 ])
 def test_bad_env_values_name_the_setting(env, match):
     with pytest.raises(ValueError, match=match):
@@ -173,3 +177,34 @@ def test_bad_file_values_name_the_setting(tmp_path, text, match):
         ServerConfig.from_sources(env={}, config_file=conf)
     if "log_level" not in text:  # type errors name the file; range checks come later
         assert "server.toml" in str(info.value)
+
+
+@pytest.mark.parametrize("text, on", [("1", True), ("true", True), ("Yes", True), ("ON", True), (" on ", True),
+                                      ("0", False), ("false", False), ("no", False), ("Off", False)])
+def test_on_off_settings_from_the_environment(text, on):
+    assert ServerConfig.from_sources(env={"LMCACHE_MP_LOCAL_LANE": text}).local_lane is on
+    assert ServerConfig.from_sources(env={"LMCACHE_MP_L2_REDIS_CLUSTER": text}).l2_redis_cluster is on
+
+
+@pytest.mark.parametrize("text, match", [
+    ("local_lane = false", None),
+    ('local_lane = "off"', None),
+    ('local_lane = "maybe"', "local_lane must be on or off"),
+    ("local_lane = 2", "local_lane must be on or off"),
+])
+def test_on_off_settings_from_a_file(tmp_path, text, match):
+    conf = _write(tmp_path, text + "\n")
+    if match is None:
+        assert ServerConfig.from_sources(env={}, config_file=conf).local_lane is False
+        return
+    with pytest.raises(ValueError, match=f"config file {conf}: {match}"):
+        ServerConfig.from_sources(env={}, config_file=conf)
+
+
+def test_a_check_across_settings_names_where_each_came_from(tmp_path):
+    conf = _write(tmp_path, 'curve_clients = "/etc/keys/clients"\n')
+    where = f"curve_clients needs curve_secret_key \\(curve_clients from config file {conf}\\)"
+    with pytest.raises(ValueError, match=where):
+        ServerConfig.from_sources(env={}, config_file=conf)
+    with pytest.raises(ValueError, match=r"lease_ttl from --lease-ttl; heartbeat_timeout from LMCACHE_MP_HEARTBEAT"):
+        ServerConfig.from_sources(cli={"lease_ttl": 0.0}, env={"LMCACHE_MP_HEARTBEAT_TIMEOUT": "1"})

@@ -483,7 +483,8 @@ def test_absent_server_means_no_hits_and_no_stalls(caplog, engines):
     t0 = time.monotonic()
     for i in range(20):
         assert matched(a.sched, f"r{i}", toks, 0) == 0
-    assert time.monotonic() - t0 < 0.5  # no per-request timeouts
+    # no per-request timeouts: one connect timeout each would take 20 * 0.3 s
+    assert time.monotonic() - t0 < 20 * 0.3 / 2
     ext, blocks, plan = a.prefill("p", toks)
     assert ext == 0 and not plan.stores
     assert a.sched.request_finished("p") is False
@@ -532,7 +533,7 @@ def test_slow_server_costs_one_timeout_per_retry_interval(caplog):
     for i in range(50):
         assert matched(sched, f"r{i}", toks, 0) == 0
     assert slow.lookups == 1
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 50 * cfg.lookup_timeout / 2  # one timeout per request would take 50
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
     sched.close()
 
@@ -685,7 +686,7 @@ def test_server_restart_is_survived(engines):
         return Server(ServerConfig(url=url, l1_size="64MiB", device="cpu", chunk_size=CS)).start()
 
     srv = start()
-    a = engines(url, retry_interval=0.5, lookup_timeout=0.5)
+    a = engines(url, retry_interval=2.0, lookup_timeout=0.5)
     try:
         toks = prompt(16, 300)
         a.prefill("r1", toks)
@@ -694,9 +695,10 @@ def test_server_restart_is_survived(engines):
         a.sched.request_finished("probe1")
         srv.stop()
         assert matched(a.sched, "down", toks, 0) == 0  # one lookup timeout
+        assert a.sched.link.get() is None and a.sched.link.client is not None  # paused for retry_interval
         t0 = time.monotonic()
         assert matched(a.sched, "down2", toks, 0) == 0
-        assert time.monotonic() - t0 < 0.1  # paused: no second timeout
+        assert time.monotonic() - t0 < a.cfg.lookup_timeout  # no second timeout (it could not be shorter)
         srv = start()  # empty, same address
         # The clients notice the new server by themselves and register the caches again;
         # within a few retry intervals, new stores land and are found.

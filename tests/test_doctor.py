@@ -55,3 +55,10 @@ def test_problems_of_the_settings_are_failures_or_warnings(capsys, tmp_path):
 
 def test_bad_settings_exit_2_before_any_check(capsys):
     assert cli_main(["doctor", "--device", "tpu"]) == 2
+
+
+def test_a_disk_tier_larger_than_its_disk_is_a_warning(capsys, tmp_path):
+    rc, out = doctor(capsys, "--device", "cpu", "--url", f"ipc://{tmp_path}/s.sock", "--http-addr", "off",
+                     "--l1-size", "64MiB", "--l2-disk", str(tmp_path / "l2"), "--l2-disk-size", "100000TiB")
+    assert rc == 0, out  # it would work: a full disk drops writes, it fails no request
+    assert any(line.startswith("[WARN] L2 disk") and "100000.0 TiB" in line for line in out.splitlines()), out

@@ -46,7 +46,7 @@ def _exact(c, h, kv, layout, seed, chunks=2, start=32, lease=0) -> int:
 
 
 @pytest.mark.parametrize("layout", ["mha", "block_major", "mla"])
-def test_round_trips_are_byte_exact_and_shared_with_the_servers_copies(shm_files, servers, clients, layout):
+def test_round_trips_are_byte_exact_and_shared_with_the_servers_copies(shm_files, servers, clients, layout):  # noqa: F811
     srv = servers()
     a = clients(srv.url)
     kv, h = _register(a, layout)
@@ -66,7 +66,7 @@ def test_round_trips_are_byte_exact_and_shared_with_the_servers_copies(shm_files
     assert st["l1"]["writing"] == 0
 
 
-def test_tp_ranks_share_one_mla_chunk(shm_files, servers, clients):
+def test_tp_ranks_share_one_mla_chunk(shm_files, servers, clients):  # noqa: F811
     srv = servers()
     r0, r1 = clients(srv.url), clients(srv.url)
     kv0 = w.make_kv("mla", 64, BS)
@@ -80,7 +80,7 @@ def test_tp_ranks_share_one_mla_chunk(shm_files, servers, clients):
     assert r0.status()["l1"]["objects"] == 2
 
 
-def test_two_engines_store_and_read_each_others_chunks(shm_files, servers, clients):
+def test_two_engines_store_and_read_each_others_chunks(shm_files, servers, clients):  # noqa: F811
     srv = servers()
     a, b = clients(srv.url), clients(srv.url)
     kv_a, h_a = _register(a, model="shared")
@@ -92,7 +92,7 @@ def test_two_engines_store_and_read_each_others_chunks(shm_files, servers, clien
     assert _exact(a, h_a, kv_a, "mha", 8) == 2
 
 
-def test_a_lease_is_consumed_by_the_engines_read(shm_files, servers, clients):
+def test_a_lease_is_consumed_by_the_engines_read(shm_files, servers, clients):  # noqa: F811
     srv = servers()
     c = clients(srv.url)
     kv, h = _register(c)
@@ -103,7 +103,7 @@ def test_a_lease_is_consumed_by_the_engines_read(shm_files, servers, clients):
     assert srv.engine.status()["l1"]["leased_objects"] == 0
 
 
-def test_requests_of_the_other_path_are_refused_clearly(shm_files, servers, clients):
+def test_requests_of_the_other_path_are_refused_clearly(shm_files, servers, clients):  # noqa: F811
     srv = servers()
     c = clients(srv.url)
     kv, h = _register(c)
@@ -127,7 +127,7 @@ def test_requests_of_the_other_path_are_refused_clearly(shm_files, servers, clie
         raw.close()
 
 
-def test_a_clients_reads_and_reservations_end_with_it(shm_files, servers, clients):
+def test_a_clients_reads_and_reservations_end_with_it(shm_files, servers, clients):  # noqa: F811
     """A client that closes with a read and a reservation open: its goodbye ends the read at once;
     the reservation is held while its process lives (a copy of it could still land), and nothing
     of it is visible."""
@@ -227,7 +227,7 @@ def test_a_stalled_server_never_keeps_a_late_engine_store(shm_files):
         srv.kill()
 
 
-def test_an_engine_read_of_chunks_only_the_disk_holds_loads_them_first(shm_files, servers, clients, tmp_path):
+def test_an_engine_read_of_chunks_only_the_disk_holds_loads_them_first(shm_files, servers, clients, tmp_path):  # noqa: F811
     srv = servers(l1_size="1MiB", l2_disk=str(tmp_path / "l2"), l2_disk_size="64MiB", l2_write="all")
     c = clients(srv.url)
     kv, h = _register(c)
@@ -239,7 +239,7 @@ def test_an_engine_read_of_chunks_only_the_disk_holds_loads_them_first(shm_files
     assert _exact(c, h, kv, "mha", 41) == 2
 
 
-def test_engine_copies_need_the_lane(shm_files, servers, clients):
+def test_engine_copies_need_the_lane(shm_files, servers, clients):  # noqa: F811
     srv = servers(local_lane=False)  # no local lane: L1 cannot be mapped
     c = clients(srv.url)
     kv = w.make_kv("mha", 64, BS)
@@ -248,7 +248,7 @@ def test_engine_copies_need_the_lane(shm_files, servers, clients):
         c.register_kv_cache(kv, model="m2", transfer="engine")
 
 
-def test_bad_block_ids_are_refused_before_any_slot_is_reserved(shm_files, servers, clients):
+def test_bad_block_ids_are_refused_before_any_slot_is_reserved(shm_files, servers, clients):  # noqa: F811
     srv = servers()
     c = clients(srv.url)
     kv, h = _register(c)
@@ -290,7 +290,7 @@ def test_a_retrieve_that_gives_up_at_its_deadline_writes_nothing_later(shm_files
         srv.kill()
 
 
-def test_the_engines_page_locking_takes_each_slab_once_when_first_needed(shm_files, servers, clients, monkeypatch):
+def test_the_engines_page_locking_takes_each_slab_once_when_first_needed(shm_files, servers, clients, monkeypatch):  # noqa: F811
     """CUDA copies page-lock L1 in the engine's process: a slab the first time a request needs it
     (never in the background), each once, all of them with pin_l1(), and none left at close."""
     import types

@@ -155,7 +155,7 @@ def test_a_stalled_server_costs_a_scheduler_step_one_lookup_block_however_many_r
                 got = [sched.num_new_matched_tokens(rid, t, 0) for rid, t in toks.items()]
                 took = time.monotonic() - t0
                 assert got == [None] * 8  # not known yet: the engine asks again at its next step
-                assert block * 0.75 < took < 3 * block  # one budget for the step, not eight
+                assert block * 0.75 < took < 4 * block  # one budget for the step, not eight (8 * block)
                 sched.build_plan([])
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)
@@ -277,10 +277,10 @@ def test_a_store_past_its_deadline_or_ending_after_it_keeps_nothing(shm_files, s
 
         def stalled_copy(*args, **kwargs):  # the server stalls mid-copy, past the deadline
             real_copy(*args, **kwargs)
-            time.sleep(0.5)
+            time.sleep(2.0)
 
         monkeypatch.setattr(ctx, "copy", stalled_copy)
-        reply = store(time.monotonic() + 0.2)
+        reply = store(time.monotonic() + 1.0)  # (a second for the copy to start, even on a loaded machine)
         assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.DEADLINE_EXCEEDED, reply
         assert "after its deadline" in reply.message
         st = c.status()["l1"]

@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import cpu_workers as w
-from lmcache_mp import Client, chunk_hashes
+from lmcache_mp import Client
 from lmcache_mp.native import HostArena
 from lmcache_mp.storage import l1_journal
 from lmcache_mp.storage.l1 import L1Store, ObjectKey

@@ -12,8 +12,8 @@ import json
 import pytest
 
 import lmcache_mp
-from lmcache_mp import loadgen
-from lmcache_mp.loadgen_worker import WARM_UP
+from lmcache_mp.loadgen import cli as loadgen
+from lmcache_mp.loadgen.worker import WARM_UP
 from lmcache_mp.server.metrics import StatusCollector
 
 LLAMA, MLA8 = 32 << 20, 8 * 256 * 576 * 2  # object bytes at the default 256-token chunk

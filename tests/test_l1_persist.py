@@ -86,6 +86,9 @@ def test_a_damaged_journal_keeps_what_comes_before(shm_files, servers, clients, 
     c = clients(srv.url)
     kv, h = register_mha(c, num_blocks=128)
     store_prompts(c, h, kv, [1])
+    # commits are recorded a moment after the store's reply (once their bytes are summed): the
+    # first prompt's records must all be in before the size marks where the second's begin
+    assert srv.engine.l1.flush_journal(30)
     size = os.path.getsize(persist_path + ".journal")
     store_prompts(c, h, kv, [2])
     c.close()
@@ -102,8 +105,8 @@ def test_a_damaged_journal_keeps_what_comes_before(shm_files, servers, clients, 
     assert c.lookup(chunk_hashes(w.prompt(2, 4), CHUNK), model="m") == 0
 
 
-def test_another_arena_size_starts_empty_and_one_server_per_file(shm_files, servers, clients,  # noqa: F811
-                                                                 persist_path):
+def test_another_arena_size_starts_empty_says_why_and_one_server_per_file(shm_files, servers, clients,  # noqa: F811
+                                                                          persist_path, caplog):
     srv = servers(l1_size="4MiB", l1_persist=persist_path)
     c = clients(srv.url)
     kv, h = register_mha(c, num_blocks=128)
@@ -112,8 +115,22 @@ def test_another_arena_size_starts_empty_and_one_server_per_file(shm_files, serv
         servers(l1_size="4MiB", l1_persist=persist_path)
     c.close()
     srv.stop()
+    caplog.clear()
     srv = servers(l1_size="8MiB", l1_persist=persist_path)
     assert srv.engine.status()["l1"]["objects"] == 0
+    why = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "L1" in r.getMessage()]
+    assert len(why) == 1 and "the arena file was not of 8.0 MiB" in why[0] and "--l1-size" in why[0], why
+    assert why[0].endswith("L1 starts empty")
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    store_prompts(c, h, kv, [2])
+    c.close()
+    srv.stop()
+    os.unlink(persist_path)  # the arena file gone, its journal kept: the journal's chunks are not served
+    caplog.clear()
+    srv = servers(l1_size="8MiB", l1_persist=persist_path)
+    assert srv.engine.status()["l1"]["objects"] == 0
+    assert any("the arena file was not of" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
 
 
 def test_moved_and_evicted_objects_are_journaled(persist_path):

@@ -27,7 +27,8 @@ def args_of(settings: dict) -> list[str]:
 def shared_l2(request, tmp_path):
     """(backend, the server settings that reach it, the running backend)."""
     if request.param == "mooncake":
-        pytest.importorskip("mooncake.store", reason="the optional mooncake-transfer-engine-non-cuda package")
+        pytest.importorskip("mooncake.store", reason="the optional mooncake-transfer-engine-non-cuda package "
+                            "(and libibverbs)", exc_type=ImportError)
         from test_l2_mooncake import MooncakeMaster
 
         backend = MooncakeMaster(tmp_path)

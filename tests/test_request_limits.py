@@ -24,7 +24,9 @@ from test_server_e2e import RawClient
 
 CHUNK = 16
 N = p.MAX_CHUNKS  # chunks in the largest store, retrieve, lookup and release
-PING_LIMIT_S = 0.025  # the longest another client's PING may wait (a few ms, plus a loaded 2-core VM)
+PING_LIMIT_S = 0.025  # what another client's PING may wait, but for a few (a few ms, plus a loaded 2-core VM)
+STALL_LIMIT_S = 0.25  # ... and any one of them (a machine that stalls the server a moment now and then)
+LARGE_OPS = ("store", "lookup", "lookup_lock", "retrieve", "release", "bye", "clear")  # 65,536 chunks each
 
 
 class Raw(RawClient):
@@ -128,8 +130,16 @@ def test_the_largest_request_of_every_op_never_stalls_another_clients_ping(big):
     lines = [f"{k:>12}: {len(v):4} pings, median {statistics.median(v) * 1e3:6.2f} ms, max {max(v) * 1e3:6.2f} ms"
              for k, v in report.items()]
     print("\n".join(lines))
+    # A request served in one go holds the socket thread once, for all of its time: the PINGs
+    # meanwhile wait that long, and few of them get through while it runs. One that is served in
+    # slices lets many through, each waiting a slice at most. A loaded machine stalls the server
+    # now and then for tens of milliseconds: one PING in a hundred may wait that long.
     for name, times in report.items():
-        assert max(times) < PING_LIMIT_S, f"{name}: a PING waited {max(times) * 1e3:.1f} ms\n" + "\n".join(lines)
+        slow = sorted(times)[int(0.99 * (len(times) - 1))]
+        assert slow < PING_LIMIT_S, f"{name}: PINGs waited {slow * 1e3:.1f} ms (p99)\n" + "\n".join(lines)
+        assert max(times) < STALL_LIMIT_S, f"{name}: a PING waited {max(times) * 1e3:.1f} ms\n" + "\n".join(lines)
+        if name in LARGE_OPS:
+            assert len(times) > 20, f"{name}: {len(times) - 1} PINGs answered while it ran\n" + "\n".join(lines)
 
 
 def test_requests_over_a_limit_get_limit_exceeded(big):

@@ -111,11 +111,10 @@ def server_storing_with(store):
 
 
 def assert_read_at_once(fut) -> None:
-    """A store's future nobody waits on settles within a second or so (not at the next heartbeat)."""
-    t0 = time.monotonic()
-    done, _ = cf.wait([fut], timeout=5)
+    """A store's future nobody waits on settles by itself, long before the next heartbeat (the
+    clients here send one every 30 s)."""
+    done, _ = cf.wait([fut], timeout=10)
     assert done and fut.result(0).chunks == 1
-    assert time.monotonic() - t0 < 1.5
 
 
 def test_a_reply_left_when_the_last_caller_stops_waiting_is_read_by_the_io_thread(shm_files):
@@ -257,7 +256,7 @@ def test_the_local_lane_is_used_when_reachable_and_comes_back_after_a_restart(sh
 
 def test_without_a_reachable_lane_the_client_uses_zeromq(shm_files):
     srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB",
-                         "--chunk-size", str(CHUNK), "--local-lane", "false"])
+                         "--chunk-size", str(CHUNK), "--no-local-lane"])
     url = srv.wait_ready()
     c = Client(url)
     try:

@@ -224,22 +224,44 @@ class ServerConfig:
         """Merge settings: CLI values (None = not given) > LMCACHE_MP_* env > TOML file > defaults."""
         names = set(cls.field_names())
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}  # where each value came from, for the messages
         if config_file:
-            with open(config_file, "rb") as f:
-                data = tomllib.load(f)
-            data = data.get("server", data)  # allow a [server] table or top-level keys
+            data = read_config_file(config_file)
             unknown = set(data) - names
             if unknown:
-                raise ValueError(f"unknown settings in {config_file}: {sorted(unknown)}")
-            values.update({k: _coerce(k, v, config_file) for k, v in data.items()})
+                raise ValueError(f"config file {config_file}: unknown settings {sorted(unknown)} "
+                                 f"(known: the names of --help's flags with _ for -, e.g. l1_size)")
+            values.update({k: _coerce(k, v, f"config file {config_file}") for k, v in data.items()})
+            sources.update({k: f"config file {config_file}" for k in data})
         for name in names:
             raw = (env if env is not None else os.environ).get(ENV_PREFIX + name.upper())
             if raw is not None:
                 values[name] = _coerce(name, raw, ENV_PREFIX + name.upper())
+                sources[name] = ENV_PREFIX + name.upper()
         for name, v in (cli or {}).items():
             if v is not None and name in names:
                 values[name] = _coerce(name, v, "--" + name.replace("_", "-"))
-        return cls(**values)
+                sources[name] = "--" + name.replace("_", "-")
+        try:
+            return cls(**values)
+        except ValueError as e:  # a check across settings (ranges, combinations): say where they came from
+            found = {name: m.start() for name in sources if (m := re.search(rf"\b{name}\b", str(e)))}
+            named = [f"{name} from {sources[name]}" for name in sorted(found, key=found.get)]
+            raise ValueError(f"{e} ({'; '.join(named)})" if named else str(e)) from None
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The settings of a TOML file (top-level keys or a [server] table); errors name the file."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config file {path}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"config file {path}: cannot read it ({e.strerror or e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path}: not valid TOML: {e}") from None
+    return data.get("server", data)
 
 
 _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
@@ -271,7 +293,7 @@ def is_loopback_url(url: str) -> bool:
 def _kind(name: str) -> str:
     default = _DEFAULTS[name]
     if isinstance(default, bool):
-        return "a boolean"
+        return "on or off (true/false, on/off, 1/0)"
     if isinstance(default, float):
         return "a number"
     if isinstance(default, int):
@@ -283,7 +305,7 @@ def _check_type(name: str, value: Any) -> None:
     if name in _SIZE_FIELDS:
         return  # parse_size says what is wrong with a size
     kind = _kind(name)
-    if kind == "a boolean":
+    if isinstance(_DEFAULTS[name], bool):
         ok = isinstance(value, bool)
     elif kind == "a number":
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -295,14 +317,24 @@ def _check_type(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be {kind}, got {value!r}")
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")  # on/off settings as text
+
+
 def _coerce(name: str, value: Any, source: str) -> Any:
     """Values from env and files arrive as strings or TOML types: give them the field's type.
     Errors name the source (the file or the environment variable) and the setting."""
     try:
-        if isinstance(value, str) and name not in _SIZE_FIELDS:  # parse_size takes size strings
+        if name in _SIZE_FIELDS:
             try:
-                if _kind(name) == "a boolean":
-                    return value.lower() in ("1", "true", "yes", "on")
+                return parse_size(value)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+        if isinstance(value, str):
+            try:
+                if isinstance(_DEFAULTS[name], bool):
+                    if value.strip().lower() not in _TRUE + _FALSE:
+                        raise ValueError(value)
+                    return value.strip().lower() in _TRUE
                 if _kind(name) == "an integer":
                     return int(value)
                 if _kind(name) == "a number":

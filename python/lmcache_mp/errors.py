@@ -1,6 +1,23 @@
-"""Exceptions raised by lmcache-mp (client and server share these names)."""
+"""Exceptions raised by lmcache-mp and the error codes of the server's replies (client and server
+share these names; protocol.py carries the codes on the wire)."""
 
 from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.IntEnum):
+    BAD_REQUEST = 1  # undecodable or truncated frames, wrong field types
+    UNKNOWN_OP = 2
+    PROTOCOL_MISMATCH = 3
+    INVALID_ARGUMENT = 4  # decodable but invalid: sizes, lengths, block-id bounds, names
+    UNKNOWN_REGISTRATION = 5  # kv_id not registered (e.g. the server restarted)
+    UNSUPPORTED = 6  # e.g. a CUDA cache on a server without the CUDA data plane
+    DEVICE_ERROR = 7  # the copy itself failed
+    SHUTTING_DOWN = 8
+    INTERNAL = 9
+    LIMIT_EXCEEDED = 10  # over a per-request or per-client limit (frame bytes, chunks, world size, leases)
+    DEADLINE_EXCEEDED = 11  # a deadline passed: a retrieve wrote nothing, a store kept nothing
 
 
 class LMCacheMPError(Exception):
@@ -16,7 +33,7 @@ class ProtocolMismatch(LMCacheMPError):
 
 
 class RequestError(LMCacheMPError):
-    """The server rejected a request; `code` says why (see protocol.ErrorCode)."""
+    """The server rejected a request; `code` says why (see ErrorCode)."""
 
     def __init__(self, code: int, message: str):
         super().__init__(message)
@@ -24,8 +41,6 @@ class RequestError(LMCacheMPError):
         self.message = message
 
     def __str__(self) -> str:
-        from lmcache_mp.protocol import ErrorCode
-
         try:
             name = ErrorCode(self.code).name
         except ValueError:

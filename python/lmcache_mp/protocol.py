@@ -25,6 +25,8 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
+from lmcache_mp.errors import ErrorCode, RequestError  # noqa: F401 - ErrorCode: the codes of Error replies
+
 # 2: named leases (LOOKUP returns a lease id; RETRIEVE and RELEASE name it), deadlines
 # 3: STORE, RETRIEVE and UNREGISTER carry the client id; a registration serves only its own client
 #    (ops 12-16, the engine's own copies, were appended within it)
@@ -74,20 +76,6 @@ class Op(enum.IntEnum):
     COMMIT = 14
     READ = 15
     READ_DONE = 16
-
-
-class ErrorCode(enum.IntEnum):
-    BAD_REQUEST = 1  # undecodable or truncated frames, wrong field types
-    UNKNOWN_OP = 2
-    PROTOCOL_MISMATCH = 3
-    INVALID_ARGUMENT = 4  # decodable but invalid: sizes, lengths, block-id bounds, names
-    UNKNOWN_REGISTRATION = 5  # kv_id not registered (e.g. the server restarted)
-    UNSUPPORTED = 6  # e.g. a CUDA cache on a server without the CUDA data plane
-    DEVICE_ERROR = 7  # the copy itself failed
-    SHUTTING_DOWN = 8
-    INTERNAL = 9
-    LIMIT_EXCEEDED = 10  # over a per-request or per-client limit (frame bytes, chunks, world size, leases)
-    DEADLINE_EXCEEDED = 11  # a deadline passed: a retrieve wrote nothing, a store kept nothing
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=False, forbid_unknown_fields=False):
@@ -387,8 +375,6 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 def too_large(msg: msgspec.Struct, size: int) -> Exception:
     """What a client raises instead of sending a message the transport would drop."""
-    from lmcache_mp.errors import RequestError
-
     return RequestError(int(ErrorCode.LIMIT_EXCEEDED), f"a {type(msg).__name__} of {size} bytes is over the "
                                                        f"{MAX_MESSAGE_BYTES}-byte message limit")
 

@@ -26,6 +26,7 @@ import zmq
 from lmcache_mp import protocol as p
 from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_stream
 from lmcache_mp.client.curve import apply_curve
+from lmcache_mp.client.endpoint import check_url, unreachable_hint
 from lmcache_mp.client.engine_transfers import EngineTransfers
 from lmcache_mp.client.io_thread import ZMQ_EVENTS, ZMQ_POLLIN, IOThread, add_trace
 from lmcache_mp.client.leases import HeldLeases, LookupResult
@@ -100,7 +101,7 @@ class Client:
                  heartbeat_interval: float = 1.0, name: str = "", trace: bool = False, spin_us: int | None = None,
                  local_lane: bool = True, curve_server_key: str | None = None,
                  curve_client_key: str | None = None):
-        self.url = url
+        self.url = check_url(url)
         # Timing traces (lmcache-mp-bench --trace): the futures of store/retrieve get .trace, and
         # last_trace() gives the calling thread's last synchronous call: [(stage, monotonic ns)].
         self.trace = trace
@@ -232,7 +233,13 @@ class Client:
                        capabilities=["reply_on_submit"])
 
     def _hello(self, timeout: float) -> p.HelloReply:
-        return self._call(self._hello_msg(), p.HelloReply, timeout)
+        try:
+            return self._call(self._hello_msg(), p.HelloReply, timeout)
+        except ServerUnavailable:
+            hint = unreachable_hint(self._ctx, self.url, self.curve)  # what is there: nothing, or a CURVE server?
+            if not hint:
+                raise
+            raise ServerUnavailable(f"no server reachable at {self.url} within {timeout:.3g} s: {hint}") from None
 
     def lookup(self, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1, lock: bool = False,
                salt: bytes = b"", timeout: float | None = None) -> LookupResult:

@@ -18,22 +18,36 @@ from lmcache_mp.server.gc_pauses import settle_after_setup
 logger = logging.getLogger("lmcache_mp")
 
 
-def _parser() -> argparse.ArgumentParser:
+SERVER_HELP = ("Standalone multiprocess KV-cache server for LLM inference engines. "
+               "`lmcache-mp-server keygen DIR` makes CURVE keys (see --curve-secret-key); "
+               "`lmcache-mp-server doctor [settings]` checks whether a server with those settings would work here.")
+DOCTOR_HELP = ("Check whether a server with these settings would work on this machine, without starting one: "
+               "the build, GPUs (compute capability, NUMA node), CUDA IPC between two processes, memory and the "
+               "locked-memory limit, /dev/shm, the endpoint and HTTP address, each L2 target. Prints one line per "
+               "check (OK, WARN or FAIL, with a fix); exit code 0 only when that server would work here. Takes the "
+               "server's settings, from the same sources.")
+
+
+def _parser(prog: str = "lmcache-mp-server", description: str = SERVER_HELP) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="lmcache-mp-server",
-        description="Standalone multiprocess KV-cache server for LLM inference engines. "
-        "`lmcache-mp-server keygen DIR` makes CURVE keys (see --curve-secret-key); "
-        "`lmcache-mp-server doctor [settings]` checks whether a server with those settings would work here.",
+        prog=prog,
+        description=description,
         epilog="Every setting can also come from the environment (LMCACHE_MP_<NAME>, e.g. "
-        "LMCACHE_MP_L1_SIZE=64GiB) or a TOML file (--config). Sizes accept units: 512MiB, 64GiB.",
+        "LMCACHE_MP_L1_SIZE=64GiB; on/off ones take true/false, on/off or 1/0) or a TOML file (--config). "
+        "Sizes accept units: 512MiB, 64GiB.",
     )
     ap.add_argument("--config", metavar="FILE", help="TOML file with settings (keys as below, e.g. l1_size)")
     ap.add_argument("--version", action="version", version=f"lmcache-mp {__version__}")
     for f in dataclasses.fields(ServerConfig):
         doc = (f.metadata or {}).get("help", "")
         kind = type(f.default)
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:  # a switch: --local-lane / --no-local-lane
+            ap.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
+                            help=f"{doc} (default: {'on' if f.default else 'off'})".replace("%", "%%"))
+            continue
         ap.add_argument(
-            "--" + f.name.replace("_", "-"),
+            flag,
             dest=f.name,
             default=None,
             type=kind if kind in (int, float) else str,
@@ -59,34 +73,48 @@ def tune_process() -> None:
     settle_after_setup(True)
 
 
-def keygen_main(argv: list[str]) -> int:
+def _keygen_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lmcache-mp-server keygen",
                                  description="Make CURVE keys: the server's pair and one client's, in DIR.")
     ap.add_argument("dir")
-    args = ap.parse_args(argv)
-    from lmcache_mp.server.curve import keygen
-
-    try:
-        print(keygen(args.dir))
-    except OSError as e:
-        print(f"lmcache-mp-server keygen: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse_command(argv: list[str]) -> tuple[str, object]:
+    """What a command line asks for, checked but not done: ("keygen", DIR), ("doctor", config)
+    or ("serve", config). Bad flags exit like argparse (status 2); bad settings raise ValueError
+    (or OSError) with the command's name in front."""
     if argv[:1] == ["keygen"]:
-        return keygen_main(argv[1:])
+        return "keygen", _keygen_parser().parse_args(argv[1:]).dir
     doctor = argv[:1] == ["doctor"]
-    args = vars(_parser().parse_args(argv[1:] if doctor else argv))
+    parser = _parser("lmcache-mp-server doctor", DOCTOR_HELP) if doctor else _parser()
+    args = vars(parser.parse_args(argv[1:] if doctor else argv))
     config_file = args.pop("config")
     try:
         config = ServerConfig.from_sources(cli=args, config_file=config_file)
     except (ValueError, OSError) as e:
-        print(f"lmcache-mp-server: {e}", file=sys.stderr)
+        raise ValueError(f"{parser.prog}: {e}") from None
+    return ("doctor" if doctor else "serve"), config
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        command, what = parse_command(argv)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
-    if doctor:
+    if command == "keygen":
+        from lmcache_mp.server.curve import keygen
+
+        try:
+            print(keygen(what))
+        except OSError as e:
+            print(f"lmcache-mp-server keygen: {e}", file=sys.stderr)
+            return 1
+        return 0
+    config = what
+    if command == "doctor":
         from lmcache_mp.server.doctor import run as run_doctor
 
         return run_doctor(config)

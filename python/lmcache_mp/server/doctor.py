@@ -19,6 +19,7 @@ import sys
 from urllib.parse import urlparse
 
 from lmcache_mp.config import ServerConfig, format_size
+from lmcache_mp.server.resources import free_space, meminfo
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 
@@ -133,21 +134,9 @@ def check_ipc(r: Report, gpus: list[dict]) -> None:
             _C.cuda.destroy_event(ev)
 
 
-def _meminfo() -> dict:
-    out = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                k, v = line.split(":", 1)
-                out[k] = int(v.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
 def check_memory(r: Report, config: ServerConfig, gpus: list[dict]) -> None:
     l1 = int(config.l1_size)
-    mem = _meminfo()
+    mem = meminfo()
     avail = mem.get("MemAvailable", 0)
     if avail and l1 > avail:
         r.line(FAIL, f"memory: --l1-size {format_size(l1)} but {format_size(avail)} available",
@@ -236,14 +225,15 @@ def _reachable(host: str, port: int) -> str:
 def check_l2(r: Report, config: ServerConfig) -> None:
     if config.l2_disk:
         path = config.l2_disk
-        parent = os.path.abspath(path)
-        while not os.path.isdir(parent):  # the server makes what is missing below the first that exists
-            parent = os.path.dirname(parent)
-        if os.access(parent, os.W_OK):
-            free = shutil.disk_usage(parent).free
-            r.line(OK, f"L2 disk {path}: writable, {format_size(free)} free")
-        else:
+        free, parent = free_space(path)
+        if not os.access(parent, os.W_OK):
             r.line(FAIL, f"L2 disk {path}: not writable", "create it, or give the server's user write access")
+        elif config.l2_disk_size > free:
+            r.line(WARN, f"L2 disk {path}: --l2-disk-size {format_size(config.l2_disk_size)} but {format_size(free)} "
+                   "free (chunks already there aside): once the disk is full, writes are dropped",
+                   "lower --l2-disk-size, or leave it 0 (90% of the free space)")
+        else:
+            r.line(OK, f"L2 disk {path}: writable, {format_size(free)} free")
     if config.l2_redis:
         from lmcache_mp.storage.l2.resp import Connection, RespError
         from lmcache_mp.storage.l2.valkey import _redacted, parse_url
@@ -266,7 +256,8 @@ def check_l2(r: Report, config: ServerConfig) -> None:
             import mooncake.store  # noqa: F401
         except Exception as e:  # noqa: BLE001 - an ImportError, or libibverbs missing
             r.line(WARN, f"L2 mooncake: the client does not load ({e})",
-                   "pip install 'lmcache-mp[mooncake]'; apt-get install libibverbs1")
+                   "pip install '.[mooncake]' in lmcache-mp's clone (the mooncake-transfer-engine-non-cuda package); "
+                   "apt-get install libibverbs1")
         if err or meta_err:
             r.line(WARN, f"L2 mooncake master {config.l2_mooncake}: {err or 'ok'}; metadata {meta or '-'}: "
                    f"{meta_err or 'ok'}", "the server still starts and serves from L1; start mooncake_master")

@@ -6,9 +6,10 @@ import logging
 import signal
 import threading
 
-from lmcache_mp.config import ServerConfig
+from lmcache_mp.config import ServerConfig, format_size
 from lmcache_mp.server.engine import MPCacheEngine
 from lmcache_mp.server.gc_pauses import settle
+from lmcache_mp.server.resources import check_l1_fits, check_l2_disk_fits, memory_note
 from lmcache_mp.server.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -21,7 +22,16 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
     bound endpoint; `close()` stops the whole server). Otherwise serve until SIGINT or SIGTERM,
     then drain and stop.
     """
-    engine = MPCacheEngine(config)
+    # embedded (Server, return_engine) a setting is ServerConfig's field; from the CLI, its flag
+    setting = (lambda name: name) if return_engine else (lambda name: "--" + name.replace("_", "-"))
+    check_l1_fits(config, setting("l1_size"))
+    check_l2_disk_fits(config, setting("l2_disk_size"))
+    try:
+        engine = MPCacheEngine(config)
+    except RuntimeError as e:
+        if "arena" in str(e):  # e.g. mmap: Cannot allocate memory (where overcommit is off)
+            raise RuntimeError(f"{e} (L1 of {format_size(config.l1_size)}; {memory_note()})") from None
+        raise
     curve = None
     try:
         if config.curve_secret_key:
@@ -42,7 +52,7 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
         engine.add_close_hook(curve.stop)
     http = None
     try:
-        http = _http_endpoint(config, engine, transport)
+        http = _http_endpoint(config, engine, transport, setting("http_addr"))
     except Exception:
         engine.close()
         raise
@@ -71,10 +81,10 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
     return None
 
 
-def _http_endpoint(config: ServerConfig, engine: MPCacheEngine, transport: Transport):
+def _http_endpoint(config: ServerConfig, engine: MPCacheEngine, transport: Transport, setting: str):
     """The HTTP listener (stopped last, so that /health says "draining" while the server drains).
     The default address taken (another server on this machine) is a warning, any other failure
-    to bind an error."""
+    to bind an error; both name `setting`, where the address came from."""
     if config.http_addr == "off":
         return None
     from lmcache_mp.config import DEFAULT_HTTP_ADDR
@@ -84,9 +94,9 @@ def _http_endpoint(config: ServerConfig, engine: MPCacheEngine, transport: Trans
         http = HttpEndpoint(config.http_addr, engine, transport)
     except OSError as e:
         if config.http_addr != DEFAULT_HTTP_ADDR:
-            raise OSError(f"cannot serve HTTP on {config.http_addr}: {e}") from None
-        logger.warning("no HTTP listener (/metrics, /health): %s is taken (%s); set --http-addr", config.http_addr,
-                       e.strerror or e)
+            raise OSError(f"cannot serve HTTP on {config.http_addr} ({setting}): {e}") from None
+        logger.warning("no HTTP listener (/metrics, /health): %s is taken (%s); set %s to a free address or off",
+                       config.http_addr, e.strerror or e, setting)
         return None
     engine.http, engine.http_endpoint = http.address, http
     engine.add_close_hook(http.stop)

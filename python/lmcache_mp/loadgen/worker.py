@@ -1,7 +1,7 @@
 """One load-generator worker process: a synthetic KV cache, timed store / lookup / retrieve
 phases against a running server, and a bit-for-bit check of everything retrieved.
 
-Spawned by `lmcache_mp.loadgen.run_workers` (so torch is imported here only inside functions:
+Spawned by `lmcache_mp.loadgen.runs.run_workers` (so torch is imported here only inside functions:
 the package must stay importable without it). Each worker fills its KV cache with random bits
 and then, phases separated by barriers, each begun by WARM_UP untimed requests:
 
@@ -119,9 +119,10 @@ def waited(fut):
     return fut
 
 
-def _worker(cfg: dict, wid: int, barrier) -> dict:
+def _worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: None) -> dict:
     """cfg: url, device, geometry (a LAYOUTS entry), model (name prefix), chunks, requests,
-    lookups, tp, workers, run, timeout, gpu_uuids (one per worker on cuda)."""
+    lookups, tp, workers, run, timeout, gpu_uuids (one per worker on cuda). report(phase,
+    **counts) says that this worker finished a phase (the parent prints it once all have)."""
     import torch
 
     from lmcache_mp import Client, chunk_hashes
@@ -178,6 +179,7 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
 
     kv = random_kv(lay, nb, cuda, data_seed)
     handle = client.register_kv_cache(kv, model=model, world_size=world, rank=rank, layout=lay["kind"])
+    report("registered", **{"KV caches": 1, "blocks": nb})
     info.update(model=model, rank=rank, world_size=world, layout=handle.layout, shared=handle.shared,
                 object_bytes=handle.object_bytes, transfer_mode=handle.transfer_mode)
     obj = handle.object_bytes
@@ -211,6 +213,7 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
                     lambda fut: fut.trace).result()
         stored, present, skipped = stored + res.stored, present + res.present, skipped + res.skipped
     store_wall = time.perf_counter() - t_phase
+    report("store", requests=R, chunks=stored + present)
     barrier.wait(timeout)
     if wid == 0:  # every worker is registered now: the server says which transfer mode each uses
         info["status_registrations"] = [
@@ -233,6 +236,7 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
         lookup_short += hits != n
     if bare is not None:
         bare.close()
+    report("lookup", lookups=cfg["lookups"], **({"bare round trips": len(lat_bare)} if bare is not None else {}))
 
     # (c) retrieve
     barrier.wait(timeout)
@@ -246,6 +250,7 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
                     lambda fut: fut.trace).result()
         loaded_per_request.append(res.loaded)
     retrieve_wall = time.perf_counter() - t_phase
+    report("retrieve", requests=R, chunks=int(sum(loaded_per_request)))
     gc_pauses.close()
     pauses = list(gc_pauses.recent)
     barrier.wait(timeout)  # nobody verifies while another worker is still timing
@@ -257,6 +262,7 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
         res = client.retrieve(handle, hashes[r], dst[r]).result()
         missing += n - res.loaded
         mismatches += count_mismatches(kv, lay["kind"], src[r], dst[r], n, res.loaded)
+    report("verify", **{"chunks checked": R * n - missing, "missing": missing, "mismatching": mismatches})
 
     # after a quiet gap, as an engine's requests come (one per step, not back to back), traced;
     # the engine computes meanwhile, so this thread stays busy (a sleeping one would add its
@@ -271,6 +277,7 @@ def _worker(cfg: dict, wid: int, barrier) -> dict:
         fut = waited(client.retrieve(handle, hashes[k % R], dst[k % R], wait="host"))
         idle["retrieve"].append(fut.trace + [("returned", time.monotonic_ns())])
     client.trace = False
+    report("requests after idle gaps", lookups=IDLE_REQUESTS, retrieves=IDLE_REQUESTS)
 
     barrier.wait(timeout)
     client.unregister_kv_cache(handle)
@@ -317,7 +324,10 @@ class BareRoundTrip:
 
 def worker_main(cfg: dict, wid: int, barrier, q) -> None:
     try:
-        q.put((wid, "ok", _worker(cfg, wid, barrier)))
+        def report(phase: str, **counts) -> None:
+            q.put((wid, "progress", (phase, counts)))
+
+        q.put((wid, "ok", _worker(cfg, wid, barrier, report)))
     except BaseException:
         with contextlib.suppress(Exception):
             barrier.abort()  # the others stop waiting at the next barrier

@@ -1,38 +1,23 @@
-"""lmcache-mp-bench: a load generator for a running lmcache-mp server, in the spirit of
-redis-benchmark.
-
-Starts --workers worker processes, each with a synthetic KV cache (CPU shared memory, or a GPU
-on --device cuda, spread round-robin over --gpus GPUs with each worker seeing only its own),
-which store, look up and retrieve whole requests through `Client`, then verify every byte they
-got back (see lmcache_mp.loadgen_worker for the phases). Prints aggregate GB/s per phase (bytes
-moved by all workers / the slowest worker's phase wall time) and request latency percentiles.
-
-    lmcache-mp-server --device cpu --url tcp://127.0.0.1:5555 --l1-size 8GiB &
-    lmcache-mp-bench --url tcp://127.0.0.1:5555 --workers 2 --chunks 8 --requests 4
-
-Each run uses model names of its own, so runs never see each other's chunks; what they store
-stays in the server's L1 until evicted.
-"""
+"""One run of the load generator: spawn the workers, collect what they measured, turn it into a
+table row (GB/s per phase, latency percentiles, traces, tails) and print it. Used by
+lmcache-mp-bench (lmcache_mp.loadgen.cli) and bench/bench_server.py."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
-import platform
 import queue
-import secrets
 import sys
 import time
 
 import numpy as np
 
-from lmcache_mp.loadgen_tails import LONG_STALL_NS, attribute, machine_stalls, print_tails, stall_probe
-from lmcache_mp.loadgen_trace import echo_peer, print_idle, print_traces
-from lmcache_mp.loadgen_trace import slowest as slowest_traces
-from lmcache_mp.loadgen_trace import summarize as summarize_traces
-from lmcache_mp.loadgen_worker import DTYPE_BYTES, LAYOUTS, WARM_UP, kv_shape, object_bytes, worker_main
+from lmcache_mp.config import format_size
+from lmcache_mp.loadgen.tails import LONG_STALL_NS, attribute, machine_stalls, print_tails, stall_probe
+from lmcache_mp.loadgen.trace import print_idle, print_traces
+from lmcache_mp.loadgen.trace import slowest as slowest_traces
+from lmcache_mp.loadgen.trace import summarize as summarize_traces
+from lmcache_mp.loadgen.worker import DTYPE_BYTES, LAYOUTS, kv_shape, worker_main
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
 TABLE_NOTE = "GB/s = 1e9 bytes/s, bytes of all workers / slowest worker's phase wall time"
@@ -83,8 +68,6 @@ def worker_settings(args, url: str, lay: dict, model: str, run: int) -> dict:
 
 
 def banner(args, obj: int, req_bytes: int, gpu_names: list[str]) -> str:
-    from lmcache_mp.config import format_size
-
     return (f"layout {args.layout}: {format_size(obj)} per chunk, {format_size(req_bytes)} per request of "
             f"{args.chunks} chunks; {args.requests} requests per worker; workers {args.workers}"
             f"{' as TP ranks of one model' if args.tp else ''}; device {args.device}"
@@ -107,14 +90,38 @@ def patched_env(values: dict):
                 os.environ[k] = v
 
 
-def collect(procs, q, timeout: float) -> dict:
-    """Results by worker id; a worker that died without one is reported after a grace period."""
+class Progress:
+    """Prints a phase of the workers once every one of them has finished it (they report
+    (phase, {count: n}) on the result queue), with the counts summed and the time since the
+    start: a run of many seconds says what it is doing."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.t0 = time.monotonic()
+        self._reports: dict[str, dict] = {}
+
+    def __call__(self, wid: int, report: tuple[str, dict]) -> None:
+        phase, counts = report
+        got = self._reports.setdefault(phase, {})
+        got[wid] = counts
+        if len(got) == self.workers:
+            total = ", ".join(f"{sum(c[k] for c in got.values())} {k}" for k in counts)
+            print(f"  {time.monotonic() - self.t0:6.1f} s  {phase}: {total}", flush=True)
+
+
+def collect(procs, q, timeout: float, progress: Progress | None = None) -> dict:
+    """Results by worker id; a worker that died without one is reported after a grace period.
+    The workers' progress reports go to `progress`."""
     results: dict = {}
     dead_since: dict = {}
     deadline = time.monotonic() + timeout
     while len(results) < len(procs):
         try:
             wid, status, payload = q.get(timeout=0.5)
+            if status == "progress":
+                if progress is not None:
+                    progress(wid, payload)
+                continue
             results[wid] = (status, payload)
             continue
         except queue.Empty:
@@ -157,8 +164,9 @@ def run_workers(settings: dict, workers: int, uuids: list[str]) -> dict:
             p = ctx.Process(target=worker_main, args=(cfg, w, barrier, q), name=f"bench-worker-{w}")
             p.start()
         procs.append(p)
+    print(f"{workers} worker(s) started; each phase is shown once every worker has finished it:", flush=True)
     try:
-        results = collect(procs, q, settings["timeout"] + 300)
+        results = collect(procs, q, settings["timeout"] + 300, Progress(workers))
     finally:
         for p in procs:
             p.join(30)
@@ -321,154 +329,3 @@ def print_table(rows: list[dict], unit_note: str) -> None:
                   f"pyzmq round trip of the same size ({r['bare_rt_us_p50']:.1f} us, to an echo process, "
                   f"measured alternately); the bare round trip's own p99 is {r['bare_rt_us_p99']:.1f} us = "
                   f"{r['bare_rt_us_p99'] / r['bare_rt_us_p50']:.2f}x its p50 (the machine's jitter)")
-
-
-# ---- lmcache-mp-bench -------------------------------------------------------------------------
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="lmcache-mp-bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=DEFAULT_URL, help=f"the server's endpoint (default {DEFAULT_URL})")
-    ap.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                    help="where the workers' KV caches live (default: the server's device)")
-    ap.add_argument("--gpus", type=int, default=1, help="cuda: spread the workers round-robin over this many GPUs")
-    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="llama3-8b")
-    ap.add_argument("--layers", type=int, help="override the layout's layer count")
-    ap.add_argument("--heads", type=int, help="override the layout's KV heads (MHA)")
-    ap.add_argument("--head-size", type=int, help="override the layout's head size (MLA: latent dim)")
-    ap.add_argument("--block-size", type=int, help="override the layout's tokens per block")
-    ap.add_argument("--chunks", type=int, default=16, help="chunks per request (default 16)")
-    ap.add_argument("--requests", type=int, default=4, help="requests stored and retrieved per worker (default 4)")
-    ap.add_argument("--lookups", type=int, default=200, help="lookups per worker (default 200)")
-    ap.add_argument("--tp", action="store_true",
-                    help="the workers are TP ranks of one model (default: separate models)")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds a worker waits on a request or barrier")
-    ap.add_argument("--connect-timeout", type=float, default=5, help="seconds to wait for the server's handshake")
-    ap.add_argument("--mix", metavar="LAYOUT[:LAYERS]",
-                    help="run --workers workers of this second layout beside those of --layout, as engines "
-                         "serving prompts (lookup, retrieve the hits, store the rest), and compare hit ratios "
-                         "with an ideal LRU by bytes")
-    ap.add_argument("--prompts", type=int, default=32, help="--mix: distinct prompts per worker (default 32)")
-    ap.add_argument("--skew", type=float, default=1.0,
-                    help="--mix: prompt popularity ~ 1/rank**skew (0: uniform; default 1)")
-    add_tail_args(ap)
-    ap.add_argument("--json", help="write the results here")
-    return ap
-
-
-def add_tail_args(ap: argparse.ArgumentParser) -> None:
-    """--trace and --stall-probe (also bench/bench_server.py's)."""
-    ap.add_argument("--trace", action="store_true",
-                    help="time the stages of every other request on client and server and print the medians "
-                         "(the latencies come from the untraced ones)")
-    ap.add_argument("--stall-probe", action="store_true",
-                    help="run a process that only reads the clock beside the workers, and check the slow "
-                         "requests against its stalls (it takes a CPU core of its own)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = _parser()
-    args = ap.parse_args(argv)
-    if min(args.workers, args.chunks, args.requests, args.gpus) < 1 or args.lookups < 0:
-        ap.error("--workers, --chunks, --requests and --gpus must be positive")
-    try:
-        lay = geometry(args.layout, args.layers, args.heads, args.head_size, args.block_size)
-        mix = None
-        if args.mix:
-            name, _, layers = args.mix.partition(":")
-            if name not in LAYOUTS:
-                raise ValueError(f"--mix: unknown layout {name!r} (one of {', '.join(sorted(LAYOUTS))})")
-            mix = geometry(name, int(layers) if layers else None, block_size=args.block_size)
-    except ValueError as e:
-        ap.error(str(e))
-    if args.prompts < 1 or args.skew < 0:
-        ap.error("--prompts must be positive and --skew not negative")
-
-    from lmcache_mp import Client, ProtocolMismatch, ServerUnavailable
-
-    try:
-        client = Client(args.url, connect_timeout=args.connect_timeout, timeout=60, name="lmcache-mp-bench")
-    except ServerUnavailable:
-        print(f"lmcache-mp-bench: no lmcache-mp server answers at {args.url} within {args.connect_timeout:g} s "
-              f"(start one with: lmcache-mp-server --url {args.url})", file=sys.stderr)
-        return 1
-    except ProtocolMismatch as e:
-        print(f"lmcache-mp-bench: {e}", file=sys.stderr)
-        return 1
-    try:
-        if mix is None:
-            return _bench(args, lay, client)
-        from lmcache_mp.loadgen_mix import bench_mix
-
-        return bench_mix(args, lay, mix, client)
-    finally:
-        client.close()
-
-
-def _bench(args, lay: dict, client) -> int:
-    from lmcache_mp.config import format_size
-
-    status = client.status()
-    server_device = status["device"]
-    args.device = args.device or server_device
-    if args.device != server_device:
-        print(f"lmcache-mp-bench: the server at {args.url} runs on device {server_device}; --device {args.device} "
-              f"needs a server started with --device {args.device}", file=sys.stderr)
-        return 2
-    chunk = client.chunk_size
-    if chunk % lay["block_size"]:
-        print(f"lmcache-mp-bench: the server's chunk of {chunk} tokens is not a whole number of blocks of "
-              f"{lay['block_size']} tokens (--block-size)", file=sys.stderr)
-        return 2
-    obj = object_bytes(lay, chunk)
-    req_bytes = args.chunks * obj
-    need = args.workers * (args.requests * args.chunks + WARM_UP) * obj  # + the warm-up chunks
-    capacity = status["l1"].get("capacity", 0)
-    if need > capacity:
-        print(f"warning: this run stores {format_size(need)}, more than the server's L1 of {format_size(capacity)}: "
-              "evictions will show up as missing chunks", file=sys.stderr)
-    uuids: list[str] = []
-    gpu_names: list[str] = []
-    if args.device == "cuda":
-        worker_env_defaults()
-        try:
-            uuids, gpu_names = gpu_uuids(args.gpus)
-        except RuntimeError as e:
-            print(f"lmcache-mp-bench: {e}", file=sys.stderr)
-            return 2
-    else:
-        args.gpus = 1
-
-    print(banner(args, obj, req_bytes, gpu_names), flush=True)
-    print(f"server {args.url}: device {server_device}, chunk {chunk} tokens, L1 {format_size(capacity)} "
-          f"({format_size(status['l1'].get('bytes_used', 0))} in use)", flush=True)
-    model = f"bench-{args.layout}-{secrets.token_hex(4)}"  # chunks of this run only
-    with echo_peer() as args.echo_url:
-        settings = worker_settings(args, args.url, lay, model, run=0)
-        row, record, clean = run_once(client, settings, args.workers, uuids, chunk, own_l1=False)
-    print()
-    print_table([row], TABLE_NOTE)
-    if "error" not in row:
-        print(f"transfer mode (server status): {row['transfer_mode']}")
-    if args.json:
-        result = {
-            "bench": "lmcache-mp-bench",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "config": {**vars(args), "chunk_size": chunk, "geometry": lay, "model": model, "object_bytes": obj,
-                       "request_bytes": req_bytes},
-            "host": {"platform": platform.platform(), "python": platform.python_version(),
-                     "cpus": os.cpu_count(), "gpus": gpu_names, "gpu_uuids": uuids},
-            "server": {k: status.get(k) for k in ("version", "pid", "device", "chunk_size")}
-                      | {"l1_before": status["l1"]},
-            "rows": [row],
-            "runs": [record],
-        }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-        print(f"wrote {args.json}")
-    return 0 if clean else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,7 +24,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from lmcache_mp.loadgen_worker import count_mismatches, random_kv, request_ids, request_tokens
+from lmcache_mp.config import format_size
+from lmcache_mp.loadgen.runs import Progress, collect
+from lmcache_mp.loadgen.worker import count_mismatches, object_bytes, random_kv, request_ids, request_tokens
 
 
 def _stamp(kv: list, kind: str, block_ids: np.ndarray, prompt: int) -> None:
@@ -46,7 +48,7 @@ def popularity(prompts: int, skew: float, requests: int, seed: int) -> np.ndarra
     return np.random.default_rng(seed).choice(prompts, size=requests, p=w / w.sum())
 
 
-def _mix_worker(cfg: dict, wid: int, barrier) -> dict:
+def _mix_worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: None) -> dict:
     import torch
 
     from lmcache_mp import Client, chunk_hashes
@@ -68,7 +70,8 @@ def _mix_worker(cfg: dict, wid: int, barrier) -> dict:
     hashes = [chunk_hashes(request_tokens((cfg["run"], wid, k), n * chunk), chunk) for k in range(cfg["prompts"])]
     requests, hits, loaded_total, missing, mismatches = [], 0, 0, 0, 0
     barrier.wait(cfg["timeout"])
-    for k in order:
+    quarters = {len(order) * q // 4: q for q in (1, 2, 3, 4)}  # request count -> quarter done
+    for i, k in enumerate(order):
         k = int(k)
         src, dst = request_ids((k, 0), half, 0), request_ids((k, 1), half, half)
         t = time.monotonic()  # one clock for every process on the machine: orders the merged replay
@@ -86,6 +89,8 @@ def _mix_worker(cfg: dict, wid: int, barrier) -> dict:
         requests.append((t, k))
         hits += h
         loaded_total += loaded
+        if i + 1 in quarters:
+            report(f"{25 * quarters[i + 1]}% of the requests", requests=i + 1, hits=hits, mismatching=mismatches)
     barrier.wait(cfg["timeout"])
     client.unregister_kv_cache(handle)
     client.close()
@@ -95,7 +100,10 @@ def _mix_worker(cfg: dict, wid: int, barrier) -> dict:
 
 def _mix_worker_main(cfg: dict, wid: int, barrier, q) -> None:
     try:
-        q.put((wid, "ok", _mix_worker(cfg, wid, barrier)))
+        def report(phase: str, **counts) -> None:
+            q.put((wid, "progress", (phase, counts)))
+
+        q.put((wid, "ok", _mix_worker(cfg, wid, barrier, report)))
     except BaseException:
         with contextlib.suppress(Exception):
             barrier.abort()
@@ -128,8 +136,6 @@ def ideal_lru_hits(trace: list[tuple], capacity: int) -> dict:
 def run_mix(groups: list[dict], workers: int, timeout: float) -> list[dict]:
     """Run `workers` workers of every group (a worker config each) at once; returns, per group,
     the workers' results. Raises RuntimeError with the workers' tracebacks on failure."""
-    from lmcache_mp.loadgen import collect
-
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     barrier = ctx.Barrier(workers * len(groups))
@@ -139,8 +145,9 @@ def run_mix(groups: list[dict], workers: int, timeout: float) -> list[dict]:
             p = ctx.Process(target=_mix_worker_main, args=(cfg, g * workers + w, barrier, q), name=f"bench-mix-{g}-{w}")
             p.start()
             procs.append(p)
+    print(f"{len(procs)} worker(s) started, serving prompts; shown once every worker got there:", flush=True)
     try:
-        results = collect(procs, q, timeout + 300)
+        results = collect(procs, q, timeout + 300, Progress(len(procs)))
     finally:
         for p in procs:
             p.join(30)
@@ -187,9 +194,6 @@ def print_mix(rows: list[dict]) -> None:
 
 def bench_mix(args, lay: dict, mix: dict, client) -> int:
     """lmcache-mp-bench --mix: run both layouts, print the table, write --json; exit status."""
-    from lmcache_mp.config import format_size
-    from lmcache_mp.loadgen_worker import object_bytes
-
     status = client.status()
     chunk = client.chunk_size
     args.device = args.device or status["device"]

@@ -9,6 +9,7 @@ replied, sent, client received, client resolved, returned.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import subprocess
@@ -45,9 +46,13 @@ def segments(trace: list[tuple[str, int]]) -> list[tuple[str, float]]:
 
 def summarize(traces: list[list[tuple[str, int]]], quantile: float = 0.5) -> list[tuple[str, float]]:
     """That quantile (default: the median) of every segment over the traces, in microseconds,
-    in the order they occur; the last row is the whole request."""
+    in the order they occur; the last row is the whole request. Other quantiles are by nearest
+    rank, rounded up, so that a p99 is never below the median however few values there are (a
+    segment may occur in only some traces: stamps of client and server can swap places)."""
     def q(values: list[float]) -> float:
-        return statistics.median(values) if quantile == 0.5 else sorted(values)[int(quantile * (len(values) - 1))]
+        if quantile == 0.5:
+            return statistics.median(values)
+        return sorted(values)[max(0, math.ceil(quantile * len(values)) - 1)]
 
     by_segment: dict[str, list[float]] = {}
     for t in traces:

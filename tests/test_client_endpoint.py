@@ -1,0 +1,45 @@
+"""What a client says about the URL it is given and, when no server answers, about what is there."""
+
+import socket
+
+import pytest
+
+from lmcache_mp import Client, Server, ServerConfig, ServerUnavailable
+from lmcache_mp.client.endpoint import check_url
+
+
+@pytest.mark.parametrize("url, says", [
+    ("http://127.0.0.1:5555", "the server speaks ZeroMQ, not http"),
+    ("127.0.0.1:5555", "has no scheme"),
+    ("localhost", "has no scheme"),
+    ("tcp://127.0.0.1", "use tcp://HOST:PORT"),
+    ("tcp://127.0.0.1:port", "use tcp://HOST:PORT"),
+    ("ipc://", "names no socket file"),
+])
+def test_a_url_the_client_cannot_use_says_what_a_valid_one_looks_like(url, says):
+    with pytest.raises(ValueError, match=says) as info:
+        Client(url, connect_timeout=0.1)
+    assert repr(url) in str(info.value) and "use " in str(info.value)  # what to write instead
+
+
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1:5555", "tcp://[::1]:5555", "tcp://cache-node-3:5555",
+                                 "ipc:///run/lmcache-mp/server.sock", "ipc://@abstract", "inproc://x"])
+def test_valid_urls_pass(url):
+    assert check_url(url) == url
+
+
+def test_nothing_listening_is_said_so():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ServerUnavailable, match=f"no server reachable at {url} within 0.3 s: nothing listens there"):
+        Client(url, connect_timeout=0.3)
+
+
+def test_the_http_port_instead_of_the_server_is_said_so():
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", l1_size="16MiB", device="cpu", http_addr="127.0.0.1:0")).start()
+    try:
+        with pytest.raises(ServerUnavailable, match="does not speak ZeroMQ"):
+            Client("tcp://" + srv.engine.http, connect_timeout=0.3)
+    finally:
+        srv.stop()
