@@ -235,6 +235,17 @@ class CopyMover:
             dst[direction][:nbytes].copy_(src[direction][:nbytes], non_blocking=True)
         stream.synchronize()
 
+    def copy_both(self, nbytes: int, streams) -> None:
+        if streams[0] is None:
+            for d in ("d2h", "h2d"):
+                self.copy(d, nbytes, None)
+            return
+        for (d, (dst, src)), stream in zip((("d2h", (self.host, self.dev)), ("h2d", (self.dev, self.host))), streams):
+            with torch.cuda.stream(stream):
+                dst[d][:nbytes].copy_(src[d][:nbytes], non_blocking=True)
+        for stream in streams:
+            stream.synchronize()
+
     def store(self, hashes, block_ids, stream) -> int:
         return self.copy("d2h", len(hashes) * self.chunk_bytes, stream) or len(hashes)
 
@@ -337,13 +348,8 @@ class LayoutRun:
                 t0 = time.perf_counter()
                 if d != "both":
                     self.copy.copy(d, nbytes, self.streams[0])
-                else:
-                    both = [threading.Thread(target=self.copy.copy, args=(k, nbytes, s))
-                            for k, s in zip(("d2h", "h2d"), self.streams)]
-                    for t in both:
-                        t.start()
-                    for t in both:
-                        t.join()
+                else:  # both queued at once, each on its stream, then both awaited
+                    self.copy.copy_both(nbytes, self.streams)
                 if i:  # the first is a warm-up
                     times.append(time.perf_counter() - t0)
             out[d] = nbytes / float(np.median(times)) / 1e9
