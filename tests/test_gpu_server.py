@@ -35,8 +35,6 @@ def cuda_server(tmp_path_factory):
     index), so registration must map devices by UUID."""
     import torch
 
-    from lmcache_mp import Client
-
     tmp = tmp_path_factory.mktemp("srv")
     url = f"ipc://{tmp}/server.sock"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=f"GPU-{torch.cuda.get_device_properties(0).uuid}",
@@ -45,15 +43,10 @@ def cuda_server(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", url, "--device", "cuda",
                              "--l1-size", "2GiB", "--chunk-size", str(CHUNK), "--log-level", "DEBUG"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while True:
-        try:
-            Client(url, connect_timeout=1).close()
-            break
-        except Exception:
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not start: {(tmp / 'server.log').read_text()}")
-            time.sleep(0.2)
+    try:
+        _wait_for_server(url, proc)
+    except RuntimeError:
+        raise RuntimeError(f"server did not start: {(tmp / 'server.log').read_text()}") from None
     yield url
     proc.terminate()
     code = proc.wait(60)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,19 +17,12 @@ from lmcache_mp.storage import l1_journal
 from lmcache_mp.storage.l1 import L1Store, ObjectKey
 from lmcache_mp.storage.l1_journal import L1Journal, replay
 from test_cli import ServerProcess
+from test_l1_persist import persist_path  # noqa: F401 (a fixture)
 from test_l2_tier import retrieved_exact, store_prompts
 from test_server_e2e import CHUNK, register_mha, wait_until
 
 
-@pytest.fixture
-def persist_path():
-    path = Path("/dev/shm") / f"lmcache-mp-test-damage-{uuid.uuid4().hex[:8]}"
-    yield str(path)
-    for p in Path("/dev/shm").glob(path.name + "*"):
-        p.unlink(missing_ok=True)
-
-
-def test_a_damaged_journal_never_serves_a_reused_slots_bytes(tmp_path, persist_path):
+def test_a_damaged_journal_never_serves_a_reused_slots_bytes(tmp_path, persist_path):  # noqa: F811
     """The reproduction: prompts A fill L1, prompts B evict every A (reusing its slot), SIGKILL,
     three bytes flipped in the middle of the journal. The replay keeps commit records of A from
     before the damage but loses the free records after it; A's slots hold B's bytes, so those
@@ -173,7 +164,7 @@ def _damage(path: str, rng) -> tuple[int, list[tuple[int, int]], bool]:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_crashes_and_damage_never_serve_wrong_bytes_and_keep_intact_chunks(persist_path, monkeypatch, seed):
+def test_crashes_and_damage_never_serve_wrong_bytes_and_keep_intact_chunks(persist_path, monkeypatch, seed):  # noqa: F811
     monkeypatch.setattr(l1_journal, "COMPACT_MIN_BYTES", 16 << 10)  # rewrites happen too
     rng = random.Random(seed)
     arena, l1 = _open(persist_path)

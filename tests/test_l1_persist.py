@@ -24,7 +24,7 @@ from test_server_e2e import CHUNK, clients, register_mha, servers, wait_until  #
 def persist_path():
     path = Path("/dev/shm") / f"lmcache-mp-test-l1-{uuid.uuid4().hex[:8]}"
     yield str(path)
-    for p in (path, Path(f"{path}.journal"), Path(f"{path}.journal.tmp")):
+    for p in Path("/dev/shm").glob(path.name + "*"):  # the arena, its journal, their copies
         p.unlink(missing_ok=True)
 
 
