@@ -7,6 +7,7 @@ one worker-side core per rank the way vLLM's connector hooks do.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import math
@@ -22,6 +23,7 @@ torch = pytest.importorskip("torch")
 from lmcache_mp import Client, Server, ServerConfig  # noqa: E402
 from lmcache_mp.integration.connector_core import (  # noqa: E402
     ConnectorConfig,
+    KVGroup,
     ScheduledRequest,
     SchedulerCore,
     StepPlan,
@@ -93,12 +95,12 @@ def block_view(layer_cache, block_id: int, kind: str = "opaque"):
     return layer_cache.select(dim, block_id)
 
 
-def block_bytes(tokens, block_index: int, layer: int, rank: int, kind: str = "opaque"):
+def block_bytes(tokens, block_index: int, layer: int, rank: int, kind: str = "opaque", group: int = 0):
     """The KV of one full block: a function of every token up to its end (like real KV).
     MLA KV is the same on every rank."""
     if kind == "mla":
         rank = 0
-    h = hashlib.blake2b(repr((tokens[: (block_index + 1) * BS], layer, rank)).encode(), digest_size=8)
+    h = hashlib.blake2b(repr((tokens[: (block_index + 1) * BS], layer, rank, group)).encode(), digest_size=8)
     g = torch.Generator().manual_seed(int.from_bytes(h.digest(), "little"))
     shape, perm, dim, split = LAYER_LAYOUTS[kind]
     view = [shape[p] for p in perm]
@@ -118,24 +120,33 @@ def matched(sched, *args, **kw):
 class Engine:
     """One engine instance: a scheduler core and one worker core per rank."""
 
-    def __init__(self, url: str, world_size: int = 1, device: str = "cpu", kind: str = "opaque", **cfg):
+    def __init__(self, url: str, world_size: int = 1, device: str = "cpu", kind: str = "opaque", groups=None,
+                 **cfg):
         cfg.setdefault("lookup_timeout", 2.0)
         cfg.setdefault("connect_timeout", 5.0)
         cfg.setdefault("model", "tiny")
         self.cfg = ConnectorConfig(url=url, block_size=BS, world_size=world_size, **cfg)
-        self.sched = SchedulerCore(self.cfg)
+        self.groups = groups or [KVGroup(0, block_size=BS)]
+        self.sched = SchedulerCore(self.cfg, groups=self.groups)
         self.sched.scratch_block_id = SCRATCH
+        # The engine's reference counts of blocks the scheduler keeps from reuse (vLLM's touch).
+        self.pinned = collections.Counter()
+        self.sched.pin_blocks = self.pinned.update
+        self.sched.unpin_blocks = self.pinned.subtract
         self.sched.start()
         self.kind = kind
-        self.caches = [make_cache(device, kind) for _ in range(world_size)]
+        # Per rank, per group: the layers (one block pool for all groups, as in vLLM).
+        self.group_caches = [[make_cache(device, kind) for _ in self.groups] for _ in range(world_size)]
+        self.caches = [gc[0] for gc in self.group_caches]
         # As the vLLM adapter does: MLA bytes are the same on every rank, so only rank 0 stores.
         mla = kind == "mla"
         self.workers = [
-            WorkerCore(self.cfg, rank=r, layout="mla" if mla else "auto", stores=not mla or r == 0)
+            WorkerCore(self.cfg, rank=r, layout="mla" if mla else "auto", stores=not mla or r == 0,
+                       groups=self.groups)
             for r in range(world_size)
         ]
-        for w, c in zip(self.workers, self.caches):
-            w.register_kv_caches(c)
+        for w, gc in zip(self.workers, self.group_caches):
+            w.register_kv_caches(gc if len(self.groups) > 1 else gc[0])
         if any(w.link.client is not None for w in self.workers):
             # The client's I/O socket connects in the background after Client() returns, and a
             # store sent before that fails at once ("server not connected"); give it a moment.
@@ -150,22 +161,32 @@ class Engine:
         out, self.free = self.free[:n], self.free[n:]
         return out
 
-    def compute(self, tokens, block_ids, start: int, end: int) -> None:
-        """Write the KV of full blocks covering tokens [start, end) on every rank."""
+    def compute(self, tokens, block_ids, start: int, end: int, group: int = 0) -> None:
+        """Write the KV of full blocks covering tokens [start, end) of a group on every rank."""
         for i in range(start // BS, end // BS):
-            for r, cache in enumerate(self.caches):
+            for r, gc in enumerate(self.group_caches):
                 for layer in range(LAYERS):
-                    block = block_view(cache[layer], block_ids[i], self.kind)
-                    block.copy_(block_bytes(tokens, i, layer, r, self.kind))
+                    block = block_view(gc[group][layer], block_ids[i], self.kind)
+                    block.copy_(block_bytes(tokens, i, layer, r, self.kind, group))
 
-    def check(self, tokens, block_ids, upto_tokens: int) -> bool:
+    def check(self, tokens, block_ids, upto_tokens: int, group: int = 0, start_block: int = 0) -> bool:
         ok = True
-        for i in range(upto_tokens // BS):
-            for r, cache in enumerate(self.caches):
+        for i in range(start_block, upto_tokens // BS):
+            for r, gc in enumerate(self.group_caches):
                 for layer in range(LAYERS):
-                    block = block_view(cache[layer], block_ids[i], self.kind).cpu()
-                    ok &= torch.equal(block, block_bytes(tokens, i, layer, r, self.kind))
+                    block = block_view(gc[group][layer], block_ids[i], self.kind).cpu()
+                    ok &= torch.equal(block, block_bytes(tokens, i, layer, r, self.kind, group))
         return ok
+
+    def settle_pins(self, timeout: float = 10.0) -> None:
+        """Hand the workers' settled stores to the scheduler (vLLM: worker metadata each step)
+        until no store keeps blocks pinned."""
+        deadline = time.monotonic() + timeout
+        while self.sched.pinned_stores:
+            assert time.monotonic() < deadline, "pinned stores never settled"
+            for w in self.workers:
+                self.sched.stores_settled(collections.Counter(w.take_settled_pins()))
+            time.sleep(0.01)
 
     def execute(self, plan: StepPlan, compute=()) -> None:
         """One forward step on every rank: loads, compute, then stores."""
@@ -545,12 +566,12 @@ def test_tensor_parallel_two_ranks(server, engines):
     toks = prompt(15, 333)
     # Rank 1 is not connected yet: only rank 0 stores, so nothing is a hit for the pair.
     link1 = a.workers[1].link
-    a.workers[1]._handle, handle1 = None, a.workers[1]._handle
+    a.workers[1]._handles, handle1 = None, a.workers[1]._handles
     ext, _, plan = a.prefill("r", toks)
     assert a.finish("r") is True  # both ranks report, even the one that could not store
     assert matched(a.sched, "probe", toks, 0) == 0
     a.sched.request_finished("probe")
-    a.workers[1]._handle = handle1
+    a.workers[1]._handles = handle1
     assert link1.get() is not None
     ext, _, plan = a.prefill("r2", toks)  # now both ranks store the chunks
     a.finish("r2")
@@ -713,3 +734,111 @@ def test_server_restart_is_survived(engines):
     finally:
         a.close()
         srv.stop()
+
+
+# ---- hybrid models: several KV-cache groups --------------------------------------------------
+
+WINDOW = 80  # tokens of the sliding-window group: its window at a chunk boundary spans 3 blocks
+HYBRID = [KVGroup(0, "full", BS), KVGroup(1, "sliding_window", BS, window=WINDOW)]
+
+
+def window_table(engine, n_tokens: int, computed: int) -> list[int]:
+    """A sliding-window group's block table as vLLM keeps it once `computed` tokens are done:
+    the null block for blocks entirely before the window, real blocks after."""
+    skipped = max(0, computed - WINDOW + 1) // BS
+    return [SCRATCH] * skipped + engine.alloc(-(-n_tokens // BS) - skipped)
+
+
+def test_hybrid_groups_store_and_load_each_group_in_its_own_namespace(server, engines):
+    a = engines(server.url, groups=HYBRID)
+    toks = prompt(60, 330)
+    assert matched(a.sched, "r", toks, 0) == 0
+    tables = (a.alloc(11), a.alloc(11))
+    a.sched.on_allocated("r", tables, 0)
+    plan = a.sched.build_plan([ScheduledRequest("r", 0, 330, tables)])
+    # One store per group; the window group's blocks are pinned until the store read them.
+    assert [(t.group, len(t.hashes), bool(t.pin)) for t in plan.stores] == [(0, 5, False), (1, 5, True)]
+    assert +a.pinned == collections.Counter(tables[1][:10])
+    a.execute(plan, compute=[(toks, tables[0], 0, 330, 0), (toks, tables[1], 0, 330, 1)])
+    a.settle_pins()
+    assert not +a.pinned  # every pin given back
+    assert a.finish("r") is True
+    with Client(server.url, timeout=5) as c:
+        models = sorted(r["model"] for r in c.status()["registrations"])
+        assert models == ["tiny#group0:full", f"tiny#group1:sliding_window={WINDOW}"]
+        # A model of one group never sees these chunks, nor one group the other's.
+        assert c.lookup(chunk_hashes(toks, CS), model="tiny") == 0
+    a.close()
+
+    b = engines(server.url, groups=HYBRID)
+    try:
+        b.free = b.free[::-1]
+        assert matched(b.sched, "r", toks, 0) == 5 * CS
+        # vLLM keeps for the window group only the blocks of its last WINDOW - 1 tokens: 7 nulls.
+        tables = (b.alloc(11), window_table(b, 330, 320))
+        b.sched.on_allocated("r", tables, 5 * CS)
+        plan = b.sched.build_plan([ScheduledRequest("r", 5 * CS, 10, tables)])
+        full, window = plan.loads
+        assert (full.group, full.hashes) == (0, chunk_hashes(toks, CS)[:5])
+        # Chunks 0-2 hold nothing the window reads: not loaded; chunk 3's first block is the null one.
+        assert (window.group, window.hashes) == (1, chunk_hashes(toks, CS)[3:5])
+        assert window.block_ids == [SCRATCH] + tables[1][7:10] and window.num_scratch_blocks == 1
+        b.execute(plan, compute=[(toks, tables[0], 320, 330, 0), (toks, tables[1], 320, 330, 1)])
+        assert b.load_errors == set()
+        assert b.check(toks, tables[0], 330, group=0)
+        assert b.check(toks, tables[1], 330, group=1, start_block=7)
+        b.sched.flush_releases(5)
+        assert leases(server) == 0  # chunks 0-2 of the window group's lease were released
+        b.finish("r")
+    finally:
+        b.close()
+
+
+def test_a_chunk_one_group_lacks_is_no_hit(server, engines):
+    """The stores of the first steps were put off (server away); by the time they are planned
+    vLLM has freed blocks the window of the early chunks needs: those chunks are stored for the
+    full-attention group only, and a later lookup counts no hit on them."""
+    a = engines(server.url, groups=HYBRID)
+    toks = prompt(61, 330)
+    assert matched(a.sched, "r", toks, 0) == 0
+    tables = (a.alloc(11), a.alloc(11))
+    a.sched.on_allocated("r", tables, 0)
+    link_get, a.sched.link.get = a.sched.link.get, lambda: None
+    plan = a.sched.build_plan([ScheduledRequest("r", 0, 250, tables)])
+    assert not plan.stores
+    a.execute(plan, compute=[(toks, tables[0], 0, 250, 0), (toks, tables[1], 0, 250, 1)])
+    a.sched.link.get = link_get
+    a.free += tables[1][:5]
+    tables = (tables[0], [SCRATCH] * 5 + tables[1][5:])  # blocks before token 250 - 79 freed
+    plan = a.sched.build_plan([ScheduledRequest("r", 250, 80, tables)])
+    a.execute(plan, compute=[(toks, tables[0], 250, 330, 0), (toks, tables[1], 250, 330, 1)])
+    # Chunks 3 and 4 still have every block their windows read (from tokens 177 and 241 on).
+    assert [(t.group, t.hashes) for t in plan.stores] == [(0, chunk_hashes(toks, CS)), (1, chunk_hashes(toks, CS)[3:5])]
+    a.settle_pins()
+    a.finish("r")
+    assert matched(a.sched, "probe", toks, 0) == 0  # chunk 0 is missing for the window group
+    a.sched.request_finished("probe")
+    a.sched.flush_releases(5)
+    assert leases(server) == 0
+    a.close()
+
+
+def test_scratch_blocks_may_repeat_in_a_retrieve(server):
+    """Bytes nobody reads may all go to one block; every other block id stays distinct."""
+    from lmcache_mp import LMCacheMPError, shared_cpu_tensor
+
+    layers = [shared_cpu_tensor((8, HEADS, BS, HEAD2), torch.bfloat16) for _ in range(LAYERS)]
+    for i, t in enumerate(layers):
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(i)))
+    with Client(server.url, timeout=10) as c:
+        kv = c.register_kv_cache(layers, model="scratch", world_size=1, rank=0)
+        hashes = chunk_hashes(prompt(62, 2 * CS), CS)
+        c.store(kv, hashes, [1, 2, 3, 4]).result()
+        with pytest.raises(LMCacheMPError, match="appears twice"):
+            c.retrieve(kv, hashes, [0, 0, 5, 6]).result()
+        with pytest.raises(LMCacheMPError, match="appears twice"):
+            c.retrieve(kv, hashes, [0, 5, 5, 6], scratch_blocks=[0]).result()
+        assert c.retrieve(kv, hashes, [0, 0, 5, 6], scratch_blocks=[0]).result().loaded == 2
+        for t in layers:
+            assert torch.equal(t[5], t[3]) and torch.equal(t[6], t[4])
+        c.unregister_kv_cache(kv)

@@ -155,6 +155,9 @@ class Retrieve(_Msg, tag=int(Op.RETRIEVE)):
     lease: int = 0  # the lookup lease this retrieve consumes (0: none)
     deadline: float = 0.0  # CLOCK_MONOTONIC seconds after which no copy may start (0: none)
     client_id: bytes = b""  # the registration's own client (no other may use it)
+    # packed block ids that may appear more than once in block_ids: blocks whose bytes nobody
+    # reads (a sliding-window group's blocks of tokens outside its window: vLLM's null block)
+    scratch_blocks: bytes = b""
 
 
 class Lookup(_Msg, tag=int(Op.LOOKUP)):

@@ -101,12 +101,15 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm_e2e")
 
 
+def make_model(out: Path, arch: str) -> str:
+    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(out), "--arch", arch], check=True,
+                   timeout=300, stdout=subprocess.DEVNULL)
+    return str(out)
+
+
 @pytest.fixture(scope="module")
 def model_dir(workdir) -> str:
-    out = workdir / "tiny-llama"
-    subprocess.run([sys.executable, str(HERE / "make_tiny_llama.py"), str(out)], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL)
-    return str(out)
+    return make_model(workdir / "tiny-llama", "llama")
 
 
 @pytest.fixture(scope="module")
@@ -414,5 +417,32 @@ def test_preemption_with_a_small_kv_cache(run, prompts, workdir):
         assert r["connector"]["lookups"] > len(batch)  # re-admissions after preemption
         assert r["connector"]["failed_load_chunks"] == 0
         assert r["outputs"] == base["outputs"]
+    finally:
+        server.stop()
+
+
+def test_hybrid_model_sliding_window_and_full_attention(prompts, workdir):
+    """A Gemma-3-shaped model: sliding-window layers (window 80) between full-attention layers,
+    two KV-cache groups under vLLM's hybrid manager, which stays on with this connector. Engine
+    B loads every full-attention chunk and, of the window layers, only the chunks inside the
+    window at the hit; its outputs are token-identical to an engine without the connector."""
+    gemma = Runner(workdir, make_model(workdir / "tiny-gemma3", "gemma3"))
+    P, Q, shared = prompts
+    batch, shared = P[:3] + Q[:3], shared[:3]
+    base = gemma("gemma_baseline", batch)
+    server = ServerProcess(free_port(), workdir / "server_gemma.log")
+    try:
+        a = gemma("gemma_A", P[:3], server.url)
+        assert a["outputs"] == base["outputs"][:3]
+        b = gemma("gemma_B", batch, server.url)
+        want = [expected_hit(len(p), len(p)) for p in P[:3]] + [expected_hit(len(q), n) for q, n in zip(Q, shared)]
+        assert b["num_cached_tokens"] == want and any(want)
+        assert b["outputs"] == base["outputs"]
+        assert b["connector"]["failed_load_chunks"] == 0
+        # Full attention: every hit chunk; the window (80 tokens): the (at most 2) chunks it reaches into.
+        assert b["connector"]["loaded_chunks"] == sum(want) // CHUNK + sum(min(2, w // CHUNK) for w in want)
+        log = (workdir / "gemma_B.log").read_text()
+        assert "KV-cache groups sliding_window=80, full" in log
+        assert "Turning off hybrid kv cache manager" not in log
     finally:
         server.stop()

@@ -38,6 +38,17 @@ from lmcache_mp.integration.connector_core import (
     StepPlan,
     WorkerCore,
 )
+from lmcache_mp.integration.vllm_specs import kv_groups
+
+try:  # vLLM's hybrid memory allocator: one block table per KV-cache group
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - older vLLM: one group only
+    SupportsHMA = object  # type: ignore[misc,assignment]
+
+try:  # what workers send back to the scheduler each step
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover - older vLLM: no pins (window groups need 0.32)
+    KVConnectorWorkerMetadata = object  # type: ignore[misc,assignment]
 
 try:  # the label vLLM's metrics give our hits
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -73,7 +84,7 @@ def _log_through_vllm() -> None:
 
 _log_through_vllm()
 
-__all__ = ["LMCacheMPConnector", "LMCacheMPConnectorMetadata"]
+__all__ = ["LMCacheMPConnector", "LMCacheMPConnectorMetadata", "LMCacheMPWorkerMetadata"]
 
 
 class LMCacheMPConnectorMetadata(KVConnectorMetadata):
@@ -85,6 +96,20 @@ class LMCacheMPConnectorMetadata(KVConnectorMetadata):
     def __repr__(self) -> str:
         p = self.plan
         return f"LMCacheMPConnectorMetadata(loads={len(p.loads)}, stores={len(p.stores)}, preempted={len(p.preempted)})"
+
+
+class LMCacheMPWorkerMetadata(KVConnectorWorkerMetadata):
+    """From the workers to the scheduler, summed over ranks: stores of pinned blocks that are
+    over (pin id -> ranks)."""
+
+    def __init__(self, settled: dict[int, int]):
+        self.settled = settled
+
+    def aggregate(self, other: "LMCacheMPWorkerMetadata") -> "LMCacheMPWorkerMetadata":
+        merged = dict(self.settled)
+        for pin, n in getattr(other, "settled", {}).items():
+            merged[pin] = merged.get(pin, 0) + n
+        return LMCacheMPWorkerMetadata(merged)
 
 
 def _served_model_name(vllm_config: "VllmConfig") -> str:
@@ -113,9 +138,10 @@ def _cacheable(request: "Request") -> bool:
     return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
 
 
-class LMCacheMPConnector(KVConnectorBase_V1):
+class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefix cache in the lmcache-mp server: loads hits before the forward pass, stores new
-    full prompt chunks after it. Synchronous loads; asynchronous stores."""
+    full prompt chunks after it. Synchronous loads; asynchronous stores. Every KV-cache group of
+    a hybrid model (vLLM's hybrid memory allocator) is stored and loaded in its own namespace."""
 
     if _HIT_SOURCE is not None:
         _cache_hit_source = _HIT_SOURCE
@@ -133,6 +159,8 @@ class LMCacheMPConnector(KVConnectorBase_V1):
             world_size=self._tp * self._pp,
         )
         self._use_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+        # Refuses, at start-up, groups whose KV cannot be cached by prefix (Mamba state, ...).
+        self._groups = kv_groups(kv_cache_config, self._cfg.block_size)
         self._scheduler: SchedulerCore | None = None
         self._worker: WorkerCore | None = None
         # The server shares an MLA object among all ranks of a (model, world size); pipeline
@@ -142,7 +170,7 @@ class LMCacheMPConnector(KVConnectorBase_V1):
             logger.error("lmcache-mp: MLA models with pipeline parallelism are not supported; the cache stays unused")
         if role == KVConnectorRole.SCHEDULER:
             self._prefer_recompute()
-            self._scheduler = SchedulerCore(self._cfg)
+            self._scheduler = SchedulerCore(self._cfg, groups=self._groups)
             if not self._disabled:
                 self._scheduler.start()
         else:
@@ -153,13 +181,15 @@ class LMCacheMPConnector(KVConnectorBase_V1):
                 layout="mla" if self._use_mla else "auto",
                 # MLA: every TP rank holds the same bytes; the first rank of the stage stores them.
                 stores=not self._use_mla or rank % self._tp == 0,
+                groups=self._groups,
             )
         logger.info(
-            "lmcache-mp connector (%s): server %s, model %r, world size %d",
+            "lmcache-mp connector (%s): server %s, model %r, world size %d%s",
             role.name.lower(),
             self._cfg.url,
             self._cfg.model,
             self._cfg.world_size,
+            "" if len(self._groups) == 1 else ", KV-cache groups " + ", ".join(g.describe() for g in self._groups),
         )
 
     def _prefer_recompute(self) -> None:
@@ -196,10 +226,22 @@ class LMCacheMPConnector(KVConnectorBase_V1):
         assert self._worker is not None
         if self._disabled:
             return
-        tensors = list(kv_caches.values())
-        if self._use_mla:
-            tensors = [t.squeeze(1) if t.dim() == 4 and t.shape[1] == 1 else t for t in tensors]
-        self._worker.register_kv_caches(tensors)
+
+        def layers(names) -> list:
+            tensors = [kv_caches[n] for n in names if n in kv_caches]
+            if self._use_mla:
+                tensors = [t.squeeze(1) if t.dim() == 4 and t.shape[1] == 1 else t for t in tensors]
+            return tensors
+
+        config = self._kv_cache_config
+        if config is None or not getattr(config, "kv_cache_groups", None):
+            self._worker.register_kv_caches(layers(kv_caches))
+            return
+        per_group = [layers(config.kv_cache_groups[g.index].layer_names) for g in self._groups]
+        for g, tensors in zip(self._groups, per_group):
+            if not tensors:
+                raise ValueError(f"lmcache-mp: vLLM handed over no KV cache for the layers of group {g.index}")
+        self._worker.register_kv_caches(per_group if len(per_group) > 1 else per_group[0])
 
     def _plan(self) -> StepPlan | None:
         meta = self._connector_metadata
@@ -238,6 +280,12 @@ class LMCacheMPConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
+    def build_connector_worker_meta(self) -> "LMCacheMPWorkerMetadata | None":
+        settled = self._worker.take_settled_pins() if self._worker is not None else []
+        if not settled:
+            return None
+        return LMCacheMPWorkerMetadata({pin: 1 for pin in settled})
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -247,9 +295,26 @@ class LMCacheMPConnector(KVConnectorBase_V1):
     # ==== scheduler side =======================================================================
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self._scheduler is None:
+            return
         null_block = getattr(gpu_block_pool, "null_block", None)
-        if self._scheduler is not None and null_block is not None:
+        if null_block is not None:
             self._scheduler.scratch_block_id = int(null_block.block_id)
+        if hasattr(gpu_block_pool, "touch") and hasattr(gpu_block_pool, "free_blocks"):
+            # vLLM frees a window group's blocks of old tokens as the request runs; a reference
+            # of ours keeps such a block from reuse until the store that reads it is over.
+            blocks = gpu_block_pool.blocks
+            self._scheduler.pin_blocks = lambda ids: gpu_block_pool.touch([blocks[b] for b in ids])
+            self._scheduler.unpin_blocks = lambda ids: gpu_block_pool.free_blocks([blocks[b] for b in ids])
+
+    def has_pending_push_work(self) -> bool:
+        """Pinned blocks are given back only as steps run: keep the engine stepping until then."""
+        return self._scheduler is not None and self._scheduler.pinned_stores > 0
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._scheduler is not None and isinstance(meta, LMCacheMPWorkerMetadata):
+            self._scheduler.stores_settled(meta.settled)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
@@ -268,8 +333,7 @@ class LMCacheMPConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        groups = blocks.get_block_ids()
-        self._scheduler.on_allocated(request.request_id, groups[0] if groups else [], num_external_tokens)
+        self._scheduler.on_allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -277,34 +341,30 @@ class LMCacheMPConnector(KVConnectorBase_V1):
         spec = so.scheduled_spec_decode_tokens or {}
         state = getattr(so, "kv_connector_block_state", None)
 
-        def table(req_id: str):
-            if state is None:
-                return None
-            ids = state.get_block_ids(req_id)
-            return ids[0] if ids else None
+        def tables(req_id: str):  # every group's whole table, where vLLM offers it
+            return state.get_block_ids(req_id) if state is not None else None
 
         scheduled: list[ScheduledRequest] = []
         for new in so.scheduled_new_reqs:
             rid = new.req_id
-            block_ids = table(rid)
+            block_ids = tables(rid)
             scheduled.append(
                 ScheduledRequest(
                     req_id=rid,
                     num_computed_tokens=new.num_computed_tokens,
                     num_new_tokens=so.num_scheduled_tokens.get(rid, 0) - len(spec.get(rid, ())),
-                    block_ids=block_ids if block_ids is not None else (new.block_ids[0] if new.block_ids else []),
+                    block_ids=block_ids if block_ids is not None else (new.block_ids or ([],)),
                 )
             )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
             scheduled.append(
                 ScheduledRequest(
                     req_id=rid,
                     num_computed_tokens=cached.num_computed_tokens[i],
                     num_new_tokens=so.num_scheduled_tokens.get(rid, 0) - len(spec.get(rid, ())),
-                    block_ids=table(rid),
-                    new_block_ids=new_ids[0] if new_ids else None,
+                    block_ids=tables(rid),
+                    new_block_ids=cached.new_block_ids[i] or None,
                     resumed=rid in cached.resumed_req_ids,
                 )
             )
@@ -314,3 +374,9 @@ class LMCacheMPConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request.request_id), None
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """What vLLM calls instead of request_finished when the connector supports HMA: True
+        keeps every group's blocks until the workers report the request's transfers over."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])

@@ -304,7 +304,8 @@ class MPCacheEngine(RegistrationHandling):
         try:
             self._check_open(entry)
             reg = entry.ctx.reg
-            keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt, distinct=True)
+            keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt, distinct=True,
+                                      scratch=msg.scratch_blocks)
             mark(reply, "checked")
             self._touch(reg.client_id)
             self._check_deadline(msg)
