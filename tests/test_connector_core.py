@@ -842,3 +842,145 @@ def test_scratch_blocks_may_repeat_in_a_retrieve(server):
         for t in layers:
             assert torch.equal(t[5], t[3]) and torch.equal(t[6], t[4])
         c.unregister_kv_cache(kv)
+
+
+# ---- KV events: the chunks an engine stored, as announcements ---------------------------------
+
+
+def fill_l1(url: str, n_chunks: int) -> None:
+    """Store n_chunks chunks of another model: L1 evicts the oldest chunks to make room."""
+    from lmcache_mp import shared_cpu_tensor
+
+    layers = [shared_cpu_tensor((NUM_BLOCKS, HEADS, BS, HEAD2), torch.bfloat16) for _ in range(LAYERS)]
+    with Client(url, timeout=30) as c:
+        kv = c.register_kv_cache(layers, model="filler", world_size=1, rank=0)
+        for start in range(0, n_chunks, 32):
+            hashes = chunk_hashes(prompt(1000 + start, 32 * CS), CS)
+            c.store(kv, hashes, list(range(64))).result()
+        c.unregister_kv_cache(kv)
+
+
+def test_server_events_report_commits_and_removals_with_a_bounded_window():
+    from lmcache_mp.storage.events import REMOVED, STORED
+
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", l1_size="64MiB", device="cpu", chunk_size=CS,
+                              kv_events=8)).start()
+    try:
+        layers = [shared_cpu(8) for _ in range(LAYERS)]
+        with Client(srv.url, timeout=10) as c:
+            kv = c.register_kv_cache(layers, model="m", world_size=1, rank=0)
+            hashes = chunk_hashes(prompt(70, 3 * CS), CS)
+            c.store(kv, hashes, list(range(6))).result()
+            r = c.events(0, ["m"])
+            assert [(e.seq, e.kind, r.models[e.model], e.rank, e.digest) for e in r.events] == \
+                [(i, STORED, "m", 0, h) for i, h in enumerate(hashes)]
+            assert (r.first, r.next) == (0, 3)
+            assert c.events(0, ["other"]).events == [] and c.events(0, ["other"]).next == 3  # filtered, scanned
+            assert c.clear() == 3
+            r = c.events(3, ["m"])
+            assert [(e.kind, e.digest) for e in r.events] == [(REMOVED, h) for h in hashes]
+            c.store(kv, hashes, list(range(6))).result()
+            assert c.clear() == 3  # 6 more events: the window of 8 has dropped the first ones
+            r = c.events(0, ["m"])
+            assert (r.first, r.next) == (4, 12) and r.events[0].seq == 4  # events 0-3 lost
+            assert r.session_id == c.events(12).session_id
+            c.unregister_kv_cache(kv)
+    finally:
+        srv.stop()
+
+
+def shared_cpu(num_blocks: int):
+    from lmcache_mp import shared_cpu_tensor
+
+    return shared_cpu_tensor((num_blocks, HEADS, BS, HEAD2), torch.bfloat16)
+
+
+def tracked(engine):
+    """A ChunkEvents of an engine's scheduler: announces ("stored"/"removed", chunk index)."""
+    from lmcache_mp.integration.chunk_events import ChunkEvents
+
+    ev = ChunkEvents(engine.sched.link, engine.sched.models, engine.cfg.world_size, interval=3600)
+    engine.sched.on_store_planned = lambda rid, g, c, h: ev.expect(g, h, ("stored", rid, c), ("removed", rid, c))
+    return ev
+
+
+def test_engine_announces_its_stores_then_evictions_then_a_restart():
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+
+    def start():
+        return Server(ServerConfig(url=url, l1_size="16MiB", slab_size="1MiB", device="cpu", chunk_size=CS)).start()
+
+    srv = start()
+    a = Engine(url, retry_interval=0.3, lookup_timeout=0.5)
+    ev = tracked(a)
+    try:
+        toks = prompt(71, 330)
+        a.prefill("r1", toks)
+        a.finish("r1")
+        assert ev.sync() and ev.take() == [("stored", "r1", c) for c in range(5)]
+        fill_l1(url, 640)  # 16 MiB of 32 KiB chunks hold 512: r1's, the oldest, are evicted
+        assert ev.sync() and sorted(ev.take()) == [("removed", "r1", c) for c in range(5)]
+        a.prefill("r2", toks)  # stored again
+        a.finish("r2")
+        assert ev.sync() and ev.take() == [("stored", "r2", c) for c in range(5)]
+        srv.stop()
+        srv = start()  # an empty server at the same address
+        deadline = time.monotonic() + 20
+        while not ev.sync():  # the scheduler's client notices the new server by itself
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert sorted(ev.take()) == [("removed", "r2", c) for c in range(5)]
+        assert ev.announced == 0 and ev.stats["resyncs"] == 1
+    finally:
+        ev.close()
+        a.close()
+        srv.stop()
+
+
+class ScriptedEvents:
+    """A client whose events() answers from a script of (first, next, [(seq, kind, rank, digest)])."""
+
+    def __init__(self, script, session=b"s1"):
+        self.script, self.session = list(script), session
+
+    def events(self, since, models, max_events):
+        from lmcache_mp import protocol as p
+
+        first, nxt, evs = self.script.pop(0) if self.script else (0, since, [])
+        return p.EventsReply(session_id=self.session, first=first, next=nxt, models=["m"],
+                             events=[p.ChunkEvent(seq=s, kind=k, model=0, world_size=2, rank=r, digest=d)
+                                     for s, k, r, d in evs])
+
+
+def test_a_chunk_is_announced_once_every_rank_has_it_and_lost_events_resync():
+    from lmcache_mp.integration.chunk_events import REMOVED, STORED, ChunkEvents
+
+    client = ScriptedEvents([
+        (0, 3, [(0, STORED, 0, b"a"), (1, STORED, 0, b"b"), (2, STORED, 1, b"a")]),
+        (0, 4, [(3, REMOVED, 1, b"a")]),
+        (0, 6, [(4, STORED, 0, b"c"), (5, STORED, 1, b"c")]),
+        (10, 12, [(10, STORED, 1, b"b")]),  # events 6-9 were lost
+    ])
+    link = types_link(client)
+    ev = ChunkEvents(link, ["m"], world_size=2, interval=3600)
+    try:
+        for d in (b"a", b"b", b"c"):
+            ev.expect(0, d, ("stored", d), ("removed", d))
+        ev.sync()
+        assert ev.take() == [("stored", b"a")]  # b: rank 1 has not stored it yet
+        ev.sync()
+        assert ev.take() == [("removed", b"a")]  # one rank's copy is gone: no longer a hit
+        ev.sync()
+        assert ev.take() == [("stored", b"c")]
+        ev.sync()
+        # Lost events: c may be gone; b's rank 0 event is forgotten with them (not announced).
+        assert ev.take() == [("removed", b"c")] and ev.announced == 0 and ev.stats["resyncs"] == 1
+    finally:
+        ev.close()
+
+
+def types_link(client):
+    import types
+
+    return types.SimpleNamespace(get=lambda: client)

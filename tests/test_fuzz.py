@@ -45,6 +45,7 @@ def valid_requests(kv_id: int = 7, shm_name: str = "lmcache_mp_1_ab", shm_size: 
         p.Ping(client_id=CID),
         p.Status(),
         p.Bye(client_id=os.urandom(16)),
+        p.Events(client_id=CID, since=0, models=["fz"], max_events=16),
     ]
     assert {p.peek_op(p.encode(m)) for m in msgs} == {int(op) for op in p.Op}
     return [p.encode(m) for m in msgs]

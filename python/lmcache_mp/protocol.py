@@ -38,6 +38,8 @@ MAX_LAYERS = 1024
 MAX_LOOKUP_KEYS = 1 << 18  # hashes x world_size of one lookup
 MAX_NAME_BYTES = 1024  # model names
 MAX_SALT_BYTES = 256
+MAX_EVENT_MODELS = 64  # namespaces one EVENTS request may name
+MAX_EVENTS = 4096  # events in one EVENTS reply
 MAX_MESSAGE_BYTES = (4 << 20) + 4096
 # CPU KV caches live in files SHM_DIR/SHM_PREFIX* that the server maps by name.
 SHM_DIR = "/dev/shm"
@@ -66,6 +68,7 @@ class Op(enum.IntEnum):
     PING = 9
     STATUS = 10
     BYE = 11
+    EVENTS = 12
 
 
 class ErrorCode(enum.IntEnum):
@@ -195,7 +198,18 @@ class Bye(_Msg, tag=int(Op.BYE)):
     client_id: bytes
 
 
-Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Store, Retrieve, Lookup, Release, Clear, Ping, Status, Bye]
+class Events(_Msg, tag=int(Op.EVENTS)):
+    """The chunk events (committed, removed) with sequence numbers from `since` on, of these
+    namespaces (models) only, or of all."""
+
+    client_id: bytes = b""
+    since: int = 0
+    models: list[str] = []
+    max_events: int = 1024
+
+
+Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Store, Retrieve, Lookup, Release, Clear, Ping, Status, Bye,
+                Events]
 
 # ---- replies ---------------------------------------------------------------------------------
 
@@ -267,6 +281,24 @@ class ByeReply(_Msg, tag=int(Op.BYE)):
     registrations: int
 
 
+class ChunkEvent(_Msg):
+    seq: int
+    kind: int  # 1: committed (visible to lookups), 2: removed (evicted, cleared, replaced)
+    model: int  # index into EventsReply.models
+    world_size: int
+    rank: int  # -1: shared by every rank (MLA)
+    digest: bytes
+    salt: bytes = b""
+
+
+class EventsReply(_Msg, tag=int(Op.EVENTS)):
+    session_id: bytes  # changes when the server restarts: sequence numbers start over
+    first: int  # the oldest event the server still keeps; events in [since, first) were lost
+    next: int  # where the next request should start (events scanned up to here)
+    models: list[str]
+    events: list[ChunkEvent]
+
+
 Reply = Union[
     Error,
     HelloReply,
@@ -280,6 +312,7 @@ Reply = Union[
     PingReply,
     StatusReply,
     ByeReply,
+    EventsReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -372,6 +405,7 @@ MAX_FRAME_BYTES = {
     Op.RETRIEVE: MAX_MESSAGE_BYTES,
     Op.LOOKUP: MAX_CHUNKS * 16 + 2048,
     Op.RELEASE: MAX_CHUNKS * 16 + 1024,
+    Op.EVENTS: MAX_EVENT_MODELS * (MAX_NAME_BYTES + 8) + 1024,
 }
 
 

@@ -9,6 +9,9 @@ With --pause-dir DIR, prompts.json is a list of batches run one after another by
 engine; before batch i > 0 the engine creates DIR/paused-i and waits for DIR/resume-i (the
 test changes the world in between, e.g. restarts the server).
 With --connector-url the engine uses lmcache_mp.integration.vllm.LMCacheMPConnector.
+With --kv-events ENDPOINT vLLM publishes KV events there (ZeroMQ); after each batch the engine
+then reads the server's chunk events now and runs a one-token step, so that what the connector
+has to announce is published before the next pause (an idle engine publishes nothing).
 Meant to run in a fresh process: an engine per process, as in production.
 """
 
@@ -73,10 +76,30 @@ def connector_stats() -> dict:
     return total
 
 
+def publish_events(llm, params) -> None:
+    """Read the server's chunk events now (every connector of this process) and run one step."""
+    import gc
+
+    from lmcache_mp.integration.chunk_events import ChunkEvents
+
+    gc.unfreeze()
+    trackers = [obj for obj in gc.get_objects() if isinstance(obj, ChunkEvents)]
+    gc.freeze()
+    deadline = time.monotonic() + 60
+    for t in trackers:
+        while not t.sync():  # a restarted server: until the client found it
+            if time.monotonic() > deadline:
+                raise TimeoutError("the connector could not read the server's events")
+            time.sleep(0.1)
+    from vllm.inputs import TokensPrompt
+
+    llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5])], params, use_tqdm=False)
+
+
 def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tokens: int,
         extra_config: dict | None = None, fail_loads: bool = False, tensor_parallel: int = 1,
         prefix_caching: bool = False, sequential: bool = False, kv_cache_bytes: int = 256 << 20,
-        pause_dir: str | None = None) -> dict:
+        pause_dir: str | None = None, kv_events: str | None = None) -> dict:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if fail_loads:
@@ -85,6 +108,10 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
     from vllm.inputs import TokensPrompt
 
     kwargs = {}
+    if kv_events:
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events)
     if connector_url:
         from vllm.config import KVTransferConfig
 
@@ -122,7 +149,10 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
     for i, batch in enumerate(batches):
         if pause_dir and i:
             wait_for_resume(pause_dir, i)
-        outs += llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        if batch:
+            outs += llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        if kv_events:
+            publish_events(llm, params)
     t2 = time.perf_counter()
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
@@ -155,13 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sequential", action="store_true", help="one prompt per generate() call, in order")
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="vLLM's KV cache size (small: preemptions)")
     ap.add_argument("--pause-dir", default=None, help="prompts are batches; pause between them (see above)")
+    ap.add_argument("--kv-events", default=None, help="publish vLLM's KV events at this ZeroMQ endpoint")
     args = ap.parse_args(argv)
     with open(args.prompts) as f:
         prompts = json.load(f)
     result = run(args.model, prompts, args.connector_url, args.max_tokens, json.loads(args.extra_config),
                  fail_loads=args.inject_load_failures, tensor_parallel=args.tensor_parallel,
                  prefix_caching=args.prefix_caching, sequential=args.sequential,
-                 kv_cache_bytes=args.kv_cache_bytes, pause_dir=args.pause_dir)
+                 kv_cache_bytes=args.kv_cache_bytes, pause_dir=args.pause_dir, kv_events=args.kv_events)
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

@@ -446,3 +446,136 @@ def test_hybrid_model_sliding_window_and_full_attention(prompts, workdir):
         assert "Turning off hybrid kv cache manager" not in log
     finally:
         server.stop()
+
+
+class EventSubscriber:
+    """A ZeroMQ subscriber of vLLM's KV events, decoded with vLLM's own wire structs, in a thread."""
+
+    def __init__(self, endpoint: str):
+        import threading
+
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.bind(endpoint)  # vLLM's publisher connects to an endpoint that names a host
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.events: list = []
+        self.seqs: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stop.is_set():
+            if self._sock.poll(100, zmq.POLLIN):
+                _topic, seq, payload = self._sock.recv_multipart()
+                self.seqs.append(int.from_bytes(seq, "big"))
+                self.events += self._decoder.decode(payload).events
+
+    def view(self, medium: str) -> dict:
+        """Block hash -> token ids of the blocks the publisher says `medium` holds now."""
+        held: dict = {}
+        for ev in self.events:
+            name = type(ev).__name__
+            if name == "BlockStored" and ev.medium == medium:
+                for i, h in enumerate(ev.block_hashes):
+                    held[h] = tuple(ev.token_ids[i * ev.block_size : (i + 1) * ev.block_size])
+            elif name == "BlockRemoved" and ev.medium == medium:
+                for h in ev.block_hashes:
+                    held.pop(h, None)
+        return held
+
+    def wait_for(self, what, timeout: float = 60.0):
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline, f"events seen: {self.events[-10:]}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def blocks_of(prompts, block: int = 32, chunk: int = CHUNK) -> set:
+    """The token ids of every block of every full chunk of these prompts."""
+    return {tuple(p[i : i + block]) for p in prompts for i in range(0, len(p) // chunk * chunk, block)}
+
+
+def fill_l1(url: str, n_chunks: int) -> None:
+    """Store chunks of another model, of the tiny Llama's object size: L1 evicts the oldest."""
+    import torch
+
+    from lmcache_mp import Client, chunk_hashes, shared_cpu_tensor
+
+    layers = [shared_cpu_tensor((4, 2, 32, 64), torch.float32) for _ in range(2)]  # vLLM's CPU layout
+    with Client(url, timeout=30) as c:
+        kv = c.register_kv_cache(layers, model="filler", world_size=1, rank=0)
+        rng = random.Random(9)
+        for _ in range(0, n_chunks, 16):
+            c.store(kv, chunk_hashes([rng.randrange(512) for _ in range(16 * CHUNK)], CHUNK), [0, 1] * 16).result()
+        c.unregister_kv_cache(kv)
+
+
+def test_kv_events_stores_evictions_and_a_server_restart(run, prompts, model_dir, workdir):
+    """vLLM publishes the connector's events (medium CPU) with its own block hashes: the same
+    hashes vLLM gives those blocks in its GPU events. A subscriber sees the stores, their
+    removal once the server evicted them, a removal of everything after a server restart, and
+    the stores on the new server; its view of the CPU medium is then what the server holds."""
+    P, _, _ = prompts
+    port, pub = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    small = ("--l1-size", "16MiB", "--slab-size", "1MiB")  # 256 chunks of the tiny Llama
+    servers = [ServerProcess(port, workdir / "server_events_1.log", *small)]
+    pauses = workdir / "event_pauses"
+    pauses.mkdir()
+    sub = EventSubscriber(pub)
+
+    def between(i: int, pending: cf.Future, check) -> None:
+        while not (pauses / f"paused-{i}").exists():
+            if pending.done():
+                pending.result()
+                raise AssertionError(f"the engine ended before batch {i}")
+            time.sleep(0.05)
+        check()
+        (pauses / f"resume-{i}").touch()
+
+    def cpu_view_is(prompt_set) -> bool:
+        return set(sub.view("CPU").values()) == blocks_of(prompt_set)
+
+    def evict() -> None:
+        sub.wait_for(lambda: cpu_view_is(P[:2]))
+        fill_l1(servers[0].url, 320)
+
+    def restart() -> None:
+        sub.wait_for(lambda: cpu_view_is(P[2:3]))  # P[0:2] evicted, P[2] stored
+        servers[0].stop()
+        servers.append(ServerProcess(port, workdir / "server_events_2.log", *small))
+
+    extra = ("--pause-dir", str(pauses), "--kv-events", pub, "--prefix-caching",
+             "--extra-config", json.dumps({"lmcache_mp.retry_interval": 1.0, "lmcache_mp.kv_events_interval": 0.2}))
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(run, "events", [P[:2], [P[2]], [], [P[3]]], servers[0].url, *extra)
+            between(1, pending, evict)
+            between(2, pending, restart)
+            between(3, pending, lambda: sub.wait_for(lambda: cpu_view_is([])))  # the restart: all removed
+            pending.result()
+        sub.wait_for(lambda: cpu_view_is(P[3:4]))
+        # vLLM's own (GPU) events name the same blocks by the same hashes.
+        gpu = {tokens: h for h, tokens in sub.view("GPU").items()}
+        cpu = {tokens: h for h, tokens in sub.view("CPU").items()}
+        assert cpu and all(gpu[tokens] == h for tokens, h in cpu.items())
+        assert sub.seqs == sorted(sub.seqs)
+        with_kinds = {type(e).__name__ for e in sub.events if getattr(e, "medium", None) == "CPU"}
+        assert with_kinds == {"BlockStored", "BlockRemoved"}
+    finally:
+        sub.close()
+        for s in servers:
+            s.stop()

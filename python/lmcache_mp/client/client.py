@@ -318,6 +318,19 @@ class Client:
         """The server's status; "mine" lists the kv_ids of this client's registrations."""
         return self._call(p.Status(client_id=self.client_id), p.StatusReply, timeout).status
 
+    def events(self, since: int = 0, models: Sequence[str] = (), max_events: int = 1024,
+               timeout: float | None = None) -> p.EventsReply:
+        """The server's chunk events (committed, removed) from sequence number `since` on, of
+        these models (namespaces) only, or of all: `.events`, `.next` (where to continue),
+        `.first` (events before it were lost), `.session_id` (a new one: the server restarted)."""
+        return self._call(p.Events(client_id=self.client_id, since=since, models=list(models),
+                                   max_events=max_events), p.EventsReply, timeout)
+
+    def events_async(self, since: int = 0, models: Sequence[str] = (), max_events: int = 1024,
+                     timeout: float | None = None) -> "Future[p.EventsReply]":
+        msg = p.Events(client_id=self.client_id, since=since, models=list(models), max_events=max_events)
+        return self._async(msg, timeout, lambda reply: self._checked(reply, p.EventsReply), None)
+
     def clear(self, timeout: float | None = None) -> int:
         """Remove every object not in use on the server; returns how many."""
         return self._call(p.Clear(), p.ClearReply, timeout).removed

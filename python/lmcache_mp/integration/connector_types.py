@@ -34,6 +34,7 @@ class ConnectorConfig:
     flush_timeout: float = 30.0  # longest shutdown (or a preemption) waits for stores in flight
     store_decode: bool = False  # also store chunks completed by generated tokens
     recompute_on_load_error: bool = True  # engine recomputes what a load missed (else fails it)
+    kv_events_interval: float = 0.5  # how often the scheduler reads the server's chunk events (KV events on)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, **base: Any) -> "ConnectorConfig":

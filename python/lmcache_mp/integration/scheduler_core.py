@@ -75,6 +75,8 @@ class SchedulerCore:
         self.pin_blocks: Callable[[list[int]], None] | None = None
         self.unpin_blocks: Callable[[list[int]], None] | None = None
         self._pins: dict[int, list] = {}  # pin id -> [blocks, ranks that reported it settled]
+        # Told of every chunk planned to be stored: (request id, group position, chunk index, hash).
+        self.on_store_planned: Callable[[str, int, int, bytes], None] | None = None
         self._pin_ids = itertools.count(1)
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: list[Transfer] = []
@@ -437,6 +439,9 @@ class SchedulerCore:
             blocks = [b for c in chunks for b in table[c * bpc : (c + 1) * bpc]]
             t = Transfer(req_id=tr.req_id, hashes=[hashes[c] for c in chunks], block_ids=blocks, group=gi,
                          scratch_block=scratch)
+            if self.on_store_planned is not None:
+                for c in chunks:
+                    self.on_store_planned(tr.req_id, gi, c, hashes[c])
             if g.transient and self.pin_blocks is not None:
                 # vLLM frees these blocks as the window moves on, maybe before the store read them.
                 real = [b for b in blocks if b != scratch]

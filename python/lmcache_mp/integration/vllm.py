@@ -38,6 +38,7 @@ from lmcache_mp.integration.connector_core import (
     StepPlan,
     WorkerCore,
 )
+from lmcache_mp.integration.chunk_events import ChunkEvents
 from lmcache_mp.integration.vllm_specs import kv_groups
 
 try:  # vLLM's hybrid memory allocator: one block table per KV-cache group
@@ -163,6 +164,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         self._groups = kv_groups(kv_cache_config, self._cfg.block_size)
         self._scheduler: SchedulerCore | None = None
         self._worker: WorkerCore | None = None
+        self._events: ChunkEvents | None = None
+        self._requests: dict[str, Any] = {}  # with KV events: the requests being scheduled
         # The server shares an MLA object among all ranks of a (model, world size); pipeline
         # stages hold different layers, so they must not share.
         self._disabled = self._use_mla and self._pp > 1
@@ -173,6 +176,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerCore(self._cfg, groups=self._groups)
             if not self._disabled:
                 self._scheduler.start()
+                self._start_events(vllm_config, kv_cache_config)
         else:
             rank = self._rank()
             self._worker = WorkerCore(
@@ -191,6 +195,31 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             self._cfg.world_size,
             "" if len(self._groups) == 1 else ", KV-cache groups " + ", ".join(g.describe() for g in self._groups),
         )
+
+    def _start_events(self, vllm_config: "VllmConfig", kv_cache_config: Any) -> None:
+        """With vLLM's KV events on, announce the chunks this engine stores (medium "CPU") and
+        their removal from the server, through vLLM's own publisher (take_events)."""
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        if events_config is None or not events_config.enable_kv_cache_events:
+            return
+        self._hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or self._cfg.block_size)
+        self._events = ChunkEvents(self._scheduler.link, self._scheduler.models, self._cfg.world_size,
+                                   interval=self._cfg.kv_events_interval)
+        self._scheduler.on_store_planned = self._store_planned
+        logger.info("lmcache-mp: publishing KV events of the chunks this engine stores (medium CPU)")
+
+    def _store_planned(self, req_id: str, group: int, chunk: int, digest: bytes) -> None:
+        from lmcache_mp.integration.vllm_events import chunk_events
+
+        request, cs = self._requests.get(req_id), self._scheduler.chunk_size
+        if request is None or not cs or cs % self._hash_block_size:
+            return
+        made = chunk_events(request, chunk, cs, self._hash_block_size, self._groups[group])
+        if made is not None:
+            self._events.expect(group, digest, *made)
+
+    def take_events(self):
+        return self._events.take() if self._events is not None else ()
 
     def _prefer_recompute(self) -> None:
         """A cache that lost a chunk must not fail the request: vLLM's default policy for load
@@ -289,6 +318,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._events is not None:
+            self._events.close()
         if self._scheduler is not None:
             self._scheduler.close()
 
@@ -320,6 +351,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         if self._disabled:
             return 0, False
+        if self._events is not None:
+            self._requests[request.request_id] = request
         n = self._scheduler.num_new_matched_tokens(
             request.request_id,
             request.all_token_ids,
@@ -373,6 +406,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
+        self._requests.pop(request.request_id, None)
         return self._scheduler.request_finished(request.request_id), None
 
     def request_finished_all_groups(self, request: "Request",

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, NamedTuple, Sequence
 
+from lmcache_mp.storage.events import REMOVED, STORED
 from lmcache_mp.storage.l1_journal import commit_record, free_record
 from lmcache_mp.storage.index import PART_MASK, SHARDS, Lru, OffsetShards, Shards
 from lmcache_mp.storage.leases import Lease, LeaseTable
@@ -103,6 +104,7 @@ class L1Store(SlabMoves):
         self._evicted: dict[int, int] = {}  # size class -> objects evicted
         self._committed = 0
         self.journal = None  # an L1Journal when L1 outlives the server (l1_journal.py)
+        self.events = None  # an EventLog of commits and removals for subscribers (events.py)
         self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "moved": 0, "slab_moves": 0,
                          "spilled": 0, "cleared": 0, "replaced": 0, "format_mismatches": 0}
         self._mismatches_logged: set[str] = set()
@@ -204,6 +206,8 @@ class L1Store(SlabMoves):
         return out
 
     def _free(self, obj: L1Object) -> None:
+        if obj.committed and self.events is not None:
+            self.events.add(REMOVED, obj.key)
         self._unpark(obj)
         space = self._spaces.get(self._space_of(obj.key))
         if space is not None and space.remove(obj.key.digest, obj) and not space:
@@ -281,6 +285,8 @@ class L1Store(SlabMoves):
                 if i and i % SLICE == 0:
                     self._pause()
                 obj.committed = True
+                if self.events is not None:
+                    self.events.add(STORED, obj.key)
                 obj.in_l2 = from_l2
                 self._committed += 1
                 self._park(obj)
