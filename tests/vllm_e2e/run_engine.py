@@ -99,7 +99,7 @@ def publish_events(llm, params) -> None:
 def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tokens: int,
         extra_config: dict | None = None, fail_loads: bool = False, tensor_parallel: int = 1,
         prefix_caching: bool = False, sequential: bool = False, kv_cache_bytes: int = 256 << 20,
-        pause_dir: str | None = None, kv_events: str | None = None) -> dict:
+        pause_dir: str | None = None, kv_events: str | None = None, log_stats: bool = False) -> dict:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if fail_loads:
@@ -137,6 +137,7 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         # outputs are the same either way, so a token that differs means a wrong KV cache.
         dtype="float32",
         tensor_parallel_size=tensor_parallel,
+        disable_log_stats=not log_stats,
         **kwargs,
     )
     t1 = time.perf_counter()
@@ -161,6 +162,8 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         "generate_s": t2 - t1,
         "connector": connector_stats() if connector_url else {},
     }
+    if log_stats:  # the connector's counters on vLLM's Prometheus metrics
+        result["metrics"] = {m.name: m.value for m in llm.get_metrics() if "lmcache_mp" in m.name}
     # Shut the engine down here (not at interpreter exit): the connector then delivers the
     # stores still in flight before this process ends.
     try:
@@ -186,13 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="vLLM's KV cache size (small: preemptions)")
     ap.add_argument("--pause-dir", default=None, help="prompts are batches; pause between them (see above)")
     ap.add_argument("--kv-events", default=None, help="publish vLLM's KV events at this ZeroMQ endpoint")
+    ap.add_argument("--log-stats", action="store_true", help="vLLM's stats on: its metrics go into the result")
     args = ap.parse_args(argv)
     with open(args.prompts) as f:
         prompts = json.load(f)
     result = run(args.model, prompts, args.connector_url, args.max_tokens, json.loads(args.extra_config),
                  fail_loads=args.inject_load_failures, tensor_parallel=args.tensor_parallel,
                  prefix_caching=args.prefix_caching, sequential=args.sequential,
-                 kv_cache_bytes=args.kv_cache_bytes, pause_dir=args.pause_dir, kv_events=args.kv_events)
+                 kv_cache_bytes=args.kv_cache_bytes, pause_dir=args.pause_dir, kv_events=args.kv_events,
+                 log_stats=args.log_stats)
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

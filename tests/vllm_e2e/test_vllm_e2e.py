@@ -184,11 +184,17 @@ def test_engines_share_prefixes_through_the_server(run, prompts, baseline, model
 
         # Engine B (fresh process, prefix caching off): P hits all but the last partial chunk,
         # Q hits the whole chunks of its shared prefix; outputs are those of a plain engine.
-        b = run("engine_B", P + Q, server.url)
+        b = run("engine_B", P + Q, server.url, "--log-stats")
         want = [expected_hit(len(p), len(p)) for p in P] + [expected_hit(len(q), n) for q, n in zip(Q, shared)]
         assert b["num_cached_tokens"] == want
         assert any(want)
         assert_loaded(b, want)
+        # vLLM's own metrics show the tier (KVConnectorStats, summed over its steps).
+        m = b["metrics"]
+        assert m["vllm:lmcache_mp_hit_tokens"] == sum(want)
+        assert m["vllm:lmcache_mp_lookup_tokens"] == sum((len(p) - 1) // CHUNK * CHUNK for p in P + Q)
+        assert m["vllm:lmcache_mp_loaded_bytes"] == sum(want) // 32 * BLOCK_BYTES
+        assert m["vllm:lmcache_mp_stored_chunks"] == sum(len(x) // CHUNK - w // CHUNK for x, w in zip(P + Q, want))
         assert b["connector"]["lookups"] == len(P + Q)
         assert b["outputs"] == baseline["outputs"]
         log = (workdir / "engine_B.log").read_text()

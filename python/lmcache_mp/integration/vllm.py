@@ -165,6 +165,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerCore | None = None
         self._worker: WorkerCore | None = None
         self._events: ChunkEvents | None = None
+        self._deltas = None  # what this side's counters gained since it last reported them
         self._requests: dict[str, Any] = {}  # with KV events: the requests being scheduled
         # The server shares an MLA object among all ranks of a (model, world size); pipeline
         # stages hold different layers, so they must not share.
@@ -220,6 +221,32 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self):
         return self._events.take() if self._events is not None else ()
+
+    # ==== stats (both sides) ===================================================================
+
+    def get_kv_connector_stats(self):
+        from lmcache_mp.integration.vllm_stats import Deltas, LMCacheMPStats
+
+        core = self._worker if self._worker is not None else self._scheduler
+        if core is None:
+            return None
+        if self._deltas is None:
+            self._deltas = Deltas(core.stats)
+        data = self._deltas.take()
+        return LMCacheMPStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        from lmcache_mp.integration.vllm_stats import LMCacheMPStats
+
+        return LMCacheMPStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]):
+        from lmcache_mp.integration.vllm_stats import LMCacheMPPromMetrics
+
+        return LMCacheMPPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _prefer_recompute(self) -> None:
         """A cache that lost a chunk must not fail the request: vLLM's default policy for load

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import logging
+import threading
 import time
 import weakref
 from typing import Iterable, Sequence
@@ -75,7 +76,12 @@ class WorkerCore:
         self._load_failure_logged = False
         self._short_load_logged = False
         self._register_failure_logged = False
-        self.stats = {"loaded_chunks": 0, "failed_load_chunks": 0, "stored_chunks": 0, "store_errors": 0}
+        # Cumulative. Loads: chunks, bytes and the time the engine waited for them; stores: chunks
+        # sent, then (as the server answers) chunks and bytes it stored, stores answered, their time.
+        self.stats = {"loaded_chunks": 0, "failed_load_chunks": 0, "loaded_bytes": 0, "loads": 0,
+                      "load_seconds": 0.0, "stored_chunks": 0, "stored_bytes": 0, "stores": 0,
+                      "store_seconds": 0.0, "store_errors": 0}
+        self._stats_lock = threading.Lock()  # answers of stores are counted on the client's thread
         self._closed = False
         _live_workers.add(self)
 
@@ -147,7 +153,8 @@ class WorkerCore:
     def start_loads(self, plan: StepPlan) -> None:
         client = self._client() if plan.loads else None
         # The server starts no copy after this deadline, the moment we stop waiting.
-        self._load_deadline = time.monotonic() + self.cfg.load_timeout
+        self._load_started = time.monotonic()
+        self._load_deadline = self._load_started + self.cfg.load_timeout
         for t in plan.loads:
             self._delayed.add(t.req_id)
             fut = None
@@ -185,6 +192,8 @@ class WorkerCore:
             n = len(t.hashes)
             loaded = max(0, min(loaded, n))
             self.stats["loaded_chunks"] += loaded
+            self.stats["loaded_bytes"] += loaded * (self._handles[t.group].object_bytes if self._handles else 0)
+            self.stats["loads"] += 1
             if loaded < n or not n:
                 self.stats["failed_load_chunks"] += n - loaded
                 bpc = len(t.block_ids) // n if n else 0
@@ -196,6 +205,7 @@ class WorkerCore:
                                    t.req_id, loaded, n)
                 else:
                     logger.debug("lmcache-mp: request %s loaded %d of %d chunks", t.req_id, loaded, n)
+        self.stats["load_seconds"] += time.monotonic() - self._load_started
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -216,8 +226,22 @@ class WorkerCore:
                 else:
                     self.stats["stored_chunks"] += len(t.hashes)
                     self._stores.setdefault(t.req_id, []).append(fut)
+                    fut.add_done_callback(self._count_store(self._handles[t.group].object_bytes))
             if t.pin:
                 self._pinned.append((t.pin, fut))
+
+    def _count_store(self, object_bytes: int):
+        t0 = time.monotonic()
+
+        def answered(fut: cf.Future) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                return
+            with self._stats_lock:
+                self.stats["stored_bytes"] += fut.result().stored * object_bytes
+                self.stats["stores"] += 1
+                self.stats["store_seconds"] += time.monotonic() - t0
+
+        return answered
 
     def take_settled_pins(self) -> list[int]:
         """Pins of stores that are over (answered, failed or never sent) since the last call:
