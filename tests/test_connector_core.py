@@ -984,3 +984,62 @@ def types_link(client):
     import types
 
     return types.SimpleNamespace(get=lambda: client)
+
+
+# ---- roles and per-request policies ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["producer", "consumer"])
+def test_a_producer_only_stores_and_a_consumer_only_loads(server, engines, role):
+    toks = prompt(80, 330)
+    a = engines(server.url)
+    a.prefill("seed", prompt(81, 330))  # something on the server to find, for the producer
+    a.finish("seed")
+    eng = engines(server.url, loads=role == "consumer", stores=role == "producer")
+    ext, _, plan = eng.prefill("r", prompt(81, 330) if role == "producer" else toks)
+    if role == "producer":
+        assert ext == 0 and eng.sched.stats["lookups"] == 0 and plan.stores  # found nothing: never asked
+    else:
+        assert not plan.stores and matched(a.sched, "probe", toks, 0) == 0  # stored nothing
+        a.sched.request_finished("probe")
+    eng.finish("r")
+
+
+def test_skip_save_and_skip_load_per_request(server, engines):
+    a = engines(server.url)
+    toks = prompt(82, 330)
+    assert matched(a.sched, "r", toks, 0, skip_save=True) == 0
+    blocks = a.alloc(11)
+    a.sched.on_allocated("r", blocks, 0)
+    assert not a.sched.build_plan([ScheduledRequest("r", 0, 330, blocks)]).stores
+    a.sched.request_finished("r")
+    a.free += blocks
+    a.prefill("s", toks)  # stored now
+    a.finish("s")
+    assert matched(a.sched, "t", toks, 0, skip_load=True) == 0
+    a.sched.request_finished("t")
+    assert matched(a.sched, "u", toks, 0) == 5 * CS
+    a.sched.request_finished("u")
+    assert a.sched.stats["lookups"] == 3  # "r", "s" and "u": skip_load asks nothing
+
+
+def test_multimodal_spans_key_the_chunks_from_their_first_placeholder_on(server, engines):
+    """Same token ids (placeholders) behind two images: chunks before the image are shared,
+    the chunk holding its placeholders and every later one are not."""
+    a = engines(server.url)
+    toks = prompt(83, 330)
+    cat, dog = [(150, 200, b"image:cat")], [(150, 200, b"image:dog")]
+    assert matched(a.sched, "cat", toks, 0, spans=cat) == 0
+    blocks = a.alloc(11)
+    a.sched.on_allocated("cat", blocks, 0)
+    plan = a.sched.build_plan([ScheduledRequest("cat", 0, 330, blocks)])
+    a.execute(plan, compute=[(toks, blocks, 0, 330)])
+    a.finish("cat")
+    plain = chunk_hashes(toks, CS)
+    stored = plan.stores[0].hashes
+    assert stored[:2] == plain[:2] and not set(stored[2:]) & set(plain)  # tokens 150-199: chunks 2, 3
+    assert matched(a.sched, "cat again", toks, 0, spans=cat) == 5 * CS
+    assert matched(a.sched, "dog", toks, 0, spans=dog) == 2 * CS  # only the chunks before the image
+    assert matched(a.sched, "text", toks, 0) == 2 * CS
+    for rid in ("cat again", "dog", "text"):
+        a.sched.request_finished(rid)

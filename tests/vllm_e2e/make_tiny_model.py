@@ -4,11 +4,12 @@ No network access and no tokenizer: the engine is run with
 ``skip_tokenizer_init=True`` and token-id prompts. The weights depend only on
 the seed, so every run of this script produces the same model.
 
-Usage: python make_tiny_model.py OUTPUT_DIR [--arch llama|gemma3] [--seed N]
+Usage: python make_tiny_model.py OUTPUT_DIR [--arch llama|gemma3|lora] [--seed N]
 
 llama: 2 layers of full attention. gemma3: Gemma 3's shape, sliding-window
 layers (window WINDOW tokens) between full-attention layers, which vLLM keeps
-in two KV-cache groups.
+in two KV-cache groups. lora: a LoRA adapter (rank 8, q_proj and v_proj) of
+the tiny Llama, in PEFT's format; adapters of different seeds change the KV.
 """
 
 from __future__ import annotations
@@ -68,13 +69,41 @@ def make_tiny_model(out_dir: str, arch: str = "llama", seed: int = 1234) -> str:
     return out_dir
 
 
+def make_tiny_lora(out_dir: str, seed: int = 1) -> str:
+    """Write a LoRA adapter of the tiny Llama (adapter_config.json + safetensors)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    rank, hidden, kv = 8, TINY["hidden_size"], TINY["num_key_value_heads"] * TINY["head_dim"]
+    weights = {}
+    for layer in range(2):
+        for module, out in (("q_proj", hidden), ("v_proj", kv)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            weights[prefix + ".lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.3
+            weights[prefix + ".lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.3
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(weights, os.path.join(out_dir, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16, "lora_dropout": 0.0,
+              "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False,
+              "modules_to_save": None, "base_model_name_or_path": "tiny-llama"}
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--arch", default="llama", choices=["llama", "gemma3"])
+    parser.add_argument("--arch", default="llama", choices=["llama", "gemma3", "lora"])
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
-    make_tiny_model(args.out_dir, args.arch, args.seed)
+    if args.arch == "lora":
+        make_tiny_lora(args.out_dir, args.seed)
+    else:
+        make_tiny_model(args.out_dir, args.arch, args.seed)
     print(args.out_dir)
     return 0
 

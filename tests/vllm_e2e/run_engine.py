@@ -3,8 +3,10 @@
     python run_engine.py --model DIR --prompts prompts.json --out result.json \
         [--connector-url tcp://127.0.0.1:PORT] [--max-tokens 16]
 
-prompts.json is a list of token-id lists. result.json holds, per prompt, the generated token
-ids and vLLM's `num_cached_tokens`, plus the engine's start-up and generation wall times.
+prompts.json is a list of prompts: token-id lists, or {"tokens": [...], "lora": NAME,
+"cache_salt": "...", "kv_transfer_params": {...}} (LoRA adapters named with --lora NAME=DIR).
+result.json holds, per prompt, the generated token ids and vLLM's `num_cached_tokens`, plus the
+engine's start-up and generation wall times.
 With --pause-dir DIR, prompts.json is a list of batches run one after another by the same
 engine; before batch i > 0 the engine creates DIR/paused-i and waits for DIR/resume-i (the
 test changes the world in between, e.g. restarts the server).
@@ -96,10 +98,32 @@ def publish_events(llm, params) -> None:
     llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5])], params, use_tqdm=False)
 
 
+def request(p, params, loras: dict[str, str]):
+    """(prompt, sampling params, LoRA request) of one prompt of prompts.json."""
+    from vllm.inputs import TokensPrompt
+
+    if not isinstance(p, dict):
+        return TokensPrompt(prompt_token_ids=p), params, None
+    prompt = TokensPrompt(prompt_token_ids=p["tokens"])
+    if p.get("cache_salt"):
+        prompt["cache_salt"] = p["cache_salt"]
+    if p.get("kv_transfer_params"):
+        params = params.clone()
+        params.extra_args = {"kv_transfer_params": p["kv_transfer_params"]}
+    adapter = None
+    if p.get("lora"):
+        from vllm.lora.request import LoRARequest
+
+        names = sorted(loras)
+        adapter = LoRARequest(p["lora"], names.index(p["lora"]) + 1, loras[p["lora"]])
+    return prompt, params, adapter
+
+
 def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tokens: int,
         extra_config: dict | None = None, fail_loads: bool = False, tensor_parallel: int = 1,
         prefix_caching: bool = False, sequential: bool = False, kv_cache_bytes: int = 256 << 20,
-        pause_dir: str | None = None, kv_events: str | None = None, log_stats: bool = False) -> dict:
+        pause_dir: str | None = None, kv_events: str | None = None, log_stats: bool = False,
+        loras: dict[str, str] | None = None) -> dict:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if fail_loads:
@@ -108,6 +132,8 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
     from vllm.inputs import TokensPrompt
 
     kwargs = {}
+    if loras:
+        kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=len(loras))
     if kv_events:
         from vllm.config import KVEventsConfig
 
@@ -151,7 +177,8 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         if pause_dir and i:
             wait_for_resume(pause_dir, i)
         if batch:
-            outs += llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+            prompts_, params_, adapters = zip(*(request(p, params, loras or {}) for p in batch))
+            outs += llm.generate(list(prompts_), list(params_), lora_request=list(adapters), use_tqdm=False)
         if kv_events:
             publish_events(llm, params)
     t2 = time.perf_counter()
@@ -190,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pause-dir", default=None, help="prompts are batches; pause between them (see above)")
     ap.add_argument("--kv-events", default=None, help="publish vLLM's KV events at this ZeroMQ endpoint")
     ap.add_argument("--log-stats", action="store_true", help="vLLM's stats on: its metrics go into the result")
+    ap.add_argument("--lora", action="append", default=[], help="NAME=DIR: a LoRA adapter prompts may name")
     args = ap.parse_args(argv)
     with open(args.prompts) as f:
         prompts = json.load(f)
@@ -197,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                  fail_loads=args.inject_load_failures, tensor_parallel=args.tensor_parallel,
                  prefix_caching=args.prefix_caching, sequential=args.sequential,
                  kv_cache_bytes=args.kv_cache_bytes, pause_dir=args.pause_dir, kv_events=args.kv_events,
-                 log_stats=args.log_stats)
+                 log_stats=args.log_stats, loras=dict(a.split("=", 1) for a in args.lora))
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

@@ -101,9 +101,9 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm_e2e")
 
 
-def make_model(out: Path, arch: str) -> str:
-    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(out), "--arch", arch], check=True,
-                   timeout=300, stdout=subprocess.DEVNULL)
+def make_model(out: Path, arch: str, seed: int = 1234) -> str:
+    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(out), "--arch", arch, "--seed", str(seed)],
+                   check=True, timeout=300, stdout=subprocess.DEVNULL)
     return str(out)
 
 
@@ -585,3 +585,70 @@ def test_kv_events_stores_evictions_and_a_server_restart(run, prompts, model_dir
         sub.close()
         for s in servers:
             s.stop()
+
+
+def test_lora_adapters_cache_salts_and_skip_save_keep_chunks_apart(run, prompts, workdir):
+    """Engine A runs prompt X under LoRA adapter a and under cache salt t1, and prompt Y asking
+    not to be stored. Engine B finds X only under the same adapter or salt (never under adapter
+    b, salt t2 or none) and no Y; its outputs are those of an engine without the connector."""
+    P, _, _ = prompts
+    X, Y = P[0], P[1]
+    # One prompt per step: vLLM's CPU build applies adapters wrongly in batches that mix them.
+    adapters = ("--lora", f"a={make_model(workdir / 'lora-a', 'lora', 1)}",
+                "--lora", f"b={make_model(workdir / 'lora-b', 'lora', 2)}", "--sequential")
+    A = [{"tokens": X, "lora": "a"}, {"tokens": X, "cache_salt": "t1"},
+         {"tokens": Y, "kv_transfer_params": {"lmcache_mp.skip_save": True}}]
+    B = [{"tokens": X, "lora": "b"}, {"tokens": X, "lora": "a"}, {"tokens": X, "cache_salt": "t2"},
+         {"tokens": X, "cache_salt": "t1"}, Y, X]
+    base = run("policy_baseline", B, None, *adapters)
+    assert len({tuple(o) for o in base["outputs"][:3]}) == 3  # the adapters change the KV (and the output)
+    server = ServerProcess(free_port(), workdir / "server_policy.log")
+    try:
+        a = run("policy_A", A, server.url, *adapters)
+        assert a["connector"]["stored_chunks"] == 2 * (len(X) // CHUNK)  # Y's chunks were not stored
+        b = run("policy_B", B, server.url, *adapters)
+        hit = expected_hit(len(X), len(X))
+        assert b["num_cached_tokens"] == [0, hit, 0, hit, 0, 0]
+        assert b["outputs"] == base["outputs"]
+        assert b["connector"]["failed_load_chunks"] == 0
+    finally:
+        server.stop()
+
+
+def test_two_engines_at_once_share_one_server(run, prompts, baseline, model_dir, workdir):
+    """Data parallelism of a dense model: independent engines (vLLM refuses offline DP for dense
+    models, and each DP rank of `vllm serve` is its own engine) against one server. Two engines
+    run at once, each its own prompts, then each the other's: all of those are hits."""
+    P, _, _ = prompts
+    halves = [P[:3], P[3:]]
+    server = ServerProcess(free_port(), workdir / "server_dp.log")
+    pauses = [workdir / f"dp_pauses_{i}" for i in (0, 1)]
+    try:
+        with cf.ThreadPoolExecutor(2) as pool:
+            pending = []
+            for i, d in enumerate(pauses):
+                d.mkdir()
+                pending.append(pool.submit(run, f"dp_engine_{i}", [halves[i], halves[1 - i]], server.url,
+                                           "--pause-dir", str(d)))
+            deadline = time.monotonic() + ENGINE_TIMEOUT
+            while not all((d / "paused-1").exists() for d in pauses):
+                for f in pending:
+                    if f.done():
+                        f.result()
+                        raise AssertionError("an engine ended before its second batch")
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            while server.present_chunks(P, model_dir) != [len(p) // CHUNK for p in P]:  # both stored
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            for d in pauses:
+                (d / "resume-1").touch()
+            results = [f.result() for f in pending]
+    finally:
+        server.stop()
+    for i, r in enumerate(results):
+        mine, theirs = halves[i], halves[1 - i]
+        assert r["num_cached_tokens"] == [0] * len(mine) + [expected_hit(len(p), len(p)) for p in theirs]
+        index = {tuple(p): k for k, p in enumerate(P)}
+        assert r["outputs"] == [baseline["outputs"][index[tuple(p)]] for p in mine + theirs]
+        assert r["connector"]["failed_load_chunks"] == 0

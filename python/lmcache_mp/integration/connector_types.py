@@ -33,6 +33,8 @@ class ConnectorConfig:
     load_timeout: float = 30.0  # longest a forward pass waits for its loads
     flush_timeout: float = 30.0  # longest shutdown (or a preemption) waits for stores in flight
     store_decode: bool = False  # also store chunks completed by generated tokens
+    loads: bool = True  # look up and load (vLLM: kv_role kv_both or kv_consumer)
+    stores: bool = True  # store (vLLM: kv_role kv_both or kv_producer)
     recompute_on_load_error: bool = True  # engine recomputes what a load missed (else fails it)
     kv_events_interval: float = 0.5  # how often the scheduler reads the server's chunk events (KV events on)
 

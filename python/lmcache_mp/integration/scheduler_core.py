@@ -35,6 +35,9 @@ class _Tracked:
     salt: bytes
     generation: int
     cacheable: bool = True
+    skip_load: bool = False
+    skip_save: bool = False
+    spans: Sequence[tuple[int, int, bytes]] = ()  # token ranges whose KV depends on more (see below)
     hashes: list[bytes] = field(default_factory=list)
     looked_up: bool = False
     hit_chunks: int = 0  # leading chunks every group has
@@ -123,7 +126,11 @@ class SchedulerCore:
         if len(tr.hashes) < num_chunks:
             n = num_chunks * chunk_size
             tokens = np.fromiter(itertools.islice(tr.token_ids, n), dtype=np.int64, count=n)
-            tr.hashes = chunk_hashes(tokens, chunk_size, salt=tr.salt)
+            extras: dict[int, bytes] = {}
+            for start, end, what in tr.spans:  # every chunk the span overlaps depends on it
+                for c in range(start // chunk_size, min(num_chunks, -(-end // chunk_size))):
+                    extras[c] = extras.get(c, b"") + what + start.to_bytes(8, "little")
+            tr.hashes = chunk_hashes(tokens, chunk_size, salt=tr.salt, extras=extras)
         return tr.hashes[:num_chunks]
 
     def _release(self, lease: int, hashes: list[bytes] | None = None, client=None) -> None:
@@ -167,11 +174,20 @@ class SchedulerCore:
         salt: bytes = b"",
         generation: int = 0,
         cacheable: bool = True,
+        skip_load: bool = False,
+        skip_save: bool = False,
+        spans: Sequence[tuple[int, int, bytes]] = (),
     ) -> int | None:
         """Tokens beyond `num_computed_tokens` the server can supply: whole chunks, never the
         last token. Repeated calls for one admission (`generation`) reuse the first lookup.
         None while the lookup's answer has not come (the server may be loading chunks from its
-        L2 tier): the engine asks again at a later step instead of waiting."""
+        L2 tier): the engine asks again at a later step instead of waiting.
+
+        `salt`: what all of the request's KV depends on besides its tokens (LoRA adapter, cache
+        salt); `spans`: (start, end, what) token ranges whose KV depends on `what` too (an
+        image behind placeholder tokens): the chunks they overlap, and all later ones, get other
+        keys. `cacheable=False`: neither looked up nor stored; `skip_load` / `skip_save`: one
+        of the two only."""
         tr = self._requests.get(req_id)
         if tr is None or tr.generation != generation:
             if tr is not None:  # re-admitted after preemption
@@ -189,6 +205,9 @@ class SchedulerCore:
                     salt=salt,
                     generation=generation,
                     cacheable=cacheable,
+                    skip_load=skip_load,
+                    skip_save=skip_save,
+                    spans=tuple(spans),
                 )
                 self._requests[req_id] = tr
         if not tr.looked_up:
@@ -199,7 +218,7 @@ class SchedulerCore:
         return self._external_tokens(tr, num_computed_tokens)
 
     def _lookup(self, tr: _Tracked) -> None:
-        if not tr.cacheable:
+        if not tr.cacheable or tr.skip_load or not self.cfg.loads:
             return
         client, cs = self._client()
         if client is None:
@@ -377,17 +396,17 @@ class SchedulerCore:
         self._block_left = self.cfg.lookup_block  # the engine's next step starts its own budget
         plan = StepPlan(loads=self._pending_loads, preempted=list(preempted))
         self._pending_loads = []
-        cs = self._chunk_size
         for rid in plan.preempted:
             tr = self._requests.get(rid)
             if tr is not None:
                 tr.tables = [[] for _ in self.groups]
+        client, _ = self._client()  # (a producer that never looks up learns the chunk size here)
+        cs, client_ok = self._chunk_size, client is not None
         if not cs:
             return plan
-        client_ok = self.link.get() is not None
         for s in scheduled:
             tr = self._requests.get(s.req_id)
-            if tr is None or not tr.cacheable:
+            if tr is None or not tr.cacheable or tr.skip_save or not self.cfg.stores:
                 continue
             if s.block_ids is not None:
                 self._set_tables(tr, s.block_ids)

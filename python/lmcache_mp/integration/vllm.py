@@ -38,6 +38,7 @@ from lmcache_mp.integration.connector_core import (
     StepPlan,
     WorkerCore,
 )
+from lmcache_mp.integration import vllm_requests
 from lmcache_mp.integration.chunk_events import ChunkEvents
 from lmcache_mp.integration.vllm_specs import kv_groups
 
@@ -121,24 +122,6 @@ def _served_model_name(vllm_config: "VllmConfig") -> str:
     return str(name)
 
 
-def _request_salt(request: "Request") -> bytes:
-    """Keys must differ wherever the KV differs for the same tokens: LoRA adapter, cache salt."""
-    parts = []
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append("lora:" + str(getattr(lora, "lora_name", None) or getattr(lora, "lora_int_id", "")))
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        parts.append("salt:" + str(salt))
-    return "\0".join(parts).encode() if parts else b""
-
-
-def _cacheable(request: "Request") -> bool:
-    # Token ids stand for their KV only for plain text: multimodal placeholders and prompt
-    # embeddings would alias different contents under one key.
-    return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None
-
-
 class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefix cache in the lmcache-mp server: loads hits before the forward pass, stores new
     full prompt chunks after it. Synchronous loads; asynchronous stores. Every KV-cache group of
@@ -153,11 +136,16 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         self._tp = int(pc.tensor_parallel_size)
         self._pp = int(pc.pipeline_parallel_size)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        kv_role = str(getattr(self._kv_transfer_config, "kv_role", "kv_both") or "kv_both")
+        if kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ValueError(f"lmcache-mp: kv_role {kv_role!r} is not one of kv_both, kv_producer, kv_consumer")
         self._cfg = ConnectorConfig.from_extra_config(
             extra,
             model=_served_model_name(vllm_config),
             block_size=int(vllm_config.cache_config.block_size),
             world_size=self._tp * self._pp,
+            loads=kv_role != "kv_producer",  # a producer only stores
+            stores=kv_role != "kv_consumer",  # a consumer only loads
         )
         self._use_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
         # Refuses, at start-up, groups whose KV cannot be cached by prefix (Mamba state, ...).
@@ -189,11 +177,12 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=self._groups,
             )
         logger.info(
-            "lmcache-mp connector (%s): server %s, model %r, world size %d%s",
+            "lmcache-mp connector (%s): server %s, model %r, world size %d, %s%s",
             role.name.lower(),
             self._cfg.url,
             self._cfg.model,
             self._cfg.world_size,
+            {"kv_both": "loads and stores", "kv_producer": "stores only", "kv_consumer": "loads only"}[kv_role],
             "" if len(self._groups) == 1 else ", KV-cache groups " + ", ".join(g.describe() for g in self._groups),
         )
 
@@ -385,9 +374,12 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             request.all_token_ids,
             num_computed_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
-            salt=_request_salt(request),
+            salt=vllm_requests.salt(request),
             generation=int(getattr(request, "num_preemptions", 0)),
-            cacheable=_cacheable(request),
+            cacheable=vllm_requests.cacheable(request),
+            skip_load=vllm_requests.asks(request, vllm_requests.SKIP_LOAD),
+            skip_save=vllm_requests.asks(request, vllm_requests.SKIP_SAVE),
+            spans=vllm_requests.spans(request),
         )
         return n, False
 
