@@ -123,7 +123,7 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         extra_config: dict | None = None, fail_loads: bool = False, tensor_parallel: int = 1,
         prefix_caching: bool = False, sequential: bool = False, kv_cache_bytes: int = 256 << 20,
         pause_dir: str | None = None, kv_events: str | None = None, log_stats: bool = False,
-        loras: dict[str, str] | None = None) -> dict:
+        loras: dict[str, str] | None = None, kv_role: str = "kv_both") -> dict:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if fail_loads:
@@ -144,7 +144,7 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LMCacheMPConnector",
             kv_connector_module_path="lmcache_mp.integration.vllm",
-            kv_role="kv_both",
+            kv_role=kv_role,
             kv_connector_extra_config={"lmcache_mp.url": connector_url, **(extra_config or {})},
         )
     t0 = time.perf_counter()
@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-events", default=None, help="publish vLLM's KV events at this ZeroMQ endpoint")
     ap.add_argument("--log-stats", action="store_true", help="vLLM's stats on: its metrics go into the result")
     ap.add_argument("--lora", action="append", default=[], help="NAME=DIR: a LoRA adapter prompts may name")
+    ap.add_argument("--kv-role", default="kv_both", choices=["kv_both", "kv_producer", "kv_consumer"])
     args = ap.parse_args(argv)
     with open(args.prompts) as f:
         prompts = json.load(f)
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                  fail_loads=args.inject_load_failures, tensor_parallel=args.tensor_parallel,
                  prefix_caching=args.prefix_caching, sequential=args.sequential,
                  kv_cache_bytes=args.kv_cache_bytes, pause_dir=args.pause_dir, kv_events=args.kv_events,
-                 log_stats=args.log_stats, loras=dict(a.split("=", 1) for a in args.lora))
+                 log_stats=args.log_stats, loras=dict(a.split("=", 1) for a in args.lora),
+                 kv_role=args.kv_role)
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

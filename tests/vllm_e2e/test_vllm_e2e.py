@@ -588,9 +588,10 @@ def test_kv_events_stores_evictions_and_a_server_restart(run, prompts, model_dir
 
 
 def test_lora_adapters_cache_salts_and_skip_save_keep_chunks_apart(run, prompts, workdir):
-    """Engine A runs prompt X under LoRA adapter a and under cache salt t1, and prompt Y asking
-    not to be stored. Engine B finds X only under the same adapter or salt (never under adapter
-    b, salt t2 or none) and no Y; its outputs are those of an engine without the connector."""
+    """Engine A (kv_producer: stores only) runs prompt X under LoRA adapter a and under cache salt
+    t1, and prompt Y asking not to be stored. Engine B (kv_consumer: loads only) finds X only under
+    the same adapter or salt (never under adapter b, salt t2 or none) and no Y, and stores nothing;
+    its outputs are those of an engine without the connector."""
     P, _, _ = prompts
     X, Y = P[0], P[1]
     # One prompt per step: vLLM's CPU build applies adapters wrongly in batches that mix them.
@@ -604,9 +605,11 @@ def test_lora_adapters_cache_salts_and_skip_save_keep_chunks_apart(run, prompts,
     assert len({tuple(o) for o in base["outputs"][:3]}) == 3  # the adapters change the KV (and the output)
     server = ServerProcess(free_port(), workdir / "server_policy.log")
     try:
-        a = run("policy_A", A, server.url, *adapters)
+        a = run("policy_A", A, server.url, *adapters, "--kv-role", "kv_producer")
         assert a["connector"]["stored_chunks"] == 2 * (len(X) // CHUNK)  # Y's chunks were not stored
-        b = run("policy_B", B, server.url, *adapters)
+        assert a["connector"]["lookups"] == 0
+        b = run("policy_B", B, server.url, *adapters, "--kv-role", "kv_consumer")
+        assert b["connector"]["stored_chunks"] == 0
         hit = expected_hit(len(X), len(X))
         assert b["num_cached_tokens"] == [0, hit, 0, hit, 0, 0]
         assert b["outputs"] == base["outputs"]
