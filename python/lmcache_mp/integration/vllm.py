@@ -258,6 +258,12 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception:  # noqa: BLE001 - groups not initialised (single process)
             return int(getattr(self._vllm_config.parallel_config, "rank", 0)) % (self._tp * self._pp)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+: sleep mode unmaps and remaps the KV cache the server has mapped (CUDA
+        IPC); vLLM refuses the combination at start-up instead."""
+        return False
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped store is only a later cache miss
