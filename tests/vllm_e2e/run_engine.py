@@ -129,7 +129,6 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
     if fail_loads:
         inject_load_failures()
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     kwargs = {}
     if loras:

@@ -52,7 +52,8 @@ def vllm_imports() -> list[tuple[str, str, str]]:
         typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
                        and getattr(block.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(block)}
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm") and id(node) not in typing_only:
+            if (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm")
+                    and id(node) not in typing_only):
                 module = node.module.replace(".", "/") + ".py"
                 out += [(path.name, module, a.name) for a in node.names]
     return out
@@ -119,7 +120,8 @@ def test_kv_cache_specs_and_block_pool_we_use_exist(vllm):
     used = {n.attr for n in ast.walk(our_tree("vllm_specs.py"))
             if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "kv"}
     assert used and used <= set(interface["names"]), used - set(interface["names"])
-    assert {"layer_names", "kv_cache_spec", "enable_kv_transfer"} <= set(interface["classes"]["KVCacheGroupSpec"]["fields"])
+    group_fields = set(interface["classes"]["KVCacheGroupSpec"]["fields"])
+    assert {"layer_names", "kv_cache_spec", "enable_kv_transfer"} <= group_fields
     assert {"kv_cache_groups", "hash_block_size"} <= set(interface["classes"]["KVCacheConfig"]["fields"])
     pool = vllm["modules"]["vllm/v1/core/block_pool.py"]["classes"]["BlockPool"]["methods"]
     assert pool["touch"]["params"] == ["blocks"] and pool["free_blocks"]["params"] == ["ordered_blocks"]

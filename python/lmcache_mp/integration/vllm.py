@@ -10,13 +10,19 @@
 
 Extra-config keys (all optional): `lmcache_mp.url` (default tcp://127.0.0.1:5555),
 `lmcache_mp.model` (default: the served model name; engines sharing a cache must agree),
-`lmcache_mp.lookup_timeout` (seconds, default 0.2), `lmcache_mp.store_decode` (default false),
+`lmcache_mp.lookup_timeout` (seconds, default 2), `lmcache_mp.store_decode` (default false),
 and the other `ConnectorConfig` fields. Unless `lmcache_mp.recompute_on_load_error` is false, the
 connector sets vLLM's `kv_load_failure_policy` to "recompute": a chunk that cannot be loaded
 is computed again instead of failing the request. The scheduler never waits on an absent or slow server
 for longer than one lookup timeout per retry interval; it then serves without the cache.
 
-This module is a thin adapter: all logic is in `connector_core` (see
+`kv_role` kv_both / kv_producer (stores only) / kv_consumer (loads only). Hybrid models keep
+vLLM's hybrid KV-cache manager (SupportsHMA): every KV-cache group is stored and loaded on its
+own (vllm_specs.py says which kinds; the others are refused at start-up). With vLLM's KV events
+on, the chunks this engine stored are announced (vllm_events.py, chunk_events.py); its counters
+reach vLLM's stats (vllm_stats.py); what of a request enters its keys: vllm_requests.py.
+
+This module is a thin adapter: the logic is in `connector_core` (see
 docs/vllm-connector-notes.md for the vLLM interface it follows).
 """
 

@@ -161,8 +161,9 @@ class WorkerCore:
             if client is not None and t.hashes:
                 scratch = None if t.scratch_block is None else self._tensor_block_ids([t.scratch_block], t.group)
                 try:
-                    fut = client.retrieve(self._handles[t.group], t.hashes, self._tensor_block_ids(t.block_ids, t.group),
-                                          lease=t.lease, deadline=self._load_deadline, scratch_blocks=scratch)
+                    fut = client.retrieve(self._handles[t.group], t.hashes,
+                                          self._tensor_block_ids(t.block_ids, t.group), lease=t.lease,
+                                          deadline=self._load_deadline, scratch_blocks=scratch)
                 except (LMCacheMPError, ValueError) as exc:
                     self._note_failure(exc, slow=False)
             self._loading.append((t, fut))
