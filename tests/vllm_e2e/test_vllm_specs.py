@@ -142,3 +142,26 @@ def test_stats_reach_vllms_log_line_and_prometheus_counters():
     prom.observe(step.to_dict(), 0)
     assert REGISTRY.get_sample_value("vllm:lmcache_mp_hit_tokens_total", {"engine": "0"}) == 384
     assert REGISTRY.get_sample_value("vllm:lmcache_mp_loaded_bytes_total", {"engine": "0"}) == 6 << 20
+
+
+def test_the_connector_refuses_a_mamba_hybrid_when_vllm_creates_it(kv):
+    """The error vLLM shows when it starts a Qwen3-Next-like model with this connector."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from lmcache_mp.integration.vllm import LMCacheMPConnector
+    from lmcache_mp.integration.vllm_specs import UnsupportedKVCache
+
+    m = kv.mod
+    config = types.SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(kv_connector="LMCacheMPConnector", kv_role="kv_both",
+                                            kv_connector_module_path="lmcache_mp.integration.vllm"),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=types.SimpleNamespace(block_size=32),
+        model_config=types.SimpleNamespace(served_model_name="m", model="m", use_mla=False))
+    hybrid = kv.config(m.FullAttentionSpec(**kv.attn),
+                       m.MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(kv.torch.float32,)))
+    said = r"group 1 \(layers\.1\.attn\): MambaSpec: its state \(Mamba or linear attention\)"
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(UnsupportedKVCache, match=said):
+            LMCacheMPConnector(config, role, hybrid)
