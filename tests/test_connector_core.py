@@ -749,28 +749,36 @@ def window_table(engine, n_tokens: int, computed: int) -> list[int]:
     return [SCRATCH] * skipped + engine.alloc(-(-n_tokens // BS) - skipped)
 
 
-def test_hybrid_groups_store_and_load_each_group_in_its_own_namespace(server, engines):
-    a = engines(server.url, groups=HYBRID)
-    toks = prompt(60, 330)
-    assert matched(a.sched, "r", toks, 0) == 0
-    tables = (a.alloc(11), a.alloc(11))
-    a.sched.on_allocated("r", tables, 0)
-    plan = a.sched.build_plan([ScheduledRequest("r", 0, 330, tables)])
-    # One store per group; the window group's blocks are pinned until the store read them.
-    assert [(t.group, len(t.hashes), bool(t.pin)) for t in plan.stores] == [(0, 5, False), (1, 5, True)]
-    assert +a.pinned == collections.Counter(tables[1][:10])
-    a.execute(plan, compute=[(toks, tables[0], 0, 330, 0), (toks, tables[1], 0, 330, 1)])
-    a.settle_pins()
-    assert not +a.pinned  # every pin given back
-    assert a.finish("r") is True
-    with Client(server.url, timeout=5) as c:
-        models = sorted(r["model"] for r in c.status()["registrations"])
-        assert models == ["tiny#group0:full", f"tiny#group1:sliding_window={WINDOW}"]
-        # A model of one group never sees these chunks, nor one group the other's.
-        assert c.lookup(chunk_hashes(toks, CS), model="tiny") == 0
-    a.close()
+def test_hybrid_groups_store_and_load_each_group_in_its_own_namespace(server):
+    hybrid_round_trip(server.url)
 
-    b = engines(server.url, groups=HYBRID)
+
+def hybrid_round_trip(url: str, device: str = "cpu") -> None:
+    """Engine A stores a prompt of a full-attention and a sliding-window group; engine B loads
+    every chunk of the first and only the window's chunks of the second, byte for byte."""
+    a = Engine(url, groups=HYBRID, device=device)
+    toks = prompt(60, 330)
+    try:
+        assert matched(a.sched, "r", toks, 0) == 0
+        tables = (a.alloc(11), a.alloc(11))
+        a.sched.on_allocated("r", tables, 0)
+        plan = a.sched.build_plan([ScheduledRequest("r", 0, 330, tables)])
+        # One store per group; the window group's blocks are pinned until the store read them.
+        assert [(t.group, len(t.hashes), bool(t.pin)) for t in plan.stores] == [(0, 5, False), (1, 5, True)]
+        assert +a.pinned == collections.Counter(tables[1][:10])
+        a.execute(plan, compute=[(toks, tables[0], 0, 330, 0), (toks, tables[1], 0, 330, 1)])
+        a.settle_pins()
+        assert not +a.pinned  # every pin given back
+        assert a.finish("r") is True
+        with Client(url, timeout=5) as c:
+            models = sorted(r["model"] for r in c.status()["registrations"])
+            assert models == ["tiny#group0:full", f"tiny#group1:sliding_window={WINDOW}"]
+            # A model of one group never sees these chunks, nor one group the other's.
+            assert c.lookup(chunk_hashes(toks, CS), model="tiny") == 0
+    finally:
+        a.close()
+
+    b = Engine(url, groups=HYBRID, device=device)
     try:
         b.free = b.free[::-1]
         assert matched(b.sched, "r", toks, 0) == 5 * CS
@@ -788,7 +796,8 @@ def test_hybrid_groups_store_and_load_each_group_in_its_own_namespace(server, en
         assert b.check(toks, tables[0], 330, group=0)
         assert b.check(toks, tables[1], 330, group=1, start_block=7)
         b.sched.flush_releases(5)
-        assert leases(server) == 0  # chunks 0-2 of the window group's lease were released
+        with Client(url, timeout=5) as c:
+            assert c.status()["l1"]["leases"] == 0  # chunks 0-2 of the window group's lease were released
         b.finish("r")
     finally:
         b.close()
