@@ -7,6 +7,7 @@ one worker-side core per rank the way vLLM's connector hooks do.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import math
@@ -22,6 +23,7 @@ torch = pytest.importorskip("torch")
 from lmcache_mp import Client, Server, ServerConfig  # noqa: E402
 from lmcache_mp.integration.connector_core import (  # noqa: E402
     ConnectorConfig,
+    KVGroup,
     ScheduledRequest,
     SchedulerCore,
     StepPlan,
@@ -93,12 +95,12 @@ def block_view(layer_cache, block_id: int, kind: str = "opaque"):
     return layer_cache.select(dim, block_id)
 
 
-def block_bytes(tokens, block_index: int, layer: int, rank: int, kind: str = "opaque"):
+def block_bytes(tokens, block_index: int, layer: int, rank: int, kind: str = "opaque", group: int = 0):
     """The KV of one full block: a function of every token up to its end (like real KV).
     MLA KV is the same on every rank."""
     if kind == "mla":
         rank = 0
-    h = hashlib.blake2b(repr((tokens[: (block_index + 1) * BS], layer, rank)).encode(), digest_size=8)
+    h = hashlib.blake2b(repr((tokens[: (block_index + 1) * BS], layer, rank, group)).encode(), digest_size=8)
     g = torch.Generator().manual_seed(int.from_bytes(h.digest(), "little"))
     shape, perm, dim, split = LAYER_LAYOUTS[kind]
     view = [shape[p] for p in perm]
@@ -118,24 +120,33 @@ def matched(sched, *args, **kw):
 class Engine:
     """One engine instance: a scheduler core and one worker core per rank."""
 
-    def __init__(self, url: str, world_size: int = 1, device: str = "cpu", kind: str = "opaque", **cfg):
+    def __init__(self, url: str, world_size: int = 1, device: str = "cpu", kind: str = "opaque", groups=None,
+                 **cfg):
         cfg.setdefault("lookup_timeout", 2.0)
         cfg.setdefault("connect_timeout", 5.0)
         cfg.setdefault("model", "tiny")
         self.cfg = ConnectorConfig(url=url, block_size=BS, world_size=world_size, **cfg)
-        self.sched = SchedulerCore(self.cfg)
+        self.groups = groups or [KVGroup(0, block_size=BS)]
+        self.sched = SchedulerCore(self.cfg, groups=self.groups)
         self.sched.scratch_block_id = SCRATCH
+        # The engine's reference counts of blocks the scheduler keeps from reuse (vLLM's touch).
+        self.pinned = collections.Counter()
+        self.sched.pin_blocks = self.pinned.update
+        self.sched.unpin_blocks = self.pinned.subtract
         self.sched.start()
         self.kind = kind
-        self.caches = [make_cache(device, kind) for _ in range(world_size)]
+        # Per rank, per group: the layers (one block pool for all groups, as in vLLM).
+        self.group_caches = [[make_cache(device, kind) for _ in self.groups] for _ in range(world_size)]
+        self.caches = [gc[0] for gc in self.group_caches]
         # As the vLLM adapter does: MLA bytes are the same on every rank, so only rank 0 stores.
         mla = kind == "mla"
         self.workers = [
-            WorkerCore(self.cfg, rank=r, layout="mla" if mla else "auto", stores=not mla or r == 0)
+            WorkerCore(self.cfg, rank=r, layout="mla" if mla else "auto", stores=not mla or r == 0,
+                       groups=self.groups)
             for r in range(world_size)
         ]
-        for w, c in zip(self.workers, self.caches):
-            w.register_kv_caches(c)
+        for w, gc in zip(self.workers, self.group_caches):
+            w.register_kv_caches(gc if len(self.groups) > 1 else gc[0])
         if any(w.link.client is not None for w in self.workers):
             # The client's I/O socket connects in the background after Client() returns, and a
             # store sent before that fails at once ("server not connected"); give it a moment.
@@ -150,22 +161,32 @@ class Engine:
         out, self.free = self.free[:n], self.free[n:]
         return out
 
-    def compute(self, tokens, block_ids, start: int, end: int) -> None:
-        """Write the KV of full blocks covering tokens [start, end) on every rank."""
+    def compute(self, tokens, block_ids, start: int, end: int, group: int = 0) -> None:
+        """Write the KV of full blocks covering tokens [start, end) of a group on every rank."""
         for i in range(start // BS, end // BS):
-            for r, cache in enumerate(self.caches):
+            for r, gc in enumerate(self.group_caches):
                 for layer in range(LAYERS):
-                    block = block_view(cache[layer], block_ids[i], self.kind)
-                    block.copy_(block_bytes(tokens, i, layer, r, self.kind))
+                    block = block_view(gc[group][layer], block_ids[i], self.kind)
+                    block.copy_(block_bytes(tokens, i, layer, r, self.kind, group))
 
-    def check(self, tokens, block_ids, upto_tokens: int) -> bool:
+    def check(self, tokens, block_ids, upto_tokens: int, group: int = 0, start_block: int = 0) -> bool:
         ok = True
-        for i in range(upto_tokens // BS):
-            for r, cache in enumerate(self.caches):
+        for i in range(start_block, upto_tokens // BS):
+            for r, gc in enumerate(self.group_caches):
                 for layer in range(LAYERS):
-                    block = block_view(cache[layer], block_ids[i], self.kind).cpu()
-                    ok &= torch.equal(block, block_bytes(tokens, i, layer, r, self.kind))
+                    block = block_view(gc[group][layer], block_ids[i], self.kind).cpu()
+                    ok &= torch.equal(block, block_bytes(tokens, i, layer, r, self.kind, group))
         return ok
+
+    def settle_pins(self, timeout: float = 10.0) -> None:
+        """Hand the workers' settled stores to the scheduler (vLLM: worker metadata each step)
+        until no store keeps blocks pinned."""
+        deadline = time.monotonic() + timeout
+        while self.sched.pinned_stores:
+            assert time.monotonic() < deadline, "pinned stores never settled"
+            for w in self.workers:
+                self.sched.stores_settled(collections.Counter(w.take_settled_pins()))
+            time.sleep(0.01)
 
     def execute(self, plan: StepPlan, compute=()) -> None:
         """One forward step on every rank: loads, compute, then stores."""
@@ -546,12 +567,12 @@ def test_tensor_parallel_two_ranks(server, engines):
     toks = prompt(15, 333)
     # Rank 1 is not connected yet: only rank 0 stores, so nothing is a hit for the pair.
     link1 = a.workers[1].link
-    a.workers[1]._handle, handle1 = None, a.workers[1]._handle
+    a.workers[1]._handles, handle1 = None, a.workers[1]._handles
     ext, _, plan = a.prefill("r", toks)
     assert a.finish("r") is True  # both ranks report, even the one that could not store
     assert matched(a.sched, "probe", toks, 0) == 0
     a.sched.request_finished("probe")
-    a.workers[1]._handle = handle1
+    a.workers[1]._handles = handle1
     assert link1.get() is not None
     ext, _, plan = a.prefill("r2", toks)  # now both ranks store the chunks
     a.finish("r2")
@@ -715,3 +736,321 @@ def test_server_restart_is_survived(engines):
     finally:
         a.close()
         srv.stop()
+
+
+# ---- hybrid models: several KV-cache groups --------------------------------------------------
+
+WINDOW = 80  # tokens of the sliding-window group: its window at a chunk boundary spans 3 blocks
+HYBRID = [KVGroup(0, "full", BS), KVGroup(1, "sliding_window", BS, window=WINDOW)]
+
+
+def window_table(engine, n_tokens: int, computed: int) -> list[int]:
+    """A sliding-window group's block table as vLLM keeps it once `computed` tokens are done:
+    the null block for blocks entirely before the window, real blocks after."""
+    skipped = max(0, computed - WINDOW + 1) // BS
+    return [SCRATCH] * skipped + engine.alloc(-(-n_tokens // BS) - skipped)
+
+
+def test_hybrid_groups_store_and_load_each_group_in_its_own_namespace(server):
+    hybrid_round_trip(server.url)
+
+
+def hybrid_round_trip(url: str, device: str = "cpu") -> None:
+    """Engine A stores a prompt of a full-attention and a sliding-window group; engine B loads
+    every chunk of the first and only the window's chunks of the second, byte for byte."""
+    a = Engine(url, groups=HYBRID, device=device)
+    toks = prompt(60, 330)
+    try:
+        assert matched(a.sched, "r", toks, 0) == 0
+        tables = (a.alloc(11), a.alloc(11))
+        a.sched.on_allocated("r", tables, 0)
+        plan = a.sched.build_plan([ScheduledRequest("r", 0, 330, tables)])
+        # One store per group; the window group's blocks are pinned until the store read them.
+        assert [(t.group, len(t.hashes), bool(t.pin)) for t in plan.stores] == [(0, 5, False), (1, 5, True)]
+        assert +a.pinned == collections.Counter(tables[1][:10])
+        a.execute(plan, compute=[(toks, tables[0], 0, 330, 0), (toks, tables[1], 0, 330, 1)])
+        a.settle_pins()
+        assert not +a.pinned  # every pin given back
+        assert a.finish("r") is True
+        with Client(url, timeout=5) as c:
+            models = sorted(r["model"] for r in c.status()["registrations"])
+            assert models == ["tiny#group0:full", f"tiny#group1:sliding_window={WINDOW}"]
+            # A model of one group never sees these chunks, nor one group the other's.
+            assert c.lookup(chunk_hashes(toks, CS), model="tiny") == 0
+    finally:
+        a.close()
+
+    b = Engine(url, groups=HYBRID, device=device)
+    try:
+        b.free = b.free[::-1]
+        assert matched(b.sched, "r", toks, 0) == 5 * CS
+        # vLLM keeps for the window group only the blocks of its last WINDOW - 1 tokens: 7 nulls.
+        tables = (b.alloc(11), window_table(b, 330, 320))
+        b.sched.on_allocated("r", tables, 5 * CS)
+        plan = b.sched.build_plan([ScheduledRequest("r", 5 * CS, 10, tables)])
+        full, window = plan.loads
+        assert (full.group, full.hashes) == (0, chunk_hashes(toks, CS)[:5])
+        # Chunks 0-2 hold nothing the window reads: not loaded; chunk 3's first block is the null one.
+        assert (window.group, window.hashes) == (1, chunk_hashes(toks, CS)[3:5])
+        assert window.block_ids == [SCRATCH] + tables[1][7:10] and window.num_scratch_blocks == 1
+        b.execute(plan, compute=[(toks, tables[0], 320, 330, 0), (toks, tables[1], 320, 330, 1)])
+        assert b.load_errors == set()
+        assert b.check(toks, tables[0], 330, group=0)
+        assert b.check(toks, tables[1], 330, group=1, start_block=7)
+        b.sched.flush_releases(5)
+        with Client(url, timeout=5) as c:
+            assert c.status()["l1"]["leases"] == 0  # chunks 0-2 of the window group's lease were released
+        b.finish("r")
+    finally:
+        b.close()
+
+
+def test_a_chunk_one_group_lacks_is_no_hit(server, engines):
+    """The stores of the first steps were put off (server away); by the time they are planned
+    vLLM has freed blocks the window of the early chunks needs: those chunks are stored for the
+    full-attention group only, and a later lookup counts no hit on them."""
+    a = engines(server.url, groups=HYBRID)
+    toks = prompt(61, 330)
+    assert matched(a.sched, "r", toks, 0) == 0
+    tables = (a.alloc(11), a.alloc(11))
+    a.sched.on_allocated("r", tables, 0)
+    link_get, a.sched.link.get = a.sched.link.get, lambda: None
+    plan = a.sched.build_plan([ScheduledRequest("r", 0, 250, tables)])
+    assert not plan.stores
+    a.execute(plan, compute=[(toks, tables[0], 0, 250, 0), (toks, tables[1], 0, 250, 1)])
+    a.sched.link.get = link_get
+    a.free += tables[1][:5]
+    tables = (tables[0], [SCRATCH] * 5 + tables[1][5:])  # blocks before token 250 - 79 freed
+    plan = a.sched.build_plan([ScheduledRequest("r", 250, 80, tables)])
+    a.execute(plan, compute=[(toks, tables[0], 250, 330, 0), (toks, tables[1], 250, 330, 1)])
+    # Chunks 3 and 4 still have every block their windows read (from tokens 177 and 241 on).
+    assert [(t.group, t.hashes) for t in plan.stores] == [(0, chunk_hashes(toks, CS)), (1, chunk_hashes(toks, CS)[3:5])]
+    a.settle_pins()
+    a.finish("r")
+    assert matched(a.sched, "probe", toks, 0) == 0  # chunk 0 is missing for the window group
+    a.sched.request_finished("probe")
+    a.sched.flush_releases(5)
+    assert leases(server) == 0
+    a.close()
+
+
+def test_scratch_blocks_may_repeat_in_a_retrieve(server):
+    """Bytes nobody reads may all go to one block; every other block id stays distinct."""
+    from lmcache_mp import LMCacheMPError, shared_cpu_tensor
+
+    layers = [shared_cpu_tensor((8, HEADS, BS, HEAD2), torch.bfloat16) for _ in range(LAYERS)]
+    for i, t in enumerate(layers):
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(i)))
+    with Client(server.url, timeout=10) as c:
+        kv = c.register_kv_cache(layers, model="scratch", world_size=1, rank=0)
+        hashes = chunk_hashes(prompt(62, 2 * CS), CS)
+        c.store(kv, hashes, [1, 2, 3, 4]).result()
+        with pytest.raises(LMCacheMPError, match="appears twice"):
+            c.retrieve(kv, hashes, [0, 0, 5, 6]).result()
+        with pytest.raises(LMCacheMPError, match="appears twice"):
+            c.retrieve(kv, hashes, [0, 5, 5, 6], scratch_blocks=[0]).result()
+        assert c.retrieve(kv, hashes, [0, 0, 5, 6], scratch_blocks=[0]).result().loaded == 2
+        for t in layers:
+            assert torch.equal(t[5], t[3]) and torch.equal(t[6], t[4])
+        c.unregister_kv_cache(kv)
+
+
+# ---- KV events: the chunks an engine stored, as announcements ---------------------------------
+
+
+def fill_l1(url: str, n_chunks: int) -> None:
+    """Store n_chunks chunks of another model: L1 evicts the oldest chunks to make room."""
+    from lmcache_mp import shared_cpu_tensor
+
+    layers = [shared_cpu_tensor((NUM_BLOCKS, HEADS, BS, HEAD2), torch.bfloat16) for _ in range(LAYERS)]
+    with Client(url, timeout=30) as c:
+        kv = c.register_kv_cache(layers, model="filler", world_size=1, rank=0)
+        for start in range(0, n_chunks, 32):
+            hashes = chunk_hashes(prompt(1000 + start, 32 * CS), CS)
+            c.store(kv, hashes, list(range(64))).result()
+        c.unregister_kv_cache(kv)
+
+
+def test_server_events_report_commits_and_removals_with_a_bounded_window():
+    from lmcache_mp.storage.events import REMOVED, STORED
+
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", l1_size="64MiB", device="cpu", chunk_size=CS,
+                              kv_events=8)).start()
+    try:
+        layers = [shared_cpu(8) for _ in range(LAYERS)]
+        with Client(srv.url, timeout=10) as c:
+            kv = c.register_kv_cache(layers, model="m", world_size=1, rank=0)
+            hashes = chunk_hashes(prompt(70, 3 * CS), CS)
+            c.store(kv, hashes, list(range(6))).result()
+            r = c.events(0, ["m"])
+            assert [(e.seq, e.kind, r.models[e.model], e.rank, e.digest) for e in r.events] == \
+                [(i, STORED, "m", 0, h) for i, h in enumerate(hashes)]
+            assert (r.first, r.next) == (0, 3)
+            assert c.events(0, ["other"]).events == [] and c.events(0, ["other"]).next == 3  # filtered, scanned
+            assert c.clear() == 3
+            r = c.events(3, ["m"])
+            assert [(e.kind, e.digest) for e in r.events] == [(REMOVED, h) for h in hashes]
+            c.store(kv, hashes, list(range(6))).result()
+            assert c.clear() == 3  # 6 more events: the window of 8 has dropped the first ones
+            r = c.events(0, ["m"])
+            assert (r.first, r.next) == (4, 12) and r.events[0].seq == 4  # events 0-3 lost
+            assert r.session_id == c.events(12).session_id
+            c.unregister_kv_cache(kv)
+    finally:
+        srv.stop()
+
+
+def shared_cpu(num_blocks: int):
+    from lmcache_mp import shared_cpu_tensor
+
+    return shared_cpu_tensor((num_blocks, HEADS, BS, HEAD2), torch.bfloat16)
+
+
+def tracked(engine):
+    """A ChunkEvents of an engine's scheduler: announces ("stored"/"removed", chunk index)."""
+    from lmcache_mp.integration.chunk_events import ChunkEvents
+
+    ev = ChunkEvents(engine.sched.link, engine.sched.models, engine.cfg.world_size, interval=3600)
+    engine.sched.on_store_planned = lambda rid, g, c, h: ev.expect(g, h, ("stored", rid, c), ("removed", rid, c))
+    return ev
+
+
+def test_engine_announces_its_stores_then_evictions_then_a_restart():
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+
+    def start():
+        return Server(ServerConfig(url=url, l1_size="16MiB", slab_size="1MiB", device="cpu", chunk_size=CS)).start()
+
+    srv = start()
+    a = Engine(url, retry_interval=0.3, lookup_timeout=0.5)
+    ev = tracked(a)
+    try:
+        toks = prompt(71, 330)
+        a.prefill("r1", toks)
+        a.finish("r1")
+        assert ev.sync() and ev.take() == [("stored", "r1", c) for c in range(5)]
+        fill_l1(url, 640)  # 16 MiB of 32 KiB chunks hold 512: r1's, the oldest, are evicted
+        assert ev.sync() and sorted(ev.take()) == [("removed", "r1", c) for c in range(5)]
+        a.prefill("r2", toks)  # stored again
+        a.finish("r2")
+        assert ev.sync() and ev.take() == [("stored", "r2", c) for c in range(5)]
+        srv.stop()
+        srv = start()  # an empty server at the same address
+        deadline = time.monotonic() + 20
+        while not ev.sync():  # the scheduler's client notices the new server by itself
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert sorted(ev.take()) == [("removed", "r2", c) for c in range(5)]
+        assert ev.announced == 0 and ev.stats["resyncs"] == 1
+    finally:
+        ev.close()
+        a.close()
+        srv.stop()
+
+
+class ScriptedEvents:
+    """A client whose events() answers from a script of (first, next, [(seq, kind, rank, digest)])."""
+
+    def __init__(self, script, session=b"s1"):
+        self.script, self.session = list(script), session
+
+    def events(self, since, models, max_events):
+        from lmcache_mp import protocol as p
+
+        first, nxt, evs = self.script.pop(0) if self.script else (0, since, [])
+        return p.EventsReply(session_id=self.session, first=first, next=nxt, models=["m"],
+                             events=[p.ChunkEvent(seq=s, kind=k, model=0, world_size=2, rank=r, digest=d)
+                                     for s, k, r, d in evs])
+
+
+def test_a_chunk_is_announced_once_every_rank_has_it_and_lost_events_resync():
+    from lmcache_mp.integration.chunk_events import REMOVED, STORED, ChunkEvents
+
+    client = ScriptedEvents([
+        (0, 3, [(0, STORED, 0, b"a"), (1, STORED, 0, b"b"), (2, STORED, 1, b"a")]),
+        (0, 4, [(3, REMOVED, 1, b"a")]),
+        (0, 6, [(4, STORED, 0, b"c"), (5, STORED, 1, b"c")]),
+        (10, 12, [(10, STORED, 1, b"b")]),  # events 6-9 were lost
+    ])
+    link = types_link(client)
+    ev = ChunkEvents(link, ["m"], world_size=2, interval=3600)
+    try:
+        for d in (b"a", b"b", b"c"):
+            ev.expect(0, d, ("stored", d), ("removed", d))
+        ev.sync()
+        assert ev.take() == [("stored", b"a")]  # b: rank 1 has not stored it yet
+        ev.sync()
+        assert ev.take() == [("removed", b"a")]  # one rank's copy is gone: no longer a hit
+        ev.sync()
+        assert ev.take() == [("stored", b"c")]
+        ev.sync()
+        # Lost events: c may be gone; b's rank 0 event is forgotten with them (not announced).
+        assert ev.take() == [("removed", b"c")] and ev.announced == 0 and ev.stats["resyncs"] == 1
+    finally:
+        ev.close()
+
+
+def types_link(client):
+    import types
+
+    return types.SimpleNamespace(get=lambda: client)
+
+
+# ---- roles and per-request policies ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["producer", "consumer"])
+def test_a_producer_only_stores_and_a_consumer_only_loads(server, engines, role):
+    toks = prompt(80, 330)
+    a = engines(server.url)
+    a.prefill("seed", prompt(81, 330))  # something on the server to find, for the producer
+    a.finish("seed")
+    eng = engines(server.url, loads=role == "consumer", stores=role == "producer")
+    ext, _, plan = eng.prefill("r", prompt(81, 330) if role == "producer" else toks)
+    if role == "producer":
+        assert ext == 0 and eng.sched.stats["lookups"] == 0 and plan.stores  # found nothing: never asked
+    else:
+        assert not plan.stores and matched(a.sched, "probe", toks, 0) == 0  # stored nothing
+        a.sched.request_finished("probe")
+    eng.finish("r")
+
+
+def test_skip_save_and_skip_load_per_request(server, engines):
+    a = engines(server.url)
+    toks = prompt(82, 330)
+    assert matched(a.sched, "r", toks, 0, skip_save=True) == 0
+    blocks = a.alloc(11)
+    a.sched.on_allocated("r", blocks, 0)
+    assert not a.sched.build_plan([ScheduledRequest("r", 0, 330, blocks)]).stores
+    a.sched.request_finished("r")
+    a.free += blocks
+    a.prefill("s", toks)  # stored now
+    a.finish("s")
+    assert matched(a.sched, "t", toks, 0, skip_load=True) == 0
+    a.sched.request_finished("t")
+    assert matched(a.sched, "u", toks, 0) == 5 * CS
+    a.sched.request_finished("u")
+    assert a.sched.stats["lookups"] == 3  # "r", "s" and "u": skip_load asks nothing
+
+
+def test_multimodal_spans_key_the_chunks_from_their_first_placeholder_on(server, engines):
+    """Same token ids (placeholders) behind two images: chunks before the image are shared,
+    the chunk holding its placeholders and every later one are not."""
+    a = engines(server.url)
+    toks = prompt(83, 330)
+    cat, dog = [(150, 200, b"image:cat")], [(150, 200, b"image:dog")]
+    assert matched(a.sched, "cat", toks, 0, spans=cat) == 0
+    blocks = a.alloc(11)
+    a.sched.on_allocated("cat", blocks, 0)
+    plan = a.sched.build_plan([ScheduledRequest("cat", 0, 330, blocks)])
+    a.execute(plan, compute=[(toks, blocks, 0, 330)])
+    a.finish("cat")
+    plain = chunk_hashes(toks, CS)
+    stored = plan.stores[0].hashes
+    assert stored[:2] == plain[:2] and not set(stored[2:]) & set(plain)  # tokens 150-199: chunks 2, 3
+    assert matched(a.sched, "cat again", toks, 0, spans=cat) == 5 * CS
+    assert matched(a.sched, "dog", toks, 0, spans=dog) == 2 * CS  # only the chunks before the image
+    assert matched(a.sched, "text", toks, 0) == 2 * CS
+    for rid in ("cat again", "dog", "text"):
+        a.sched.request_finished(rid)

@@ -18,3 +18,29 @@ pytestmark = pytest.mark.gpu
 def test_cuda_engine_stores_and_another_loads(cuda_server, kind, world_size):  # noqa: F811
     assert CHUNK == CS
     store_in_one_engine_load_in_another(cuda_server, kind=kind, world_size=world_size, device="cuda")
+
+
+def test_cuda_hybrid_groups_round_trip(cuda_server):  # noqa: F811
+    from test_connector_core import hybrid_round_trip
+
+    hybrid_round_trip(cuda_server, device="cuda")
+
+
+def test_cuda_scratch_blocks_may_repeat_in_a_retrieve(cuda_server):  # noqa: F811
+    """Several positions of a load may go to one block nobody reads (vLLM's null block); the
+    other blocks get their bytes exactly."""
+    import numpy as np
+    import torch
+    from gpu_kv import make_cuda_kv
+
+    from lmcache_mp import Client, chunk_hashes
+
+    kv = make_cuda_kv("mha", torch.bfloat16, layers=2, blocks=32, block_size=16)
+    with Client(cuda_server) as client:
+        h = client.register_kv_cache(kv.tensors, model="scratch", world_size=1, rank=0)
+        hashes = chunk_hashes(np.arange(2 * CHUNK), client.chunk_size)
+        assert client.store(h, hashes, list(range(1, 9))).result().stored == 2
+        assert client.retrieve(h, hashes, [0, 0, 0, 12, 13, 14, 15, 16], scratch_blocks=[0]).result().loaded == 2
+        for t in kv.tensors:  # [2, blocks, block_size, heads, head_size]
+            assert torch.equal(t[:, 12:17], t[:, 4:9])
+        client.unregister_kv_cache(h)

@@ -28,7 +28,7 @@ REQUESTS = [
     p.UnregisterKVCache(kv_id=(1 << 63) - 1),
     p.Store(kv_id=7, hashes=H, block_ids=IDS, salt=b"tenant", event=b"e" * 64),
     p.Retrieve(kv_id=8, hashes=H, block_ids=IDS, salt=b"s", event=b"f" * 64, reply_on_submit=True, lease=77,
-               deadline=12345.5),
+               deadline=12345.5, scratch_blocks=IDS[:4]),
     p.Lookup(client_id=b"c" * 16, model="m", world_size=2, hashes=H, lock=True, salt=b"x"),
     p.Release(client_id=b"c" * 16, lease=(1 << 63) - 1, hashes=H),
     p.Clear(),
@@ -40,6 +40,7 @@ REQUESTS = [
     p.Commit(client_id=b"c" * 16, reservation=(1 << 62) + 1, ok=False),
     p.Read(kv_id=10, hashes=H, client_id=b"c" * 16, salt=b"u", lease=78),
     p.ReadDone(client_id=b"c" * 16, read=(1 << 62) + 2),
+    p.Events(client_id=b"c" * 16, since=12, models=["m#group0:full", "m#group1:sliding_window=4096"], max_events=64),
 ]
 
 REPLIES = [
@@ -56,6 +57,9 @@ REPLIES = [
     p.ClearReply(removed=11),
     p.PingReply(session_id=b"s" * 16),
     p.StatusReply(status={"l1": {"objects": 3, "bytes": 1.5}, "registrations": [{"kv_id": 1}], "ok": True}),
+    p.EventsReply(session_id=b"s" * 16, first=3, next=15, models=["m#group0:full"],
+                  events=[p.ChunkEvent(seq=12, kind=1, model=0, world_size=2, rank=-1, digest=b"d" * 16),
+                          p.ChunkEvent(seq=14, kind=2, model=0, world_size=2, rank=1, digest=b"e" * 16, salt=b"t")]),
     p.ByeReply(leases=2, registrations=1),
     p.MapArenaReply(capacity=1 << 40, slab_bytes=1 << 28, session_id=b"s" * 16),
     p.ReserveReply(reservation=3, chunks=IDS, offsets=p.pack_offsets([0, 1 << 35]), object_bytes=4096, present=1,
@@ -128,7 +132,7 @@ BAD_BODIES = {
     "layer is not a struct": (_encode([int(p.Op.REGISTER_KV_CACHE), b"c", "m", 1, 0, "cpu", b"", "auto", [7]]),
                               p.ErrorCode.BAD_REQUEST),
     "unknown op 99": (_encode([99, b"c"]), p.ErrorCode.UNKNOWN_OP),
-    "unknown op 17 (next to be assigned)": (_encode([17]), p.ErrorCode.UNKNOWN_OP),
+    "unknown op 18 (next to be assigned)": (_encode([18]), p.ErrorCode.UNKNOWN_OP),
     "a reply's tag (Error) as a request": (p.encode(REPLIES[0]), p.ErrorCode.UNKNOWN_OP),
 }
 

@@ -77,6 +77,9 @@ class ServerConfig:
         "", "a file (on /dev/shm or hugetlbfs) that holds L1, with PATH.journal: a restarted server re-attaches the "
         "chunks in it (SIGTERM or SIGKILL) and serves them at once (empty: L1 ends with the process)")
     lease_ttl: float = _setting(30.0, "seconds a lookup lease lives unless a retrieve or release ends it")
+    kv_events: int = _setting(
+        65536, "chunk events (stored, removed) kept for readers of the event feed, e.g. the vLLM connector's KV "
+               "events for routers (0: none)")
     max_registrations_per_client: int = _setting(
         64, "KV caches one client may have registered at once (more are refused: LIMIT_EXCEEDED)")
     max_queued_requests: int = _setting(

@@ -7,7 +7,7 @@ little-endian uint32 token ids; one hash call per chunk, no per-token Python wor
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -16,11 +16,14 @@ DIGEST_BYTES = 16
 _DOMAIN = b"lmcache-mp/chunk/v1\0"
 
 
-def chunk_hashes(token_ids: Sequence[int] | np.ndarray, chunk_size: int, salt: bytes = b"") -> list[bytes]:
+def chunk_hashes(token_ids: Sequence[int] | np.ndarray, chunk_size: int, salt: bytes = b"",
+                 extras: Mapping[int, bytes] | None = None) -> list[bytes]:
     """Digests of every full chunk of token_ids (a trailing partial chunk has none).
 
     `salt` starts the chain, so the same tokens under different salts (tenants, adapters,
-    sampling-independent model variants) never share keys.
+    sampling-independent model variants) never share keys. `extras[i]`: what else chunk i's KV
+    depends on (e.g. the image behind its placeholder tokens); it enters chunk i's digest, and
+    through the chain every later one.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -46,6 +49,8 @@ def chunk_hashes(token_ids: Sequence[int] | np.ndarray, chunk_size: int, salt: b
     for i in range(n):
         h = xxhash.xxh3_128(prev)
         h.update(raw[i * step : (i + 1) * step])
+        if extras and i in extras:
+            h.update(extras[i])
         prev = h.digest()
         out.append(prev)
     return out

@@ -41,6 +41,8 @@ MAX_LAYERS = 1024
 MAX_LOOKUP_KEYS = 1 << 18  # hashes x world_size of one lookup
 MAX_NAME_BYTES = 1024  # model names
 MAX_SALT_BYTES = 256
+MAX_EVENT_MODELS = 64  # namespaces one EVENTS request may name
+MAX_EVENTS = 4096  # events in one EVENTS reply
 MAX_MESSAGE_BYTES = (4 << 20) + 4096
 # CPU KV caches live in files SHM_DIR/SHM_PREFIX* that the server maps by name.
 SHM_DIR = "/dev/shm"
@@ -76,6 +78,7 @@ class Op(enum.IntEnum):
     COMMIT = 14
     READ = 15
     READ_DONE = 16
+    EVENTS = 17  # the chunk events feed (storage/events.py)
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=False, forbid_unknown_fields=False):
@@ -153,6 +156,9 @@ class Retrieve(_Msg, tag=int(Op.RETRIEVE)):
     lease: int = 0  # the lookup lease this retrieve consumes (0: none)
     deadline: float = 0.0  # CLOCK_MONOTONIC seconds after which no copy may start (0: none)
     client_id: bytes = b""  # the registration's own client (no other may use it)
+    # packed block ids that may appear more than once in block_ids: blocks whose bytes nobody
+    # reads (a sliding-window group's blocks of tokens outside its window: vLLM's null block)
+    scratch_blocks: bytes = b""
 
 
 class Lookup(_Msg, tag=int(Op.LOOKUP)):
@@ -188,6 +194,16 @@ class Bye(_Msg, tag=int(Op.BYE)):
     """The client is closing: drop its leases and registrations now."""
 
     client_id: bytes
+
+
+class Events(_Msg, tag=int(Op.EVENTS)):
+    """The chunk events (committed, removed) with sequence numbers from `since` on, of these
+    namespaces (models) only, or of all."""
+
+    client_id: bytes = b""
+    since: int = 0
+    models: list[str] = []
+    max_events: int = 1024
 
 
 class MapArena(_Msg, tag=int(Op.MAP_ARENA)):
@@ -233,7 +249,7 @@ class ReadDone(_Msg, tag=int(Op.READ_DONE)):
 
 
 Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Store, Retrieve, Lookup, Release, Clear, Ping, Status, Bye,
-                MapArena, Reserve, Commit, Read, ReadDone]
+                MapArena, Reserve, Commit, Read, ReadDone, Events]
 
 # ---- replies ---------------------------------------------------------------------------------
 
@@ -336,6 +352,24 @@ class ReadDoneReply(_Msg, tag=int(Op.READ_DONE)):
     released: int
 
 
+class ChunkEvent(_Msg):
+    seq: int
+    kind: int  # 1: committed (visible to lookups), 2: removed (evicted, cleared, replaced)
+    model: int  # index into EventsReply.models
+    world_size: int
+    rank: int  # -1: shared by every rank (MLA)
+    digest: bytes
+    salt: bytes = b""
+
+
+class EventsReply(_Msg, tag=int(Op.EVENTS)):
+    session_id: bytes  # changes when the server restarts: sequence numbers start over
+    first: int  # the oldest event the server still keeps; events in [since, first) were lost
+    next: int  # where the next request should start (events scanned up to here)
+    models: list[str]
+    events: list[ChunkEvent]
+
+
 Reply = Union[
     Error,
     HelloReply,
@@ -354,6 +388,7 @@ Reply = Union[
     CommitReply,
     ReadReply,
     ReadDoneReply,
+    EventsReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -446,6 +481,7 @@ MAX_FRAME_BYTES = {
     Op.RELEASE: MAX_CHUNKS * 16 + 1024,
     Op.RESERVE: MAX_CHUNKS * 16 + 2048,
     Op.READ: MAX_CHUNKS * 16 + 2048,
+    Op.EVENTS: MAX_EVENT_MODELS * (MAX_NAME_BYTES + 8) + 1024,
 }
 
 

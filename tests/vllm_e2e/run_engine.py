@@ -3,12 +3,17 @@
     python run_engine.py --model DIR --prompts prompts.json --out result.json \
         [--connector-url tcp://127.0.0.1:PORT] [--max-tokens 16]
 
-prompts.json is a list of token-id lists. result.json holds, per prompt, the generated token
-ids and vLLM's `num_cached_tokens`, plus the engine's start-up and generation wall times.
+prompts.json is a list of prompts: token-id lists, or {"tokens": [...], "lora": NAME,
+"cache_salt": "...", "kv_transfer_params": {...}} (LoRA adapters named with --lora NAME=DIR).
+result.json holds, per prompt, the generated token ids and vLLM's `num_cached_tokens`, plus the
+engine's start-up and generation wall times.
 With --pause-dir DIR, prompts.json is a list of batches run one after another by the same
 engine; before batch i > 0 the engine creates DIR/paused-i and waits for DIR/resume-i (the
 test changes the world in between, e.g. restarts the server).
 With --connector-url the engine uses lmcache_mp.integration.vllm.LMCacheMPConnector.
+With --kv-events ENDPOINT vLLM publishes KV events there (ZeroMQ); after each batch the engine
+then reads the server's chunk events now and runs a one-token step, so that what the connector
+has to announce is published before the next pause (an idle engine publishes nothing).
 Meant to run in a fresh process: an engine per process, as in production.
 """
 
@@ -73,25 +78,72 @@ def connector_stats() -> dict:
     return total
 
 
+def publish_events(llm, params) -> None:
+    """Read the server's chunk events now (every connector of this process) and run one step."""
+    import gc
+
+    from lmcache_mp.integration.chunk_events import ChunkEvents
+
+    gc.unfreeze()
+    trackers = [obj for obj in gc.get_objects() if isinstance(obj, ChunkEvents)]
+    gc.freeze()
+    deadline = time.monotonic() + 60
+    for t in trackers:
+        while not t.sync():  # a restarted server: until the client found it
+            if time.monotonic() > deadline:
+                raise TimeoutError("the connector could not read the server's events")
+            time.sleep(0.1)
+    from vllm.inputs import TokensPrompt
+
+    llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5])], params, use_tqdm=False)
+
+
+def request(p, params, loras: dict[str, str]):
+    """(prompt, sampling params, LoRA request) of one prompt of prompts.json."""
+    from vllm.inputs import TokensPrompt
+
+    if not isinstance(p, dict):
+        return TokensPrompt(prompt_token_ids=p), params, None
+    prompt = TokensPrompt(prompt_token_ids=p["tokens"])
+    if p.get("cache_salt"):
+        prompt["cache_salt"] = p["cache_salt"]
+    if p.get("kv_transfer_params"):
+        params = params.clone()
+        params.extra_args = {"kv_transfer_params": p["kv_transfer_params"]}
+    adapter = None
+    if p.get("lora"):
+        from vllm.lora.request import LoRARequest
+
+        names = sorted(loras)
+        adapter = LoRARequest(p["lora"], names.index(p["lora"]) + 1, loras[p["lora"]])
+    return prompt, params, adapter
+
+
 def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tokens: int,
         extra_config: dict | None = None, fail_loads: bool = False, tensor_parallel: int = 1,
         prefix_caching: bool = False, sequential: bool = False, kv_cache_bytes: int = 256 << 20,
-        pause_dir: str | None = None) -> dict:
+        pause_dir: str | None = None, kv_events: str | None = None, log_stats: bool = False,
+        loras: dict[str, str] | None = None, kv_role: str = "kv_both") -> dict:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if fail_loads:
         inject_load_failures()
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     kwargs = {}
+    if loras:
+        kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=len(loras))
+    if kv_events:
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events)
     if connector_url:
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LMCacheMPConnector",
             kv_connector_module_path="lmcache_mp.integration.vllm",
-            kv_role="kv_both",
+            kv_role=kv_role,
             kv_connector_extra_config={"lmcache_mp.url": connector_url, **(extra_config or {})},
         )
     t0 = time.perf_counter()
@@ -110,6 +162,7 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         # outputs are the same either way, so a token that differs means a wrong KV cache.
         dtype="float32",
         tensor_parallel_size=tensor_parallel,
+        disable_log_stats=not log_stats,
         **kwargs,
     )
     t1 = time.perf_counter()
@@ -122,7 +175,11 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
     for i, batch in enumerate(batches):
         if pause_dir and i:
             wait_for_resume(pause_dir, i)
-        outs += llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        if batch:
+            prompts_, params_, adapters = zip(*(request(p, params, loras or {}) for p in batch))
+            outs += llm.generate(list(prompts_), list(params_), lora_request=list(adapters), use_tqdm=False)
+        if kv_events:
+            publish_events(llm, params)
     t2 = time.perf_counter()
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
@@ -131,6 +188,8 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         "generate_s": t2 - t1,
         "connector": connector_stats() if connector_url else {},
     }
+    if log_stats:  # the connector's counters on vLLM's Prometheus metrics
+        result["metrics"] = {m.name: m.value for m in llm.get_metrics() if "lmcache_mp" in m.name}
     # Shut the engine down here (not at interpreter exit): the connector then delivers the
     # stores still in flight before this process ends.
     try:
@@ -155,13 +214,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sequential", action="store_true", help="one prompt per generate() call, in order")
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="vLLM's KV cache size (small: preemptions)")
     ap.add_argument("--pause-dir", default=None, help="prompts are batches; pause between them (see above)")
+    ap.add_argument("--kv-events", default=None, help="publish vLLM's KV events at this ZeroMQ endpoint")
+    ap.add_argument("--log-stats", action="store_true", help="vLLM's stats on: its metrics go into the result")
+    ap.add_argument("--lora", action="append", default=[], help="NAME=DIR: a LoRA adapter prompts may name")
+    ap.add_argument("--kv-role", default="kv_both", choices=["kv_both", "kv_producer", "kv_consumer"])
     args = ap.parse_args(argv)
     with open(args.prompts) as f:
         prompts = json.load(f)
     result = run(args.model, prompts, args.connector_url, args.max_tokens, json.loads(args.extra_config),
                  fail_loads=args.inject_load_failures, tensor_parallel=args.tensor_parallel,
                  prefix_caching=args.prefix_caching, sequential=args.sequential,
-                 kv_cache_bytes=args.kv_cache_bytes, pause_dir=args.pause_dir)
+                 kv_cache_bytes=args.kv_cache_bytes, pause_dir=args.pause_dir, kv_events=args.kv_events,
+                 log_stats=args.log_stats, loras=dict(a.split("=", 1) for a in args.lora),
+                 kv_role=args.kv_role)
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

@@ -101,12 +101,15 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm_e2e")
 
 
+def make_model(out: Path, arch: str, seed: int = 1234) -> str:
+    subprocess.run([sys.executable, str(HERE / "make_tiny_model.py"), str(out), "--arch", arch, "--seed", str(seed)],
+                   check=True, timeout=300, stdout=subprocess.DEVNULL)
+    return str(out)
+
+
 @pytest.fixture(scope="module")
 def model_dir(workdir) -> str:
-    out = workdir / "tiny-llama"
-    subprocess.run([sys.executable, str(HERE / "make_tiny_llama.py"), str(out)], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL)
-    return str(out)
+    return make_model(workdir / "tiny-llama", "llama")
 
 
 @pytest.fixture(scope="module")
@@ -181,11 +184,17 @@ def test_engines_share_prefixes_through_the_server(run, prompts, baseline, model
 
         # Engine B (fresh process, prefix caching off): P hits all but the last partial chunk,
         # Q hits the whole chunks of its shared prefix; outputs are those of a plain engine.
-        b = run("engine_B", P + Q, server.url)
+        b = run("engine_B", P + Q, server.url, "--log-stats")
         want = [expected_hit(len(p), len(p)) for p in P] + [expected_hit(len(q), n) for q, n in zip(Q, shared)]
         assert b["num_cached_tokens"] == want
         assert any(want)
         assert_loaded(b, want)
+        # vLLM's own metrics show the tier (KVConnectorStats, summed over its steps).
+        m = b["metrics"]
+        assert m["vllm:lmcache_mp_hit_tokens"] == sum(want)
+        assert m["vllm:lmcache_mp_lookup_tokens"] == sum((len(p) - 1) // CHUNK * CHUNK for p in P + Q)
+        assert m["vllm:lmcache_mp_loaded_bytes"] == sum(want) // 32 * BLOCK_BYTES
+        assert m["vllm:lmcache_mp_stored_chunks"] == sum(len(x) // CHUNK - w // CHUNK for x, w in zip(P + Q, want))
         assert b["connector"]["lookups"] == len(P + Q)
         assert b["outputs"] == baseline["outputs"]
         log = (workdir / "engine_B.log").read_text()
@@ -416,3 +425,233 @@ def test_preemption_with_a_small_kv_cache(run, prompts, workdir):
         assert r["outputs"] == base["outputs"]
     finally:
         server.stop()
+
+
+def test_hybrid_model_sliding_window_and_full_attention(prompts, workdir):
+    """A Gemma-3-shaped model: sliding-window layers (window 80) between full-attention layers,
+    two KV-cache groups under vLLM's hybrid manager, which stays on with this connector. Engine
+    A (an empty server: nothing to load) stores; engine B loads every full-attention chunk and,
+    of the window layers, only the chunks inside the window at the hit, and its outputs are
+    token-identical to A's."""
+    gemma = Runner(workdir, make_model(workdir / "tiny-gemma3", "gemma3"))
+    P, Q, _ = prompts
+    batch = P[:3] + Q[:3]
+    server = ServerProcess(free_port(), workdir / "server_gemma.log")
+    try:
+        a = gemma("gemma_A", batch, server.url)
+        assert a["num_cached_tokens"] == [0] * len(batch)
+        b = gemma("gemma_B", batch, server.url)
+        want = [expected_hit(len(p), len(p)) for p in batch]
+        assert b["num_cached_tokens"] == want and any(want)
+        assert b["outputs"] == a["outputs"]
+        assert b["connector"]["failed_load_chunks"] == 0
+        # Full attention: every hit chunk; the window (80 tokens): the (at most 2) chunks it reaches into.
+        assert b["connector"]["loaded_chunks"] == sum(want) // CHUNK + sum(min(2, w // CHUNK) for w in want)
+        log = (workdir / "gemma_B.log").read_text()
+        assert "KV-cache groups sliding_window=80, full" in log
+        assert "Turning off hybrid kv cache manager" not in log
+    finally:
+        server.stop()
+
+
+class EventSubscriber:
+    """A ZeroMQ subscriber of vLLM's KV events, decoded with vLLM's own wire structs, in a thread."""
+
+    def __init__(self, endpoint: str):
+        import threading
+
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.bind(endpoint)  # vLLM's publisher connects to an endpoint that names a host
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.events: list = []
+        self.seqs: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stop.is_set():
+            if self._sock.poll(100, zmq.POLLIN):
+                _topic, seq, payload = self._sock.recv_multipart()
+                self.seqs.append(int.from_bytes(seq, "big"))
+                self.events += self._decoder.decode(payload).events
+
+    def view(self, medium: str) -> dict:
+        """Block hash -> token ids of the blocks the publisher says `medium` holds now."""
+        held: dict = {}
+        for ev in self.events:
+            name = type(ev).__name__
+            if name == "BlockStored" and ev.medium == medium:
+                for i, h in enumerate(ev.block_hashes):
+                    held[h] = tuple(ev.token_ids[i * ev.block_size : (i + 1) * ev.block_size])
+            elif name == "BlockRemoved" and ev.medium == medium:
+                for h in ev.block_hashes:
+                    held.pop(h, None)
+        return held
+
+    def wait_for(self, what, timeout: float = 60.0):
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline, f"events seen: {self.events[-10:]}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def blocks_of(prompts, block: int = 32, chunk: int = CHUNK) -> set:
+    """The token ids of every block of every full chunk of these prompts."""
+    return {tuple(p[i : i + block]) for p in prompts for i in range(0, len(p) // chunk * chunk, block)}
+
+
+def fill_l1(url: str, n_chunks: int) -> None:
+    """Store chunks of another model, of the tiny Llama's object size: L1 evicts the oldest."""
+    import torch
+
+    from lmcache_mp import Client, chunk_hashes, shared_cpu_tensor
+
+    layers = [shared_cpu_tensor((4, 2, 32, 64), torch.float32) for _ in range(2)]  # vLLM's CPU layout
+    with Client(url, timeout=30) as c:
+        kv = c.register_kv_cache(layers, model="filler", world_size=1, rank=0)
+        rng = random.Random(9)
+        for _ in range(0, n_chunks, 16):
+            c.store(kv, chunk_hashes([rng.randrange(512) for _ in range(16 * CHUNK)], CHUNK), [0, 1] * 16).result()
+        c.unregister_kv_cache(kv)
+
+
+def test_kv_events_stores_evictions_and_a_server_restart(run, prompts, model_dir, workdir):
+    """vLLM publishes the connector's events (medium CPU) with its own block hashes: the same
+    hashes vLLM gives those blocks in its GPU events. A subscriber sees the stores, their
+    removal once the server evicted them, a removal of everything after a server restart, and
+    the stores on the new server; its view of the CPU medium is then what the server holds."""
+    P, _, _ = prompts
+    port, pub = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    small = ("--l1-size", "16MiB", "--slab-size", "1MiB")  # 256 chunks of the tiny Llama
+    servers = [ServerProcess(port, workdir / "server_events_1.log", *small)]
+    pauses = workdir / "event_pauses"
+    pauses.mkdir()
+    sub = EventSubscriber(pub)
+
+    def between(i: int, pending: cf.Future, check) -> None:
+        while not (pauses / f"paused-{i}").exists():
+            if pending.done():
+                pending.result()
+                raise AssertionError(f"the engine ended before batch {i}")
+            time.sleep(0.05)
+        check()
+        (pauses / f"resume-{i}").touch()
+
+    def cpu_view_is(prompt_set) -> bool:
+        return set(sub.view("CPU").values()) == blocks_of(prompt_set)
+
+    def evict() -> None:
+        sub.wait_for(lambda: cpu_view_is(P[:2]))
+        fill_l1(servers[0].url, 320)
+
+    def restart() -> None:
+        sub.wait_for(lambda: cpu_view_is(P[2:3]))  # P[0:2] evicted, P[2] stored
+        servers[0].stop()
+        servers.append(ServerProcess(port, workdir / "server_events_2.log", *small))
+
+    extra = ("--pause-dir", str(pauses), "--kv-events", pub, "--prefix-caching",
+             "--extra-config", json.dumps({"lmcache_mp.retry_interval": 1.0, "lmcache_mp.kv_events_interval": 0.2}))
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(run, "events", [P[:2], [P[2]], [], [P[3]]], servers[0].url, *extra)
+            between(1, pending, evict)
+            between(2, pending, restart)
+            between(3, pending, lambda: sub.wait_for(lambda: cpu_view_is([])))  # the restart: all removed
+            pending.result()
+        sub.wait_for(lambda: cpu_view_is(P[3:4]))
+        # vLLM's own (GPU) events name the same blocks by the same hashes.
+        gpu = {tokens: h for h, tokens in sub.view("GPU").items()}
+        cpu = {tokens: h for h, tokens in sub.view("CPU").items()}
+        assert cpu and all(gpu[tokens] == h for tokens, h in cpu.items())
+        assert sub.seqs == sorted(sub.seqs)
+        with_kinds = {type(e).__name__ for e in sub.events if getattr(e, "medium", None) == "CPU"}
+        assert with_kinds == {"BlockStored", "BlockRemoved"}
+    finally:
+        sub.close()
+        for s in servers:
+            s.stop()
+
+
+def test_lora_adapters_cache_salts_and_skip_save_keep_chunks_apart(run, prompts, workdir):
+    """Engine A (kv_producer: stores only, so it loads nothing) runs prompt X under LoRA adapter a
+    and under cache salt t1, and prompt Y asking not to be stored. Engine B (kv_consumer: loads
+    only) finds X only under the same adapter or salt (never under adapter b, salt t2 or none)
+    and no Y, and stores nothing; its outputs are A's for the same prompt and adapter."""
+    P, _, _ = prompts
+    X, Y = P[0], P[1]
+    # One prompt per step: vLLM's CPU build applies adapters wrongly in batches that mix them.
+    adapters = ("--lora", f"a={make_model(workdir / 'lora-a', 'lora', 1)}",
+                "--lora", f"b={make_model(workdir / 'lora-b', 'lora', 2)}", "--sequential")
+    A = [{"tokens": X, "lora": "a"}, {"tokens": X, "cache_salt": "t1"},
+         {"tokens": Y, "kv_transfer_params": {"lmcache_mp.skip_save": True}}]
+    B = [{"tokens": X, "lora": "b"}, {"tokens": X, "lora": "a"}, {"tokens": X, "cache_salt": "t2"},
+         {"tokens": X, "cache_salt": "t1"}, Y, X]
+    server = ServerProcess(free_port(), workdir / "server_policy.log")
+    try:
+        a = run("policy_A", A, server.url, *adapters, "--kv-role", "kv_producer")
+        assert a["connector"]["stored_chunks"] == 2 * (len(X) // CHUNK)  # Y's chunks were not stored
+        assert a["connector"]["lookups"] == 0
+        b = run("policy_B", B, server.url, *adapters, "--kv-role", "kv_consumer")
+        assert b["connector"]["stored_chunks"] == 0
+        hit = expected_hit(len(X), len(X))
+        assert b["num_cached_tokens"] == [0, hit, 0, hit, 0, 0]
+        x_a, x, y = a["outputs"]
+        assert b["outputs"][1:] == [x_a, x, x, y, x]
+        assert len({tuple(b["outputs"][0]), tuple(x_a), tuple(x)}) == 3  # the adapters change the KV
+        assert b["connector"]["failed_load_chunks"] == 0
+    finally:
+        server.stop()
+
+
+def test_two_engines_at_once_share_one_server(run, prompts, baseline, model_dir, workdir):
+    """Data parallelism of a dense model: independent engines (vLLM refuses offline DP for dense
+    models, and each DP rank of `vllm serve` is its own engine) against one server. Two engines
+    run at once, each its own prompts, then each the other's: all of those are hits."""
+    P, _, _ = prompts
+    halves = [P[:3], P[3:]]
+    server = ServerProcess(free_port(), workdir / "server_dp.log")
+    pauses = [workdir / f"dp_pauses_{i}" for i in (0, 1)]
+    try:
+        with cf.ThreadPoolExecutor(2) as pool:
+            pending = []
+            for i, d in enumerate(pauses):
+                d.mkdir()
+                pending.append(pool.submit(run, f"dp_engine_{i}", [halves[i], halves[1 - i]], server.url,
+                                           "--pause-dir", str(d)))
+            deadline = time.monotonic() + ENGINE_TIMEOUT
+            while not all((d / "paused-1").exists() for d in pauses):
+                for f in pending:
+                    if f.done():
+                        f.result()
+                        raise AssertionError("an engine ended before its second batch")
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            while server.present_chunks(P, model_dir) != [len(p) // CHUNK for p in P]:  # both stored
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            for d in pauses:
+                (d / "resume-1").touch()
+            results = [f.result() for f in pending]
+    finally:
+        server.stop()
+    for i, r in enumerate(results):
+        mine, theirs = halves[i], halves[1 - i]
+        assert r["num_cached_tokens"] == [0] * len(mine) + [expected_hit(len(p), len(p)) for p in theirs]
+        index = {tuple(p): k for k, p in enumerate(P)}
+        assert r["outputs"] == [baseline["outputs"][index[tuple(p)]] for p in mine + theirs]
+        assert r["connector"]["failed_load_chunks"] == 0

@@ -306,6 +306,19 @@ class Client:
         """The server's status; "mine" lists the kv_ids of this client's registrations."""
         return self._call(p.Status(client_id=self.client_id), p.StatusReply, timeout).status
 
+    def events(self, since: int = 0, models: Sequence[str] = (), max_events: int = 1024,
+               timeout: float | None = None) -> p.EventsReply:
+        """The server's chunk events (committed, removed) from sequence number `since` on, of
+        these models (namespaces) only, or of all: `.events`, `.next` (where to continue),
+        `.first` (events before it were lost), `.session_id` (a new one: the server restarted)."""
+        return self._call(p.Events(client_id=self.client_id, since=since, models=list(models),
+                                   max_events=max_events), p.EventsReply, timeout)
+
+    def events_async(self, since: int = 0, models: Sequence[str] = (), max_events: int = 1024,
+                     timeout: float | None = None) -> "Future[p.EventsReply]":
+        msg = p.Events(client_id=self.client_id, since=since, models=list(models), max_events=max_events)
+        return self._async(msg, timeout, lambda reply: self._checked(reply, p.EventsReply), None)
+
     def clear(self, timeout: float | None = None) -> int:
         """Remove every object not in use on the server; returns how many."""
         return self._call(p.Clear(), p.ClearReply, timeout).removed
@@ -437,11 +450,12 @@ class Client:
 
     def retrieve(self, handle: KVCacheHandle, hashes: bytes | Iterable[bytes], block_ids, *, salt: bytes = b"",
                  stream: Any = None, wait: str = "host", lease: int = 0, deadline: float | None = None,
-                 timeout: float | None = None) -> "Future[RetrieveResult]":
+                 scratch_blocks=None, timeout: float | None = None) -> "Future[RetrieveResult]":
         """Load the leading stored chunks into these blocks; result.loaded says how many.
 
         `lease`: the LookupResult (or its lease id) of the lookup that found them; this read
-        consumes that lease's use of what it reads. `deadline` (a time.monotonic() value): the
+        consumes that lease's use of what it reads. `scratch_blocks`: block ids that may appear
+        more than once in `block_ids`, where bytes go that nobody reads. `deadline` (a time.monotonic() value): the
         server starts no copy after it and answers DEADLINE_EXCEEDED instead. The future of a
         retrieve with a deadline does not time out here: it resolves once the server answered
         (or this client closed, or the server restarted), so a caller that gives up at the
@@ -467,7 +481,8 @@ class Client:
         early = wait == "stream" and handle.device == "cuda"
         msg = p.Retrieve(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle,
                          reply_on_submit=early, lease=int(getattr(lease, "lease", lease) or 0),
-                         deadline=float(deadline or 0.0), client_id=self.client_id)
+                         deadline=float(deadline or 0.0), client_id=self.client_id,
+                         scratch_blocks=p.pack_block_ids(scratch_blocks) if scratch_blocks is not None else b"")
 
         def convert(reply: Any) -> RetrieveResult:
             r = self._checked(reply, p.RetrieveReply)

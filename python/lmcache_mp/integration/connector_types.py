@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
+FULL, SLIDING_WINDOW, CHUNKED_LOCAL = "full", "sliding_window", "chunked_local"
+
 DEFAULT_URL = "tcp://127.0.0.1:5555"
 CONFIG_PREFIX = "lmcache_mp."
 
@@ -32,7 +34,10 @@ class ConnectorConfig:
     store_timeout: float = 10.0  # a store's deadline: the server keeps nothing of it after that, blocks go back
     flush_timeout: float = 30.0  # longest shutdown (or a preemption) waits for stores in flight
     store_decode: bool = False  # also store chunks completed by generated tokens
+    loads: bool = True  # look up and load (vLLM: kv_role kv_both or kv_consumer)
+    stores: bool = True  # store (vLLM: kv_role kv_both or kv_producer)
     recompute_on_load_error: bool = True  # engine recomputes what a load missed (else fails it)
+    kv_events_interval: float = 0.5  # how often the scheduler reads the server's chunk events (KV events on)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, **base: Any) -> "ConnectorConfig":
@@ -60,6 +65,65 @@ class ConnectorConfig:
         return cfg
 
 
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group of the engine: layers that share one block table.
+
+    `index` is the engine's number of the group (its position in a request's tuple of block
+    tables). `kind` says which tokens the group keeps: FULL every token; SLIDING_WINDOW the last
+    `window` tokens before the next one (older blocks are freed while the request runs);
+    CHUNKED_LOCAL the tokens of the current `window`-token attention chunk."""
+
+    index: int = 0
+    kind: str = FULL
+    block_size: int = 16
+    window: int = 0
+
+    def __post_init__(self):
+        if self.kind not in (FULL, SLIDING_WINDOW, CHUNKED_LOCAL):
+            raise ValueError(f"unknown KV-cache group kind {self.kind!r}")
+        if self.block_size <= 0 or (self.kind != FULL and self.window <= 0):
+            raise ValueError(f"a {self.kind} group needs a positive block size and window")
+
+    @property
+    def transient(self) -> bool:
+        """The engine frees this group's blocks of old tokens while the request still runs."""
+        return self.kind != FULL
+
+    def first_needed_token(self, num_tokens: int) -> int:
+        """The first token the layers of this group read to compute token `num_tokens`: KV of
+        earlier tokens is never needed again once `num_tokens` tokens are computed."""
+        if self.kind == SLIDING_WINDOW:
+            return max(0, num_tokens - self.window + 1)
+        if self.kind == CHUNKED_LOCAL:
+            return num_tokens // self.window * self.window
+        return 0
+
+    def describe(self) -> str:
+        return self.kind if self.kind == FULL else f"{self.kind}={self.window}"
+
+
+def group_model_name(model: str, groups: Sequence[KVGroup], i: int) -> str:
+    """The server namespace of group `i`: the model itself for a model of one group (so a cache
+    made before groups existed stays valid); with several, one namespace per group, so a chunk
+    of one group never counts as a hit for another."""
+    if len(groups) == 1:
+        return model
+    g = groups[i]
+    return f"{model}#group{g.index}:{g.describe()}"
+
+
+def block_tables(ids: Any) -> list[list[int]] | None:
+    """A request's block tables, one per group: a tuple of lists as vLLM gives them, or one flat
+    list for an engine of one group."""
+    if ids is None:
+        return None
+    ids = list(ids)
+    if ids and isinstance(ids[0], (list, tuple)):
+        return [list(t) for t in ids]
+    return [ids]
+
+
 @dataclass
 class Transfer:
     """Chunks of one request and the blocks they occupy, in token order.
@@ -69,13 +133,22 @@ class Transfer:
     (a local prefix hit ending inside the first chunk), so their bytes are written where
     nothing reads them. A load without hashes is one the scheduler could not plan: the worker
     reports all its blocks as failed. `lease`: the scheduler's lookup lease on a load's chunks,
-    which the workers' retrieves consume."""
+    which the workers' retrieves consume.
+
+    `group`: the position of the KV-cache group in the scheduler's list of groups.
+    `scratch_block`: the block id that stands for "bytes nobody reads" (the engine's null
+    block), which may appear several times: a sliding-window group's blocks of tokens outside
+    the window are that block, in loads and stores alike. `pin`: nonzero for a store whose
+    blocks the scheduler keeps from reuse until every rank reported the store settled."""
 
     req_id: str
     hashes: list[bytes]
     block_ids: list[int]
     num_scratch_blocks: int = 0
     lease: int = 0
+    group: int = 0
+    scratch_block: int | None = None
+    pin: int = 0
 
 
 @dataclass
@@ -95,8 +168,9 @@ class ScheduledRequest:
     req_id: str
     num_computed_tokens: int  # tokens whose KV existed before this step (hits included)
     num_new_tokens: int  # tokens whose KV this step computes (no speculative tokens)
-    block_ids: Sequence[int] | None = None  # the request's whole block table, if known
-    new_block_ids: Sequence[int] | None = None  # else: blocks added this step...
-    resumed: bool = False  # ...which replace the table (resumed after preemption)
+    # Block tables: one list per group (as vLLM's tuples), or one flat list for one group.
+    block_ids: Sequence | None = None  # the request's whole block tables, if known
+    new_block_ids: Sequence | None = None  # else: blocks added this step...
+    resumed: bool = False  # ...which replace the tables (resumed after preemption)
 
 

@@ -7,12 +7,20 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from lmcache_mp.errors import LMCacheMPError, ServerUnavailable
-from lmcache_mp.integration.connector_types import ConnectorConfig, ScheduledRequest, StepPlan, Transfer
+from lmcache_mp.integration.connector_types import (
+    ConnectorConfig,
+    KVGroup,
+    ScheduledRequest,
+    StepPlan,
+    Transfer,
+    block_tables,
+    group_model_name,
+)
 from lmcache_mp.integration.link import ClientLink
 from lmcache_mp.keys import chunk_hashes
 
@@ -27,24 +35,35 @@ class _Tracked:
     salt: bytes
     generation: int
     cacheable: bool = True
+    skip_load: bool = False
+    skip_save: bool = False
+    spans: Sequence[tuple[int, int, bytes]] = ()  # token ranges whose KV depends on more (see below)
     hashes: list[bytes] = field(default_factory=list)
     looked_up: bool = False
-    hit_chunks: int = 0
-    leased_chunks: int = 0  # leading chunks leased by our lookup and not yet loaded/released
-    lease: int = 0  # the server's id of that lease
+    hit_chunks: int = 0  # leading chunks every group has
+    # Per group: leading chunks leased by our lookup and not yet loaded/released, and the id of
+    # the server's lease on them.
+    leased_chunks: list[int] = field(default_factory=list)
+    leases: list[int] = field(default_factory=list)
     stored_chunks: int = 0  # leading chunks known to be on the server or planned to be stored
     # A store or load was ever planned: the workers then report the request finished once the
     # server answered them all, and its blocks stay allocated until then.
     has_transfers: bool = False
-    block_ids: list[int] = field(default_factory=list)
-    pending: cf.Future | None = None  # the lookup, while its answer is on its way
+    tables: list[list[int]] = field(default_factory=list)  # block table per group
+    pending: list[cf.Future] | None = None  # the lookups (one per group), while on their way
 
 
 class SchedulerCore:
     """Lookups, leases and plans. Every method is called from the scheduler's thread."""
 
-    def __init__(self, config: ConnectorConfig, *, link: ClientLink | None = None):
+    def __init__(self, config: ConnectorConfig, *, groups: Sequence[KVGroup] | None = None,
+                 link: ClientLink | None = None):
+        """`groups`: the engine's KV-cache groups (default: one full-attention group of the
+        configured block size). Each group is stored, looked up and loaded in its own server
+        namespace; a chunk is a hit only when every group has it."""
         self.cfg = config
+        self.groups = list(groups) if groups else [KVGroup(0, block_size=config.block_size)]
+        self.models = [group_model_name(config.model, self.groups, i) for i in range(len(self.groups))]
         self.link = link or ClientLink(
             config.url,
             name="lmcache-mp scheduler",
@@ -54,6 +73,14 @@ class SchedulerCore:
         )
         # A block whose contents nobody reads (vLLM: the null block); see Transfer.
         self.scratch_block_id: int | None = None
+        # Keeping blocks of transient groups from reuse while their stores read them (vLLM:
+        # the block pool's reference counts); None: the engine never reuses them meanwhile.
+        self.pin_blocks: Callable[[list[int]], None] | None = None
+        self.unpin_blocks: Callable[[list[int]], None] | None = None
+        self._pins: dict[int, list] = {}  # pin id -> [blocks, ranks that reported it settled]
+        # Told of every chunk planned to be stored: (request id, group position, chunk index, hash).
+        self.on_store_planned: Callable[[str, int, int, bytes], None] | None = None
+        self._pin_ids = itertools.count(1)
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: list[Transfer] = []
         self._chunk_size: int | None = None
@@ -81,13 +108,14 @@ class SchedulerCore:
             return None, None
         if self._chunk_size is None:
             cs = int(client.chunk_size)
-            if cs <= 0 or cs % self.cfg.block_size:
+            bad = [g.block_size for g in self.groups if cs <= 0 or cs % g.block_size]
+            if bad:
                 if not self._bad_chunk_size_logged:
                     logger.error(
                         "lmcache-mp: server chunk size %d is not a multiple of the engine block size %d; "
                         "the cache stays unused",
                         cs,
-                        self.cfg.block_size,
+                        bad[0],
                     )
                     self._bad_chunk_size_logged = True
                 return None, None
@@ -98,7 +126,11 @@ class SchedulerCore:
         if len(tr.hashes) < num_chunks:
             n = num_chunks * chunk_size
             tokens = np.fromiter(itertools.islice(tr.token_ids, n), dtype=np.int64, count=n)
-            tr.hashes = chunk_hashes(tokens, chunk_size, salt=tr.salt)
+            extras: dict[int, bytes] = {}
+            for start, end, what in tr.spans:  # every chunk the span overlaps depends on it
+                for c in range(start // chunk_size, min(num_chunks, -(-end // chunk_size))):
+                    extras[c] = extras.get(c, b"") + what + start.to_bytes(8, "little")
+            tr.hashes = chunk_hashes(tokens, chunk_size, salt=tr.salt, extras=extras)
         return tr.hashes[:num_chunks]
 
     def _release(self, lease: int, hashes: list[bytes] | None = None, client=None) -> None:
@@ -118,14 +150,17 @@ class SchedulerCore:
 
         self._releaser.submit(run)
 
-    def _drop_lease(self, tr: _Tracked, upto: int | None = None) -> None:
-        """Release the leased chunks [0, upto) (all by default); the rest is left to a load."""
-        if tr.leased_chunks and self._chunk_size:
-            if upto is None or upto >= tr.leased_chunks:
-                self._release(tr.lease)
-            elif upto > 0:
-                self._release(tr.lease, tr.hashes[:upto])
-        tr.leased_chunks = 0
+    def _drop_lease(self, tr: _Tracked, upto: int | None = None, group: int | None = None) -> None:
+        """Release the leased chunks [0, upto) (all by default) of every group's lease (or of
+        one group's); the rest is left to a load."""
+        for g in range(len(tr.leased_chunks)) if group is None else (group,):
+            n = tr.leased_chunks[g]
+            if n and self._chunk_size:
+                if upto is None or upto >= n:
+                    self._release(tr.leases[g])
+                elif upto > 0:
+                    self._release(tr.leases[g], tr.hashes[:upto])
+            tr.leased_chunks[g] = 0
 
     # ---- engine hooks ---------------------------------------------------------------------
 
@@ -139,11 +174,20 @@ class SchedulerCore:
         salt: bytes = b"",
         generation: int = 0,
         cacheable: bool = True,
+        skip_load: bool = False,
+        skip_save: bool = False,
+        spans: Sequence[tuple[int, int, bytes]] = (),
     ) -> int | None:
         """Tokens beyond `num_computed_tokens` the server can supply: whole chunks, never the
         last token. Repeated calls for one admission (`generation`) reuse the first lookup.
         None while the lookup's answer has not come (the server may be loading chunks from its
-        L2 tier): the engine asks again at a later step instead of waiting."""
+        L2 tier): the engine asks again at a later step instead of waiting.
+
+        `salt`: what all of the request's KV depends on besides its tokens (LoRA adapter, cache
+        salt); `spans`: (start, end, what) token ranges whose KV depends on `what` too (an
+        image behind placeholder tokens): the chunks they overlap, and all later ones, get other
+        keys. `cacheable=False`: neither looked up nor stored; `skip_load` / `skip_save`: one
+        of the two only."""
         tr = self._requests.get(req_id)
         if tr is None or tr.generation != generation:
             if tr is not None:  # re-admitted after preemption
@@ -161,6 +205,9 @@ class SchedulerCore:
                     salt=salt,
                     generation=generation,
                     cacheable=cacheable,
+                    skip_load=skip_load,
+                    skip_save=skip_save,
+                    spans=tuple(spans),
                 )
                 self._requests[req_id] = tr
         if not tr.looked_up:
@@ -171,7 +218,7 @@ class SchedulerCore:
         return self._external_tokens(tr, num_computed_tokens)
 
     def _lookup(self, tr: _Tracked) -> None:
-        if not tr.cacheable:
+        if not tr.cacheable or tr.skip_load or not self.cfg.loads:
             return
         client, cs = self._client()
         if client is None:
@@ -182,11 +229,16 @@ class SchedulerCore:
         hashes = self._hashes(tr, max_chunks, cs)
         tr.hashes = hashes  # what the answer counts against
         self.stats["lookups"] += 1
+        pending = []
         try:
-            tr.pending = client.lookup_async(hashes, model=self.cfg.model, world_size=self.cfg.world_size,
-                                             lock=True, timeout=self.cfg.lookup_timeout)
+            for model in self.models:
+                pending.append(client.lookup_async(hashes, model=model, world_size=self.cfg.world_size,
+                                                   lock=True, timeout=self.cfg.lookup_timeout))
         except ServerUnavailable as exc:
+            self._abandon(pending)
             self.link.report_failure(exc)
+            return
+        tr.pending = pending
 
     def _lookup_done(self, tr: _Tracked) -> bool:
         """Take the lookup's answer if it comes within what is left of this step's lookup_block
@@ -194,16 +246,21 @@ class SchedulerCore:
         not each request's: a server that stops answering costs a step lookup_block once, however
         many requests wait for their lookups."""
         t0 = time.perf_counter()
+        pending = tr.pending
         try:
-            found = tr.pending.result(timeout=max(0.0, self._block_left))
+            found = [fut.result(timeout=max(0.0, self._block_left - (time.perf_counter() - t0))) for fut in pending]
         except cf.TimeoutError:
             return False
         except ServerUnavailable as exc:
             # Should the lookup still land, its lease (whose id we never learn) ends with its
             # TTL or when the server stops hearing from us.
+            tr.pending = None
+            self._abandon(pending)
             self.link.report_failure(exc)
             return True
         except LMCacheMPError as exc:
+            tr.pending = None
+            self._abandon(pending)
             if not self._error_logged:
                 logger.warning("lmcache-mp: lookup rejected (%s); treating as a miss", exc)
                 self._error_logged = True
@@ -213,11 +270,10 @@ class SchedulerCore:
             self._block_left -= us / 1e6
             self.stats["lookup_us_total"] += us
             self.stats["lookup_us_max"] = max(self.stats["lookup_us_max"], us)
-            if tr.pending is not None and tr.pending.done():
-                tr.pending = None
+        tr.pending = None
         self.link.report_success()
         cs, max_chunks = self._chunk_size, len(tr.hashes)
-        n = max(0, min(int(found), max_chunks))
+        n = max(0, min(min(int(f) for f in found), max_chunks))
         self.stats["hit_tokens"] += n * cs
         self.stats["lookup_tokens"] += max_chunks * cs
         if n and not self._first_hit_logged:
@@ -226,22 +282,31 @@ class SchedulerCore:
                         n * cs, len(tr.token_ids), tr.req_id)
         self._log_hits()
         tr.hit_chunks = n
-        tr.leased_chunks = n
-        tr.lease = found.lease
+        tr.leases = [f.lease for f in found]
+        tr.leased_chunks = [n] * len(found)
+        for lease, f in zip(tr.leases, found):  # a group that found more than all the others
+            if n == 0:
+                self._release(lease)
+            elif int(f) > n:
+                self._release(lease, tr.hashes[n : int(f)])
         tr.stored_chunks = n
         return True
 
-    def _forget_lookup(self, tr: _Tracked) -> None:
-        """A lookup still on its way is no longer wanted: drop its lease once it lands."""
-        fut, tr.pending = tr.pending, None
-        if fut is None:
-            return
+    def _abandon(self, lookups: Iterable[cf.Future]) -> None:
+        """Lookups no longer wanted: drop their leases once they land."""
 
         def landed(f: cf.Future) -> None:
             if not f.cancelled() and f.exception() is None:
                 self._release(f.result().lease)
 
-        fut.add_done_callback(landed)
+        for fut in lookups:
+            fut.add_done_callback(landed)
+
+    def _forget_lookup(self, tr: _Tracked) -> None:
+        """A lookup still on its way is no longer wanted: drop its lease once it lands."""
+        pending, tr.pending = tr.pending, None
+        if pending:
+            self._abandon(pending)
 
     def _log_hits(self, every: float = 30.0) -> None:
         """One INFO line at most every `every` seconds: how much of the looked-up prompts hit."""
@@ -269,85 +334,158 @@ class SchedulerCore:
             return 0
         return n
 
-    def on_allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """Blocks are allocated; plan the load of the `num_external_tokens` accepted."""
+    def _set_tables(self, tr: _Tracked, ids) -> None:
+        tables = block_tables(ids) or []
+        tr.tables = [list(tables[g.index]) if g.index < len(tables) else [] for g in self.groups]
+
+    def on_allocated(self, req_id: str, block_ids: Sequence, num_external_tokens: int) -> None:
+        """Blocks are allocated (`block_ids`: one table per group, or one flat table); plan the
+        load of the `num_external_tokens` accepted."""
         tr = self._requests.get(req_id)
         if tr is None:
             return
-        tr.block_ids = list(block_ids)
+        self._set_tables(tr, block_ids)
         if num_external_tokens <= 0 or not tr.hit_chunks or not self._chunk_size:
             self._drop_lease(tr)
             return
-        cs, bs = self._chunk_size, self.cfg.block_size
-        hit_end = tr.hit_chunks * cs
-        start = hit_end - num_external_tokens  # first token to load = tokens the engine holds
+        cs, hit = self._chunk_size, tr.hit_chunks
+        start = hit * cs - num_external_tokens  # first token to load = tokens the engine holds
         first = start // cs if start >= 0 else 0
-        bpc = cs // bs
-        blocks = tr.block_ids[first * bpc : tr.hit_chunks * bpc]
-        if start < 0 or len(blocks) != (tr.hit_chunks - first) * bpc:
-            logger.error(
-                "lmcache-mp: request %s: %d external tokens do not fit its %d blocks; not loading",
-                req_id,
-                num_external_tokens,
-                len(tr.block_ids),
+        planned = []
+        for gi, g in enumerate(self.groups):
+            bs, table = g.block_size, tr.tables[gi]
+            bpc = cs // bs
+            if start < 0 or len(table) < hit * bpc:
+                logger.error("lmcache-mp: request %s: %d external tokens do not fit its %d blocks; not loading",
+                             req_id, num_external_tokens, len(table))
+                self._drop_lease(tr)
+                # Loads with no chunks: the worker reports these blocks as failed, so the
+                # engine recomputes the tokens it was promised.
+                for gj, tj in enumerate(tr.tables):
+                    b = self.groups[gj].block_size
+                    bad = [x for x in tj[max(start, 0) // b : -(-hit * cs // b)] if x != self.scratch_block_id]
+                    self._pending_loads.append(Transfer(req_id=req_id, hashes=[], block_ids=bad, group=gj))
+                tr.has_transfers = True
+                return
+            scratch = self.scratch_block_id
+            c0 = first
+            if g.transient and scratch is not None:
+                # Blocks of tokens the group no longer reads are the scratch block (vLLM's null
+                # block): chunks of nothing else need no load for this group.
+                while c0 < hit and all(b == scratch for b in table[c0 * bpc : (c0 + 1) * bpc]):
+                    c0 += 1
+            blocks = table[c0 * bpc : hit * bpc]
+            held = start // bs - c0 * bpc  # blocks of chunk c0 the engine holds already
+            if held > 0 and scratch is not None:
+                blocks[:held] = [scratch] * held
+            planned.append((gi, c0, blocks))
+        for gi, c0, blocks in planned:
+            self._drop_lease(tr, upto=c0, group=gi)  # the load consumes the lease on chunks [c0, hit)
+            if c0 >= hit:
+                continue
+            scratch = self.scratch_block_id
+            self._pending_loads.append(
+                Transfer(req_id=req_id, hashes=tr.hashes[c0:hit], block_ids=blocks,
+                         num_scratch_blocks=sum(b == scratch for b in blocks) if scratch is not None else 0,
+                         lease=tr.leases[gi], group=gi, scratch_block=scratch)
             )
-            self._drop_lease(tr)
-            # A load with no chunks: the worker reports these blocks as failed, so the
-            # engine recomputes the tokens it was promised.
-            bad = tr.block_ids[max(start, 0) // bs : -(-hit_end // bs)]
-            self._pending_loads.append(Transfer(req_id=req_id, hashes=[], block_ids=bad))
             tr.has_transfers = True
-            return
-        scratch = start // bs - first * bpc
-        if scratch and self.scratch_block_id is not None:
-            blocks[:scratch] = [self.scratch_block_id] * scratch
-        else:
-            scratch = 0
-        self._pending_loads.append(
-            Transfer(req_id=req_id, hashes=tr.hashes[first : tr.hit_chunks], block_ids=blocks,
-                     num_scratch_blocks=scratch, lease=tr.lease)
-        )
-        tr.has_transfers = True
         self.stats["load_tokens"] += num_external_tokens
-        self._drop_lease(tr, upto=first)  # the load consumes the lease on chunks [first, hit)
 
     def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
         self._block_left = self.cfg.lookup_block  # the engine's next step starts its own budget
         plan = StepPlan(loads=self._pending_loads, preempted=list(preempted))
         self._pending_loads = []
-        cs = self._chunk_size
         for rid in plan.preempted:
             tr = self._requests.get(rid)
             if tr is not None:
-                tr.block_ids = []
+                tr.tables = [[] for _ in self.groups]
+        client, _ = self._client()  # (a producer that never looks up learns the chunk size here)
+        cs, client_ok = self._chunk_size, client is not None
         if not cs:
             return plan
-        bpc = cs // self.cfg.block_size
-        client_ok = self.link.get() is not None
         for s in scheduled:
             tr = self._requests.get(s.req_id)
-            if tr is None or not tr.cacheable:
+            if tr is None or not tr.cacheable or tr.skip_save or not self.cfg.stores:
                 continue
             if s.block_ids is not None:
-                tr.block_ids = list(s.block_ids)
+                self._set_tables(tr, s.block_ids)
             elif s.resumed:
-                tr.block_ids = list(s.new_block_ids or ())
+                self._set_tables(tr, s.new_block_ids or ())
             elif s.new_block_ids:
-                tr.block_ids.extend(s.new_block_ids)
+                new = block_tables(s.new_block_ids)
+                for g, table in zip(self.groups, tr.tables):
+                    if g.index < len(new):
+                        table.extend(new[g.index])
             computed = s.num_computed_tokens + s.num_new_tokens
             limit = len(tr.token_ids) if self.cfg.store_decode else tr.num_prompt_tokens
             end = min(computed, limit, len(tr.token_ids)) // cs
             if end <= tr.stored_chunks or not client_ok:
                 continue
-            blocks = tr.block_ids[tr.stored_chunks * bpc : end * bpc]
-            if len(blocks) != (end - tr.stored_chunks) * bpc:
-                continue  # block table not known yet
-            hashes = self._hashes(tr, end, cs)
-            plan.stores.append(Transfer(req_id=s.req_id, hashes=hashes[tr.stored_chunks : end], block_ids=blocks))
+            stores = self._plan_stores(tr, tr.stored_chunks, end)
+            if stores is None:
+                continue  # block tables not known yet
+            plan.stores += stores
             self.stats["store_chunks"] += end - tr.stored_chunks
             tr.stored_chunks = end
             tr.has_transfers = True
         return plan
+
+    def _plan_stores(self, tr: _Tracked, begin: int, end: int) -> list[Transfer] | None:
+        """The stores of chunks [begin, end), one per group; None if a table is too short."""
+        cs = self._chunk_size
+        hashes = self._hashes(tr, end, cs)
+        scratch = self.scratch_block_id
+        out = []
+        for gi, g in enumerate(self.groups):
+            bs = g.block_size
+            bpc = cs // bs
+            table = tr.tables[gi]
+            if len(table) < end * bpc:
+                return None
+            chunks = range(begin, end)
+            if g.transient and scratch is not None:
+                # A chunk's blocks of tokens outside the window at its end are never read after
+                # a hit there (nor later); they may be freed already (the scratch block then
+                # stands in). A chunk whose window lost a block cannot be stored for this group.
+                chunks = [c for c in chunks
+                          if scratch not in table[g.first_needed_token((c + 1) * cs) // bs : (c + 1) * bpc]]
+                if len(chunks) < end - begin:
+                    logger.debug("lmcache-mp: request %s: %d chunks of group %d lost blocks of their window before "
+                                 "they could be stored", tr.req_id, end - begin - len(chunks), g.index)
+            if not chunks:
+                continue
+            blocks = [b for c in chunks for b in table[c * bpc : (c + 1) * bpc]]
+            t = Transfer(req_id=tr.req_id, hashes=[hashes[c] for c in chunks], block_ids=blocks, group=gi,
+                         scratch_block=scratch)
+            if self.on_store_planned is not None:
+                for c in chunks:
+                    self.on_store_planned(tr.req_id, gi, c, hashes[c])
+            if g.transient and self.pin_blocks is not None:
+                # vLLM frees these blocks as the window moves on, maybe before the store read them.
+                real = [b for b in blocks if b != scratch]
+                t.pin = next(self._pin_ids)
+                self.pin_blocks(real)
+                self._pins[t.pin] = [real, 0]
+            out.append(t)
+        return out
+
+    def stores_settled(self, reports: Mapping[int, int]) -> None:
+        """Workers report pinned stores settled (pin id -> ranks reporting); once every rank
+        did, the store's blocks are unpinned."""
+        for pin, n in reports.items():
+            entry = self._pins.get(pin)
+            if entry is None:
+                continue
+            entry[1] += n
+            if entry[1] >= self.cfg.world_size:
+                del self._pins[pin]
+                if self.unpin_blocks is not None:
+                    self.unpin_blocks(entry[0])
+
+    @property
+    def pinned_stores(self) -> int:
+        return len(self._pins)
 
     def request_finished(self, req_id: str) -> bool:
         """Forget the request; True if stores or loads were planned: keep its blocks until the

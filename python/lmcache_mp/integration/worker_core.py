@@ -5,12 +5,13 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import logging
+import threading
 import time
 import weakref
 from typing import Iterable, Sequence
 
 from lmcache_mp.errors import LMCacheMPError, ServerUnavailable
-from lmcache_mp.integration.connector_types import ConnectorConfig, StepPlan, Transfer
+from lmcache_mp.integration.connector_types import ConnectorConfig, KVGroup, StepPlan, Transfer, group_model_name
 from lmcache_mp.integration.link import ClientLink
 
 logger = logging.getLogger(__name__)
@@ -36,11 +37,15 @@ class WorkerCore:
         rank: int = 0,
         layout: str = "auto",
         stores: bool = True,
+        groups: Sequence[KVGroup] | None = None,
         link: ClientLink | None = None,
     ):
         """`stores=False`: this rank issues no stores (another rank stores the same bytes, as
-        with MLA under tensor parallelism) but still reports requests finished."""
+        with MLA under tensor parallelism) but still reports requests finished. `groups`: the
+        engine's KV-cache groups, as the scheduler's core has them (default: one group)."""
         self.cfg = config
+        self.groups = list(groups) if groups else [KVGroup(0, block_size=config.block_size)]
+        self.models = [group_model_name(config.model, self.groups, i) for i in range(len(self.groups))]
         self.rank = rank
         self.layout = layout
         self.issues_stores = stores
@@ -52,11 +57,12 @@ class WorkerCore:
             retry_interval=config.retry_interval,
             on_connect=self._register,
         )
-        self._tensors: list = []
+        self._tensors: list[list] = []  # per group
         self._shared: list = []
-        self._handle = None
+        self._handles: list | None = None  # per group
         self._handle_client = None
-        self._blocks_per_block = 1
+        self._blocks_per_block = [1] * len(self.groups)
+        self._pinned: list[tuple[int, cf.Future | None]] = []  # stores the scheduler pinned blocks for
         self._stores: dict[str, list[cf.Future]] = {}  # req -> store futures not yet reported
         # req -> loads given up on at their deadline whose answer has not come: the server may
         # still be writing their blocks, so the request is not reported finished before it does
@@ -70,64 +76,75 @@ class WorkerCore:
         self._load_failure_logged = False
         self._short_load_logged = False
         self._register_failure_logged = False
-        self.stats = {"loaded_chunks": 0, "failed_load_chunks": 0, "stored_chunks": 0, "store_errors": 0}
+        # Cumulative. Loads: chunks, bytes and the time the engine waited for them; stores: chunks
+        # sent, then (as the server answers) chunks and bytes it stored, stores answered, their time.
+        self.stats = {"loaded_chunks": 0, "failed_load_chunks": 0, "loaded_bytes": 0, "loads": 0,
+                      "load_seconds": 0.0, "stored_chunks": 0, "stored_bytes": 0, "stores": 0,
+                      "store_seconds": 0.0, "store_errors": 0}
+        self._stats_lock = threading.Lock()  # answers of stores are counted on the client's thread
         self._closed = False
         _live_workers.add(self)
 
     # ---- registration ---------------------------------------------------------------------
 
     def register_kv_caches(self, tensors: Sequence) -> None:
-        """Take the rank's per-layer KV tensors (CPU ones move into shared memory in place)."""
+        """Take the rank's per-layer KV tensors (CPU ones move into shared memory in place): one
+        list per group, or one flat list for an engine of one group."""
         tensors = list(tensors)
-        if not tensors:
-            raise ValueError("no KV-cache tensors to register")
-        if tensors[0].device.type == "cpu":
+        per_group = [list(t) for t in tensors] if tensors and isinstance(tensors[0], (list, tuple)) else [tensors]
+        if len(per_group) != len(self.groups) or not all(per_group):
+            raise ValueError(f"{len(self.groups)} KV-cache groups need one non-empty list of tensors each")
+        flat = [t for group in per_group for t in group]
+        if flat[0].device.type == "cpu":
             from lmcache_mp.integration.cpu_shm import move_to_shared_memory
 
-            self._shared = move_to_shared_memory(tensors)
-        self._tensors = tensors
+            self._shared = move_to_shared_memory(flat)
+        self._tensors = per_group
         self.link.connect(wait=self.cfg.connect_timeout)
 
     def _register(self, client) -> None:
         if not self._tensors:
             raise RuntimeError("KV caches are not known yet")
+        handles, per_block = [], []
         try:
-            handle = client.register_kv_cache(
-                self._tensors,
-                model=self.cfg.model,
-                world_size=self.cfg.world_size,
-                rank=self.rank,
-                layout=self.layout,
-            )
-            per_block = self._kernel_blocks_per_block(handle.block_size)
+            for g, model, tensors in zip(self.groups, self.models, self._tensors):
+                handle = client.register_kv_cache(
+                    tensors,
+                    model=model,
+                    world_size=self.cfg.world_size,
+                    rank=self.rank,
+                    layout=self.layout,
+                )
+                handles.append(handle)
+                per_block.append(self._kernel_blocks_per_block(handle.block_size, g.block_size))
         except (LMCacheMPError, ValueError) as exc:
             if not isinstance(exc, ServerUnavailable) and not self._register_failure_logged:
                 logger.error("lmcache-mp: registering the KV cache of rank %d failed: %s", self.rank, exc)
                 self._register_failure_logged = True
             raise
-        self._handle, self._handle_client, self._blocks_per_block = handle, client, per_block
+        self._handles, self._handle_client, self._blocks_per_block = handles, client, per_block
 
-    def _kernel_blocks_per_block(self, kernel: int) -> int:
+    def _kernel_blocks_per_block(self, kernel: int, block_size: int) -> int:
         """vLLM splits each block of its block table into several kernel blocks when the
         attention kernel needs smaller ones; the registered tensors then hold kernel blocks."""
-        if kernel <= 0 or kernel > self.cfg.block_size or self.cfg.block_size % kernel:
+        if kernel <= 0 or kernel > block_size or block_size % kernel:
             raise ValueError(f"the KV cache's blocks of {kernel} tokens do not divide the engine's "
-                             f"block size {self.cfg.block_size}")
-        if kernel != self.cfg.block_size:
+                             f"block size {block_size}")
+        if kernel != block_size:
             logger.info("lmcache-mp: rank %d's KV cache holds kernel blocks of %d tokens, %d per block of %d",
-                        self.rank, kernel, self.cfg.block_size // kernel, self.cfg.block_size)
-        return self.cfg.block_size // kernel
+                        self.rank, kernel, block_size // kernel, block_size)
+        return block_size // kernel
 
-    def _tensor_block_ids(self, block_ids: Sequence[int]) -> Sequence[int]:
+    def _tensor_block_ids(self, block_ids: Sequence[int], group: int = 0) -> Sequence[int]:
         """The engine's block ids as ids of the registered tensors' blocks."""
-        n = self._blocks_per_block
+        n = self._blocks_per_block[group]
         if n == 1:
             return block_ids
         return [b * n + j for b in block_ids for j in range(n)]
 
     def _client(self):
         client = self.link.get()
-        if client is None or self._handle is None:
+        if client is None or self._handles is None:
             return None
         return client
 
@@ -136,14 +153,17 @@ class WorkerCore:
     def start_loads(self, plan: StepPlan) -> None:
         client = self._client() if plan.loads else None
         # The server starts no copy after this deadline, the moment we stop waiting.
-        self._load_deadline = time.monotonic() + self.cfg.load_timeout
+        self._load_started = time.monotonic()
+        self._load_deadline = self._load_started + self.cfg.load_timeout
         for t in plan.loads:
             self._delayed.add(t.req_id)
             fut = None
             if client is not None and t.hashes:
+                scratch = None if t.scratch_block is None else self._tensor_block_ids([t.scratch_block], t.group)
                 try:
-                    fut = client.retrieve(self._handle, t.hashes, self._tensor_block_ids(t.block_ids), lease=t.lease,
-                                          deadline=self._load_deadline)
+                    fut = client.retrieve(self._handles[t.group], t.hashes,
+                                          self._tensor_block_ids(t.block_ids, t.group), lease=t.lease,
+                                          deadline=self._load_deadline, scratch_blocks=scratch)
                 except (LMCacheMPError, ValueError) as exc:
                     self._note_failure(exc, slow=False)
             self._loading.append((t, fut))
@@ -173,10 +193,12 @@ class WorkerCore:
             n = len(t.hashes)
             loaded = max(0, min(loaded, n))
             self.stats["loaded_chunks"] += loaded
+            self.stats["loaded_bytes"] += loaded * (self._handles[t.group].object_bytes if self._handles else 0)
+            self.stats["loads"] += 1
             if loaded < n or not n:
                 self.stats["failed_load_chunks"] += n - loaded
                 bpc = len(t.block_ids) // n if n else 0
-                self._load_errors.update(t.block_ids[max(loaded * bpc, t.num_scratch_blocks) :])
+                self._load_errors.update(b for b in t.block_ids[loaded * bpc :] if b != t.scratch_block)
                 if answered and not self._short_load_logged:  # an answer, shorter than the lookup said
                     self._short_load_logged = True
                     logger.warning("lmcache-mp: request %s loaded %d of the %d chunks its lookup found; the rest are "
@@ -184,6 +206,7 @@ class WorkerCore:
                                    t.req_id, loaded, n)
                 else:
                     logger.debug("lmcache-mp: request %s loaded %d of %d chunks", t.req_id, loaded, n)
+        self.stats["load_seconds"] += time.monotonic() - self._load_started
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -195,18 +218,48 @@ class WorkerCore:
         client = self._client() if plan.stores and self.issues_stores else None
         for t in plan.stores:
             self._delayed.add(t.req_id)
-            if client is None:
-                continue
-            try:
-                # The server starts no copy after the deadline and keeps none that ended after
-                # it, so a store's blocks go back to vLLM at the latest then (finished()).
-                fut = client.store(self._handle, t.hashes, self._tensor_block_ids(t.block_ids),
-                                   timeout=self.cfg.store_timeout)
-            except (LMCacheMPError, ValueError) as exc:
-                self._store_failed(exc)
-                continue
-            self.stats["stored_chunks"] += len(t.hashes)
-            self._stores.setdefault(t.req_id, []).append(fut)
+            fut = None
+            if client is not None:
+                try:
+                    # The server starts no copy after the deadline and keeps none that ended after
+                    # it, so a store's blocks go back to vLLM at the latest then (finished()).
+                    fut = client.store(self._handles[t.group], t.hashes, self._tensor_block_ids(t.block_ids, t.group),
+                                       timeout=self.cfg.store_timeout)
+                except (LMCacheMPError, ValueError) as exc:
+                    self._store_failed(exc)
+                else:
+                    self.stats["stored_chunks"] += len(t.hashes)
+                    self._stores.setdefault(t.req_id, []).append(fut)
+                    fut.add_done_callback(self._count_store(self._handles[t.group].object_bytes))
+            if t.pin:
+                self._pinned.append((t.pin, fut))
+
+    def _count_store(self, object_bytes: int):
+        t0 = time.monotonic()
+
+        def answered(fut: cf.Future) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                return
+            with self._stats_lock:
+                self.stats["stored_bytes"] += fut.result().stored * object_bytes
+                self.stats["stores"] += 1
+                self.stats["store_seconds"] += time.monotonic() - t0
+
+        return answered
+
+    def take_settled_pins(self) -> list[int]:
+        """Pins of stores that are over (answered, failed or never sent) since the last call:
+        the scheduler may let their blocks be reused once every rank reported them."""
+        if not self._pinned:
+            return []
+        done, waiting = [], []
+        for pin, fut in self._pinned:
+            if fut is None or fut.done():
+                done.append(pin)
+            else:
+                waiting.append((pin, fut))
+        self._pinned = waiting
+        return done
 
     def _store_failed(self, exc: BaseException) -> None:
         # Stores fail fast when the server is away and cost the engine nothing, so they never
@@ -270,9 +323,9 @@ class WorkerCore:
         if pending:
             cf.wait(pending, timeout=self.cfg.flush_timeout)
         self._stores.clear()
-        client, handle = self._handle_client, self._handle
-        self._handle = None
-        if client is not None and handle is not None:
+        client, handles = self._handle_client, self._handles
+        self._handles = None
+        for handle in handles if client is not None and handles else ():
             try:
                 client.unregister_kv_cache(handle)
             except Exception as exc:  # noqa: BLE001 - best effort at shutdown

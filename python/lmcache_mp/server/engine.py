@@ -34,12 +34,14 @@ from lmcache_mp.native import HostArena, set_cpu_threads
 from lmcache_mp.server.contexts import IpcEventCache, IpcMemoryCache
 from lmcache_mp.server.devices import gpu_numa_node, resolve_device
 from lmcache_mp.server.gc_pauses import GCPauses, made_long_lived
+from lmcache_mp.server import event_feed
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.validation import RequestFailure, chunk_request, over_limit
 from lmcache_mp.server.engine_copies import EngineCopies
 from lmcache_mp.server.registrations import Entry, RegistrationHandling
 from lmcache_mp.server.replies import Reply, mark, mark_all
 from lmcache_mp.server.workers import SerialWorker
+from lmcache_mp.storage.events import EventLog
 from lmcache_mp.storage.l1 import L1Store
 from lmcache_mp.storage.l1_journal import L1Journal
 from lmcache_mp.storage.l2.tiers import L2Tiers
@@ -73,6 +75,8 @@ class MPCacheEngine(RegistrationHandling, EngineCopies):
             raise
         self.l1 = L1Store(self.arena)
         self.l1.on_commit = made_long_lived  # (a no-op unless this process is only a server)
+        self.events = EventLog(config.kv_events)
+        self.l1.events = self.events if config.kv_events else None
         if journal is not None:
             self._reattach(journal)
         self.l2 = self._open_l2(config)
@@ -197,6 +201,10 @@ class MPCacheEngine(RegistrationHandling, EngineCopies):
             with self._lock:
                 status["mine"] = [kv for kv, e in self._entries.items() if e.ctx.reg.client_id == msg.client_id]
         reply(p.StatusReply(status=status))
+
+    def _events_since(self, msg: p.Events, reply: Reply) -> None:
+        self._touch(check.client_id(msg.client_id, required=False))
+        reply(event_feed.answer(self.events, self.session_id, msg))
 
     def _clear(self, msg: p.Clear, reply: Reply) -> None:
         self._bulk.submit(self._job(reply, lambda: reply(p.ClearReply(removed=self.clear()))))
@@ -353,7 +361,8 @@ class MPCacheEngine(RegistrationHandling, EngineCopies):
             if ids is None:
                 keys = check.chunk_keys(reg, msg.hashes, msg.salt)
             else:
-                keys, checked = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt, distinct=True)
+                keys, checked = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt, distinct=True,
+                                              scratch=msg.scratch_blocks)
                 ids.append(checked)
             mark(reply, "checked")
             self._touch(reg.client_id)
@@ -660,6 +669,7 @@ class MPCacheEngine(RegistrationHandling, EngineCopies):
         p.Ping: _ping,
         p.Status: _status,
         p.Clear: _clear,
+        p.Events: _events_since,
         p.RegisterKVCache: RegistrationHandling.register_kv_cache,
         p.UnregisterKVCache: RegistrationHandling.unregister_kv_cache,
         p.Store: store,

@@ -6,6 +6,8 @@ answered with LIMIT_EXCEEDED before anything is done for it.
 
 from __future__ import annotations
 
+import numpy as np
+
 from lmcache_mp import protocol as p
 from lmcache_mp.keys import DIGEST_BYTES, unpack_hashes
 from lmcache_mp.native import request_block_ids
@@ -86,12 +88,21 @@ def chunk_keys(reg: Registration, hashes: bytes, salt: bytes) -> list[ObjectKey]
     return [ObjectKey(reg.model, reg.world_size, rank, d, salt) for d in found]
 
 
-def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: bytes, distinct: bool = False):
+def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: bytes, distinct: bool = False,
+                  scratch: bytes = b""):
     """The object keys and the `[chunks, blocks per chunk]` block ids of a store or retrieve,
-    every field checked against the registration (distinct: no block id twice)."""
+    every field checked against the registration (distinct: no block id twice, except the
+    `scratch` ones, whose bytes nobody reads)."""
     keys = chunk_keys(reg, hashes, salt)
     try:  # one call: on a small request the checks would cost more than the rest of its path
-        ids = request_block_ids(block_ids, len(keys), reg.blocks_per_chunk, reg.spec.num_blocks, distinct)
+        ids = request_block_ids(block_ids, len(keys), reg.blocks_per_chunk, reg.spec.num_blocks,
+                                distinct and not scratch)
+        if distinct and scratch:
+            free = request_block_ids(scratch, 1, len(scratch) // 4, reg.spec.num_blocks, False)
+            kept = ids[~np.isin(ids, free)]
+            values, counts = np.unique(kept, return_counts=True)
+            if len(values) < len(kept):
+                raise ValueError(f"block id {values[counts > 1][0]} appears twice (two chunks cannot fill one block)")
     except ValueError as e:
         raise invalid(f"{e} (chunks of {reg.chunk_size} tokens, blocks of {reg.spec.block_size})") from None
     return keys, ids

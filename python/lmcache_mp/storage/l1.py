@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, NamedTuple, Sequence
 
+from lmcache_mp.storage.events import REMOVED, STORED
 from lmcache_mp.storage.l1_journal import free_record
 from lmcache_mp.storage.l1_persist import L1Persistence
 from lmcache_mp.storage.l1_writeback import L1Writeback
@@ -102,6 +103,7 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         self._class_bytes: dict[int, int] = {}  # size class -> object bytes
         self._evicted: dict[int, int] = {}  # size class -> objects evicted
         self._committed = 0
+        self.events = None  # an EventLog of commits and removals for subscribers (events.py)
         self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "moved": 0, "slab_moves": 0,
                          "cleared": 0, "replaced": 0, "format_mismatches": 0}
         self._mismatches_logged: set[str] = set()
@@ -155,6 +157,8 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         self._l2_admitted(obj)
 
     def _free(self, obj: L1Object) -> None:
+        if obj.committed and self.events is not None:
+            self.events.add(REMOVED, obj.key)
         self._unpark(obj)
         if self.l2_wanted:
             self._l2_leaving(obj)
@@ -241,6 +245,8 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                 if i and i % SLICE == 0:
                     self._pause()
                 obj.committed = True
+                if self.events is not None:
+                    self.events.add(STORED, obj.key)
                 self._committed += 1
                 self._park(obj)
                 if not from_l2:
