@@ -32,6 +32,7 @@ class ConnectorConfig:
     retry_interval: float = 5.0  # least time between connection attempts / after a failure
     load_timeout: float = 30.0  # longest a forward pass waits for its loads
     store_timeout: float = 10.0  # a store's deadline: the server keeps nothing of it after that, blocks go back
+    transfer: str = "auto"  # who copies: "server", or "engine" (the workers, in their CUDA context; docs/engine-copies.md)
     flush_timeout: float = 30.0  # longest shutdown (or a preemption) waits for stores in flight
     store_decode: bool = False  # also store chunks completed by generated tokens
     loads: bool = True  # look up and load (vLLM: kv_role kv_both or kv_consumer)

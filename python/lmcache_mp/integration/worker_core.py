@@ -114,6 +114,7 @@ class WorkerCore:
                     world_size=self.cfg.world_size,
                     rank=self.rank,
                     layout=self.layout,
+                    transfer=self.cfg.transfer,
                 )
                 handles.append(handle)
                 per_block.append(self._kernel_blocks_per_block(handle.block_size, g.block_size))
