@@ -5,7 +5,9 @@ calling thread, and a caller that waits on its future reads the reply itself. Sm
 the server's local lane when this process can reach it (a unix datagram socket, no ZeroMQ I/O
 threads on the way); synchronous calls without it go out on a ZeroMQ socket of the calling thread.
 Either way a request costs one round trip and no thread hand-offs. A heartbeat notices a restarted
-server: the client then fails what was in flight and registers its KV caches again.
+server: the client then fails what was in flight and registers its KV caches again
+(client/recovery.py). KV caches registered with transfer="engine" are copied by this process
+(client/engine_transfers.py).
 """
 
 from __future__ import annotations
@@ -28,66 +30,25 @@ from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_strea
 from lmcache_mp.client.curve import apply_curve
 from lmcache_mp.client.endpoint import check_url, unreachable_hint
 from lmcache_mp.client.engine_transfers import EngineTransfers
+from lmcache_mp.client.handles import KVCacheHandle
 from lmcache_mp.client.io_thread import ZMQ_EVENTS, ZMQ_POLLIN, IOThread, add_trace
 from lmcache_mp.client.leases import HeldLeases, LookupResult
+from lmcache_mp.client.recovery import RECOVERY_STOP_S, RestartRecovery
 from lmcache_mp.client.results import RetrieveResult, StoreResult, check_reply as _check
-from lmcache_mp.client.tensors import DescribedCache, describe_kv_caches
+from lmcache_mp.client.tensors import describe_kv_caches
 from lmcache_mp.errors import RequestError, ServerUnavailable
 from lmcache_mp.keys import DIGEST_BYTES, pack_hashes, unpack_hashes
 from lmcache_mp.native import default_spin_us, request_block_ids, spin_poll
 
 logger = logging.getLogger(__name__)
 
-RECOVERY_CALL_S = 2.0  # longest one call of a recovery after a suspected restart may take
-RECOVERY_STOP_S = 1.0  # how long closing waits for a recovery to end (it ends once the I/O thread stops)
-
-
-class KVCacheHandle:
-    """A registered KV cache. Keeps its tensors alive; re-registered after a server restart."""
-
-    def __init__(self, tensors: list, model: str, world_size: int, rank: int, layout: str,
-                 block_size: int | None, described: DescribedCache, transfer: str = "auto",
-                 staging_bytes: int | None = None, pack_ctas: int = 0):
-        self.tensors = tensors
-        self.model = model
-        self.world_size = world_size
-        self.rank = rank
-        self.requested_layout = layout
-        self.requested_block_size = block_size
-        self.requested_transfer = transfer
-        self.staging_bytes = staging_bytes  # the engine-side copier's GPU ring (None: a few chunks)
-        self.pack_ctas = pack_ctas
-        self.copier = None  # an EngineCopier when this process copies (transfer_mode "engine")
-        self.described = described
-        self.kv_id = 0
-        self.layout = ""
-        self.object_bytes = 0
-        self.transfer_mode = ""
-        self.shared = False
-        self.block_size = 0
-        self.num_blocks = 0
-        self.events: EventPool | None = None
-        self.closed = False
-
-    @property
-    def device(self) -> str:
-        return self.described.device
-
-    def _apply(self, r: p.RegisterReply) -> None:
-        self.kv_id, self.layout, self.object_bytes = r.kv_id, r.layout, r.object_bytes
-        self.transfer_mode, self.shared = r.transfer_mode, r.shared
-        self.block_size, self.num_blocks = r.block_size, r.num_blocks
-
-    def __repr__(self) -> str:
-        return (f"KVCacheHandle(model={self.model!r}, rank={self.rank}/{self.world_size}, layout={self.layout}, "
-                f"device={self.device}, kv_id={self.kv_id})")
 
 
 # Synchronous calls that take the local lane when there is one (small replies, quick on the server).
 _LANE_CALLS = (p.Lookup, p.Release, p.Ping, p.UnregisterKVCache, p.Clear)
 
 
-class Client:
+class Client(RestartRecovery):
     """Connects to a server (handshake first: raises ServerUnavailable if none answers within
     connect_timeout, ProtocolMismatch on a version mismatch). spin_us: how long a thread waiting
     on a store or retrieve polls for its reply before it sleeps (a sleeping thread wakes tens of
@@ -512,69 +473,6 @@ class Client:
         if isinstance(reply, p.Error) and reply.code == p.ErrorCode.UNKNOWN_REGISTRATION:
             self._suspect_restart()
         return _check(reply, expected)
-
-    # ---- restarts ----------------------------------------------------------------------------
-
-    def _heartbeat_msg(self):
-        def convert(reply: Any) -> None:
-            if isinstance(reply, p.PingReply) and reply.session_id != self.session_id:
-                self._suspect_restart()
-
-        return p.Ping(client_id=self.client_id), convert
-
-    def _suspect_restart(self) -> None:
-        if self._closed or not self._restarting.acquire(blocking=False):
-            return
-        threading.Thread(target=self._recover, name="lmcache-client-recover", daemon=True).start()
-
-    def _recover(self) -> None:
-        """Runs off the I/O thread: handshake again and register every KV cache the server no
-        longer knows: all of them after a restart, or those it dropped when it stopped hearing
-        from this client."""
-        short = min(self.timeout, RECOVERY_CALL_S)
-        try:
-            # A look at _closed between calls; a call in flight fails once the I/O thread stops.
-            hello = self._recovery_call(self._hello_msg(), p.HelloReply, short)
-            if self._closed:
-                return
-            if hello.session_id != self.session_id:
-                if self._handles:
-                    logger.warning("lmcache-mp server at %s restarted: registering %d KV caches again",
-                                   self.url, len(self._handles))
-                else:
-                    logger.warning("lmcache-mp server at %s restarted", self.url)
-                if self._io is not None:
-                    self._io.fail_all(ServerUnavailable("the server restarted; the request was lost"))
-                self.session_id = hello.session_id
-                self.chunk_size = hello.chunk_size
-                if self._io is not None and not self._io.has_lane:  # the same server closing it: stay off
-                    self._connect_lane(hello.lane)
-            status = self._recovery_call(p.Status(client_id=self.client_id), p.StatusReply, short).status
-            known = set(status.get("mine", ()))
-            with self._lock:
-                lost = [h for h in self._handles if h.kv_id not in known]
-            for h in lost:
-                if self._closed:
-                    return
-                try:
-                    self._register(h, self._recovery_call)
-                except Exception as e:
-                    if self._closed:
-                        return
-                    logger.error("re-registering %r failed: %s", h, e)
-        except ServerUnavailable:
-            pass  # still down (or closing); the next heartbeat tries again
-        except Exception:
-            logger.exception("recovering from a server restart failed")
-        finally:
-            self._restarting.release()
-
-    def _recovery_call(self, msg: p._Msg, expected: type, timeout: float) -> Any:
-        """A call of the recovery: sent by the I/O thread's socket and read by that thread, so the
-        recovery owns no socket that closing the client could pull from under it (that aborts
-        libzmq), and stopping the I/O thread fails the call at once."""
-        fut = self._io.request(msg, timeout, lambda r: _check(r, expected))
-        return Future.result(fut, timeout + 1.0)  # the plain wait: this thread does not read the socket
 
     # ---- closing -----------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, NamedTuple, Sequence
+from typing import Callable, Collection, Sequence
 
 from lmcache_mp.storage.events import REMOVED, STORED
 from lmcache_mp.storage.l1_journal import free_record
@@ -37,44 +37,13 @@ from lmcache_mp.storage.l1_persist import L1Persistence
 from lmcache_mp.storage.l1_writeback import L1Writeback
 from lmcache_mp.storage.index import PART_MASK, Lru, OffsetShards, Shards
 from lmcache_mp.storage.leases import Lease, LeaseTable
+from lmcache_mp.storage.objects import SHARED_RANK, L1Object, ObjectKey  # noqa: F401 (re-exported)
 from lmcache_mp.storage.slab_moves import MAX_MOVES, SlabMove, SlabMoves
 
 logger = logging.getLogger(__name__)
 
-SHARED_RANK = -1  # rank of objects shared by every rank (MLA)
 _NO_SPACE = Shards()  # the index of a namespace with no objects (never written)
 SLICE = 256  # keys (lookups: key visits x ranks) per hold of the lock
-
-
-class ObjectKey(NamedTuple):
-    model: str
-    world_size: int
-    rank: int  # SHARED_RANK for objects every rank reads
-    digest: bytes
-    salt: bytes
-
-
-@dataclass(eq=False, slots=True)  # slots: one object for the garbage collector to walk, not two
-class L1Object:
-    key: ObjectKey
-    offset: int
-    size_class: int
-    nbytes: int  # slot bytes taken from the arena
-    format_key: tuple
-    committed: bool = False
-    aborted: bool = False
-    moving: bool = False  # being copied to another slot (its slab is changing size)
-    readers: int = 0  # reads in progress
-    leases: int = 0  # leases holding it
-    waiters: list | None = None  # called with True/False once written/abandoned
-    uses: int = 0  # stores and lookup hits: what L2 admission counts
-    prev: L1Object | None = field(default=None, repr=False)  # the chunk before it in its store (l1_writeback.py)
-    l2_copies: int = 0  # bits of the L2 tiers that hold a copy (written there or loaded from there)
-    l2_writing: int = 0  # bits of the L2 tiers writing it now: not freed or moved until they have read it
-    l2_lost: int = 0  # bits of the L2 tiers it never reaches (left L1 unwritten, or a write failed)
-    checksum: int | None = None  # of its bytes, once summed for the journal (storage/l1_persist.py)
-    older: L1Object | None = field(default=None, repr=False)  # neighbours in the LRU list (index.Lru)
-    newer: L1Object | None = field(default=None, repr=False)
 
 
 @dataclass

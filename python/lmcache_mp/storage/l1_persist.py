@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from lmcache_mp.storage.l1_journal import chunk_sum, commit_record
 from lmcache_mp.storage.index import SHARDS
+from lmcache_mp.storage.objects import L1Object, ObjectKey
 
 logger = logging.getLogger(__name__)
 
@@ -195,8 +196,6 @@ class L1Persistence:
         before any request: a chunk comes back only if its slot still holds bytes of its
         checksum. The journal is then rewritten to what was restored. Returns (restored,
         dropped): dropped are slots that cannot be claimed, keys met twice and bytes that changed."""
-        from lmcache_mp.storage.l1 import L1Object, ObjectKey
-
         t0 = time.monotonic()
         claimed, dropped = [], 0
         with self._lock:

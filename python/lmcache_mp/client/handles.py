@@ -1,0 +1,48 @@
+"""A registered KV cache as the client keeps it (registered again after a server restart)."""
+
+from __future__ import annotations
+
+from lmcache_mp import protocol as p
+from lmcache_mp.client.cuda_events import EventPool
+from lmcache_mp.client.tensors import DescribedCache
+
+
+class KVCacheHandle:
+    """A registered KV cache. Keeps its tensors alive; re-registered after a server restart."""
+
+    def __init__(self, tensors: list, model: str, world_size: int, rank: int, layout: str,
+                 block_size: int | None, described: DescribedCache, transfer: str = "auto",
+                 staging_bytes: int | None = None, pack_ctas: int = 0):
+        self.tensors = tensors
+        self.model = model
+        self.world_size = world_size
+        self.rank = rank
+        self.requested_layout = layout
+        self.requested_block_size = block_size
+        self.requested_transfer = transfer
+        self.staging_bytes = staging_bytes  # the engine-side copier's GPU ring (None: a few chunks)
+        self.pack_ctas = pack_ctas
+        self.copier = None  # an EngineCopier when this process copies (transfer_mode "engine")
+        self.described = described
+        self.kv_id = 0
+        self.layout = ""
+        self.object_bytes = 0
+        self.transfer_mode = ""
+        self.shared = False
+        self.block_size = 0
+        self.num_blocks = 0
+        self.events: EventPool | None = None
+        self.closed = False
+
+    @property
+    def device(self) -> str:
+        return self.described.device
+
+    def _apply(self, r: p.RegisterReply) -> None:
+        self.kv_id, self.layout, self.object_bytes = r.kv_id, r.layout, r.object_bytes
+        self.transfer_mode, self.shared = r.transfer_mode, r.shared
+        self.block_size, self.num_blocks = r.block_size, r.num_blocks
+
+    def __repr__(self) -> str:
+        return (f"KVCacheHandle(model={self.model!r}, rank={self.rank}/{self.world_size}, layout={self.layout}, "
+                f"device={self.device}, kv_id={self.kv_id})")

@@ -1,0 +1,109 @@
+"""Lookups, leases and releases: a part of MPCacheEngine. A lookup counts the leading chunks
+present for every rank (continuing into L2 after L1); with lock it leases them, and when L2
+holds some of them its reply waits while they are loaded into L1 (at most the prefetch timeout).
+Large lookups and releases run on the housekeeping thread, a slice of the index at a time."""
+
+from __future__ import annotations
+
+import logging
+
+from lmcache_mp import protocol as p
+from lmcache_mp.server import validation as check
+from lmcache_mp.server.replies import Reply
+from lmcache_mp.server.validation import over_limit
+from lmcache_mp.storage.leases import TooManyLeases
+
+logger = logging.getLogger(__name__)
+
+INLINE_LOOKUP_KEYS = 2048  # lookups of at most this many keys (hashes x ranks) run on the socket thread
+
+
+class LookupHandling:
+    """Expects MPCacheEngine's config, l1, l2, _bulk, _job and _touch."""
+
+    def lookup(self, msg: p.Lookup, reply: Reply) -> None:
+        cost = check.lookup_cost(msg)
+        self._touch(msg.client_id)
+
+        def run() -> None:
+            digests = check.digests(msg.hashes)
+            try:
+                hits, lease = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt,
+                                             lock=msg.lock, owner=msg.client_id, ttl=self.config.lease_ttl)
+            except TooManyLeases as e:
+                raise over_limit(str(e)) from None
+            if self.l2 is not None and hits < len(digests):
+                if self.l2.remote:  # network round trips: off the socket thread, within the deadline
+                    self._lookup_remote(msg, digests, hits, lease, reply)
+                else:
+                    self._lookup_l2(msg, digests, hits, lease, reply)
+            else:
+                reply(p.LookupReply(hits=hits, lease=lease))
+
+        if cost <= INLINE_LOOKUP_KEYS:
+            run()
+        else:
+            self._bulk.submit(self._job(reply, run))
+
+    def _lookup_remote(self, msg: p.Lookup, digests: list[bytes], hits: int, lease: int, reply: Reply) -> None:
+        def found_in_l2(n: int | None) -> None:  # None: not known by the deadline
+            if msg.lock:
+                self._answer_leased(msg, digests, hits, lease, reply)
+            else:
+                reply(p.LookupReply(hits=hits + (n or 0), lease=0))
+
+        self.l2.lookup_remote(lambda: self.l2.find(msg.model, msg.world_size, digests[hits:], msg.salt), msg.lock,
+                              found_in_l2)
+
+    def _answer_leased(self, msg: p.Lookup, digests: list[bytes], hits: int, lease: int, reply: Reply) -> None:
+        """The reply of a lookup with lock once its L2 chunks were brought in (or its deadline
+        passed): the leading chunks in L1 now, leased."""
+        try:
+            if lease:
+                more, still = self.l1.lookup(msg.model, msg.world_size, digests[hits:], msg.salt, extend=lease)
+                reply(p.LookupReply(hits=hits + more if still else 0, lease=still))
+            else:
+                got, new = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt, lock=True,
+                                          owner=msg.client_id, ttl=self.config.lease_ttl)
+                reply(p.LookupReply(hits=got, lease=new))
+        except TooManyLeases as e:
+            reply(p.Error(code=int(p.ErrorCode.LIMIT_EXCEEDED), message=str(e)))
+        except Exception as e:
+            logger.exception("internal error answering a lookup after its prefetch")
+            reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
+
+    def _lookup_l2(self, msg: p.Lookup, digests: list[bytes], hits: int, lease: int, reply: Reply) -> None:
+        """The lookup goes on into L2 after the L1 prefix. Without lock it counts what L2 holds
+        (a retrieve loads it); with lock the L2 chunks are loaded into L1 and the reply, which
+        leases what is resident, waits until they are in or the prefetch deadline passed."""
+        found = self.l2.find(msg.model, msg.world_size, digests[hits:], msg.salt)
+        if not found:
+            reply(p.LookupReply(hits=hits, lease=lease))
+            return
+        if not msg.lock:
+            reply(p.LookupReply(hits=hits + len(found), lease=0))
+            return
+
+        def answer() -> None:
+            self._answer_leased(msg, digests, hits, lease, reply)
+
+        if not self.l2.prefetch(found, answer):
+            reply(p.LookupReply(hits=hits, lease=lease))
+
+    def release(self, msg: p.Release, reply: Reply) -> None:
+        self._touch(check.client_id(msg.client_id))
+        check.count_digests(msg.hashes)
+
+        def run() -> None:
+            digests = check.digests(msg.hashes) if msg.hashes else None
+            reply(p.ReleaseReply(released=self.l1.release(msg.lease, digests)))
+
+        self._bulk.submit(self._job(reply, run))
+
+    def clear(self) -> int:
+        removed = self.l1.clear()
+        logger.info("cleared %d objects", removed)
+        return removed
+
+    def get_chunk_size(self) -> int:
+        return self.config.chunk_size

@@ -1,0 +1,39 @@
+"""What L1 indexes: the key of a chunk object and the object itself (its slot, its state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+SHARED_RANK = -1  # rank of objects shared by every rank (MLA)
+
+
+class ObjectKey(NamedTuple):
+    model: str
+    world_size: int
+    rank: int  # SHARED_RANK for objects every rank reads
+    digest: bytes
+    salt: bytes
+
+
+@dataclass(eq=False, slots=True)  # slots: one object for the garbage collector to walk, not two
+class L1Object:
+    key: ObjectKey
+    offset: int
+    size_class: int
+    nbytes: int  # slot bytes taken from the arena
+    format_key: tuple
+    committed: bool = False
+    aborted: bool = False
+    moving: bool = False  # being copied to another slot (its slab is changing size)
+    readers: int = 0  # reads in progress
+    leases: int = 0  # leases holding it
+    waiters: list | None = None  # called with True/False once written/abandoned
+    uses: int = 0  # stores and lookup hits: what L2 admission counts
+    prev: L1Object | None = field(default=None, repr=False)  # the chunk before it in its store (l1_writeback.py)
+    l2_copies: int = 0  # bits of the L2 tiers that hold a copy (written there or loaded from there)
+    l2_writing: int = 0  # bits of the L2 tiers writing it now: not freed or moved until they have read it
+    l2_lost: int = 0  # bits of the L2 tiers it never reaches (left L1 unwritten, or a write failed)
+    checksum: int | None = None  # of its bytes, once summed for the journal (storage/l1_persist.py)
+    older: L1Object | None = field(default=None, repr=False)  # neighbours in the LRU list (index.Lru)
+    newer: L1Object | None = field(default=None, repr=False)
