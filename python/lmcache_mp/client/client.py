@@ -416,8 +416,8 @@ class Client(RestartRecovery):
 
         `lease`: the LookupResult (or its lease id) of the lookup that found them; this read
         consumes that lease's use of what it reads. `scratch_blocks`: block ids that may appear
-        more than once in `block_ids`, where bytes go that nobody reads. `deadline` (a time.monotonic() value): the
-        server starts no copy after it and answers DEADLINE_EXCEEDED instead. The future of a
+        more than once in `block_ids`, where bytes go that nobody reads. `deadline` (a
+        time.monotonic() value): no copy starts after it (DEADLINE_EXCEEDED instead). The future of a
         retrieve with a deadline does not time out here: it resolves once the server answered
         (or this client closed, or the server restarted), so a caller that gives up at the
         deadline can tell when the blocks are surely no longer written.
@@ -427,7 +427,8 @@ class Client(RestartRecovery):
         stamps = [("call", time.monotonic_ns())] if self.trace else None
         if wait not in ("host", "stream"):
             raise ValueError("wait must be 'host' or 'stream'")
-        packed, ids = self._request_args(handle, hashes, block_ids, distinct=True)
+        # (scratch blocks repeat: the engine-side check leaves distinctness to the server's own)
+        packed, ids = self._request_args(handle, hashes, block_ids, distinct=scratch_blocks is None)
         if handle.copier is not None:
             stream_ptr = self._stream_ptr(handle, stream) if handle.events is not None else 0
             return self._engine.retrieve(handle, packed, ids, salt, stream_ptr, wait,
