@@ -93,6 +93,12 @@ def publish_events(llm, params) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError("the connector could not read the server's events")
             time.sleep(0.1)
+        # The batch's stores may still be on their way to the server (a loaded machine): read
+        # again until it has them all, or a while has passed (a store may have found no room).
+        settle = time.monotonic() + 20
+        while t._pending and time.monotonic() < settle:
+            time.sleep(0.1)
+            t.sync()
     from vllm.inputs import TokensPrompt
 
     llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5])], params, use_tqdm=False)
