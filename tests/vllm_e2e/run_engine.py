@@ -59,6 +59,30 @@ def wait_for_resume(pause_dir: str, i: int, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def wait_registered(timeout: float = 60.0) -> None:
+    """Every client of this process has its KV caches registered with the server that answers
+    now (after a restart, the workers' clients register again within a heartbeat or two; a store
+    sent before that is lost, as it would be in production)."""
+    import gc
+
+    from lmcache_mp import Client
+
+    gc.unfreeze()
+    clients = [obj for obj in gc.get_objects() if isinstance(obj, Client) and obj._handles]
+    gc.freeze()
+    deadline = time.monotonic() + timeout
+    for c in clients:
+        while True:
+            try:
+                if {h.kv_id for h in c._handles} <= set(c.status(timeout=2.0).get("mine", ())):
+                    break
+            except Exception:  # noqa: BLE001 - the server may still be starting
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the workers did not register again with the restarted server")
+            time.sleep(0.1)
+
+
 def connector_stats() -> dict:
     """Sum of the counters of the connector cores in this process (workers of other processes,
     as with tensor parallelism, are not seen)."""
@@ -181,6 +205,7 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
     for i, batch in enumerate(batches):
         if pause_dir and i:
             wait_for_resume(pause_dir, i)
+            wait_registered()
         if batch:
             prompts_, params_, adapters = zip(*(request(p, params, loras or {}) for p in batch))
             outs += llm.generate(list(prompts_), list(params_), lora_request=list(adapters), use_tqdm=False)
