@@ -36,6 +36,7 @@ from lmcache_mp import protocol as p
 from lmcache_mp.keys import DIGEST_BYTES
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.replies import Reply, mark
+from lmcache_mp.server.server_copies import INLINE_CHUNKS
 from lmcache_mp.server.validation import RequestFailure, chunk_keys, over_limit
 
 logger = logging.getLogger(__name__)
@@ -133,12 +134,16 @@ class EngineCopies:
                              "finish some first")
         return h
 
-    def _reserve(self, msg: p.Reserve, reply: Reply) -> None:
+    def _on_registration(self, msg: p.Reserve | p.Read, reply: Reply, run) -> None:
+        """run(entry, msg, reply) in the registration's order (on the socket thread when small and
+        the registration idle, as a store or retrieve of the server's copies)."""
         entry = self._engine_entry(msg.kv_id, msg.client_id)
         self._touch(msg.client_id)
-        chunks = len(msg.hashes) // DIGEST_BYTES
-        entry.run(self._job(reply, lambda: self._run_reserve(entry, msg, reply)),
-                  inline=chunks <= 64, limit=self.config.max_queued_requests)
+        entry.run(self._job(reply, lambda: run(entry, msg, reply)),
+                  inline=len(msg.hashes) // DIGEST_BYTES <= INLINE_CHUNKS, limit=self.config.max_queued_requests)
+
+    def _reserve(self, msg: p.Reserve, reply: Reply) -> None:
+        self._on_registration(msg, reply, self._run_reserve)
 
     def _run_reserve(self, entry, msg: p.Reserve, reply: Reply) -> None:
         mark(reply, "started")
@@ -189,11 +194,7 @@ class EngineCopies:
     # ---- retrieves ---------------------------------------------------------------------------
 
     def _read(self, msg: p.Read, reply: Reply) -> None:
-        entry = self._engine_entry(msg.kv_id, msg.client_id)
-        self._touch(msg.client_id)
-        chunks = len(msg.hashes) // DIGEST_BYTES
-        entry.run(self._job(reply, lambda: self._run_read(entry, msg, reply)),
-                  inline=chunks <= 64, limit=self.config.max_queued_requests)
+        self._on_registration(msg, reply, self._run_read)
 
     def _run_read(self, entry, msg: p.Read, reply: Reply, held: list | None = None) -> None:
         def again(objs: list) -> None:  # after L2 loads, on the registration's worker
