@@ -432,13 +432,16 @@ def test_chunked_prefill_stores_each_chunk_once(server, engines):
     assert matched(a.sched, "r", toks, 0) == 0
     blocks = a.alloc(-(-700 // BS))
     a.sched.on_allocated("r", blocks, 0)
-    stored, done = [], 0
+    stored, parents, done = [], [], 0
     for n in (100, 100, 300, 200):  # prefill in budget-limited pieces
         plan = a.sched.build_plan([ScheduledRequest("r", done, n, blocks if done == 0 else None)])
         a.execute(plan, compute=[(toks, blocks, done, done + n)])
+        parents += [(t.parent, stored[-1] if stored else b"") for t in plan.stores]
         stored += [h for t in plan.stores for h in t.hashes]
         done += n
     assert stored == chunk_hashes(toks, CS)
+    # each piece names the chunk before it: the server writes the prompt to L2 in prefix order
+    assert len(parents) > 1 and all(got == want for got, want in parents), parents
     a.finish("r")
     a.close()
 

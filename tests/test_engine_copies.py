@@ -119,6 +119,8 @@ def test_requests_of_the_other_path_are_refused_clearly(shm_files, servers, clie
         kv_s, h_s = _register(c, transfer="server", model="s")
         raw.expect_error(p.encode(p.Reserve(kv_id=h_s.kv_id, hashes=hashes, client_id=c.client_id)),
                          p.ErrorCode.INVALID_ARGUMENT)
+        raw.expect_error(p.encode(p.Reserve(kv_id=h.kv_id, hashes=hashes, client_id=c.client_id, parent=b"p")),
+                         p.ErrorCode.INVALID_ARGUMENT)
         _, reply = raw.request(p.encode(p.Reserve(kv_id=h.kv_id, hashes=hashes, client_id=c.client_id,
                                                   deadline=time.monotonic() - 1)))
         assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.DEADLINE_EXCEEDED

@@ -327,6 +327,37 @@ def test_a_burst_keeps_whole_prompts_on_disk_and_says_what_it_dropped(shm_files,
         break
 
 
+def test_prompts_stored_in_pieces_reach_the_disk_as_prefixes(shm_files, servers, clients, tmp_path,  # noqa: F811
+                                                              no_internal_errors):  # noqa: F811
+    """An engine stores a prompt as it grows: each later piece names the chunk before it
+    (`parent`). In the burst above, stored in two pieces each, a prompt whose first piece was
+    dropped has its second dropped too: what the disk holds of each prompt is a prefix of it."""
+    from lmcache_mp.storage.l2.tiers import key_bytes
+
+    srv = servers(**l2_settings(tmp_path / "l2", l1_size=f"{64 * 4}KiB"))
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    writer = srv.engine.l2.writers[0]
+    writer.tier = SlowTier(writer.tier, 0, put_delay=0.2)
+    bpc = CHUNK // 8
+    for seed in range(96):
+        src = blocks_of(4)
+        w.write_tokens(kv, "mha", src, w.reference(seed, "mha", 4 * CHUNK))
+        hashes = chunk_hashes(w.prompt(seed, 4), CHUNK)
+        assert c.store(h, hashes[:2], src[: 2 * bpc]).result(10).chunks == 2
+        assert c.store(h, hashes[2:], src[2 * bpc :], parent=hashes[1]).result(10).chunks == 2
+    writer_idle(srv)
+    held = []
+    for seed in range(96):
+        keys = [key_bytes(ObjectKey("m", 1, 0, d, b"")) for d in chunk_hashes(w.prompt(seed, 4), CHUNK)]
+        held.append("".join("x" if got is not None else "." for got in srv.engine.l2.tiers[0].lookup(keys)))
+    assert all(p.rstrip(".") == p.rstrip(".").replace(".", "") for p in held), held  # no gap before a chunk
+    assert srv.engine.status()["l2"]["dropped_writes"] > 0 and "xxxx" in held
+    for seed in (s for s, p in enumerate(held) if p == "xxxx"):  # and they come back whole
+        assert retrieved_exact(c, h, kv, seed) == 4
+        break
+
+
 def test_stores_slower_than_the_disk_lose_nothing(shm_files, servers, clients, tmp_path,  # noqa: F811
                                                   no_internal_errors):  # noqa: F811
     """A store every 50 ms through an L1 of 64 chunks that evicts all the time: the writer keeps the

@@ -146,3 +146,49 @@ def test_a_tier_that_keeps_up_with_the_stores_loses_nothing():
         write(l1, got)
     assert drops.dropped == drops.lost == 0
     assert written[:4 * 36] == [f"p{p:02d}-{i}" for p in range(36) for i in range(4)]
+
+
+def store_after(l1: L1Store, keys, parent) -> int:
+    plan = l1.begin_store(keys, N, FMT, parent)
+    l1.commit(plan)
+    return len(plan.objects) + plan.present
+
+
+def test_a_prompt_stored_as_it_grows_is_written_in_prefix_order_across_its_stores():
+    l1, drops = l1_of(16)
+    a = keys_of("a", 6)
+    store(l1, a[:2])
+    store_after(l1, a[2:4], a[1])  # the engine stores each new piece naming the chunk before it
+    store_after(l1, a[4:], a[3])
+    assert l1.lookup("m", 1, [k.digest for k in a[:2]])[0] == 2  # a0 a1 the newest: LRU a2 .. a5 a0 a1
+    # (without the parents: a2 a3 a4 a5 a0 a1, the order of the LRU list)
+    assert names(l1.l2_take(DISK, 1 << 30, 1 << 20)) == ["a0", "a1", "a2", "a3", "a4", "a5"]
+    assert (drops.dropped, drops.lost) == (0, 0)
+
+
+def test_a_piece_whose_earlier_piece_was_dropped_is_never_written():
+    l1, drops = l1_of(4)
+    a, b = keys_of("a", 4), keys_of("b", 2)
+    store(l1, a[:2])
+    store_after(l1, a[2:], a[1])
+    store(l1, b)  # evicts a0 (a dropped write) and a1 (lost with it) unwritten
+    assert (drops.dropped, drops.lost) == (1, 1)
+    got = l1.l2_take(DISK, 1 << 30, 1 << 20)
+    assert names(got) == ["b0", "b1"] and drops.lost == 3  # a2 and a3 too: no fragments in L2
+    # without the parent, the second piece started a prompt of its own and was written: a fragment
+    l1, drops = l1_of(4)
+    store(l1, a[:2])
+    store(l1, a[2:])
+    store(l1, b)
+    assert names(l1.l2_take(DISK, 1 << 30, 1 << 20)) == ["a2", "a3", "b0", "b1"]
+
+
+def test_an_evicted_chunk_lets_go_of_its_prefix():
+    l1, _ = l1_of(4)
+    a, b = keys_of("a", 2), keys_of("b", 3)
+    store(l1, a)
+    gone = l1._get(a[1])
+    assert gone.prev is l1._get(a[0])
+    store(l1, b)  # 4 slots: b2 evicts a0
+    store(l1, keys_of("c", 2))  # and c0 a1
+    assert l1._get(a[1]) is None and gone.prev is None

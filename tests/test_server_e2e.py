@@ -416,6 +416,7 @@ def test_garbage_frames_get_typed_errors_while_another_client_works(shm_files, s
         raw.expect_error(store(block_ids=good_ids[:-4]), E.INVALID_ARGUMENT)
         raw.expect_error(store(hashes=b"h" * 31), E.INVALID_ARGUMENT)
         raw.expect_error(store(salt=b"s" * 257), E.INVALID_ARGUMENT)
+        assert "parent" in raw.expect_error(store(parent=b"p" * 15), E.INVALID_ARGUMENT)
         raw.expect_error(store(hashes=b"h" * 16 * 70_000, block_ids=b""), E.LIMIT_EXCEEDED)
         raw.expect_error(retrieve(block_ids=p.pack_block_ids([8, 9, 10, 11, 12, 13, 14, 2**20])),
                          E.INVALID_ARGUMENT)

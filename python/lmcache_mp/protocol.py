@@ -144,6 +144,9 @@ class Store(_Msg, tag=int(Op.STORE)):
     event: bytes = b""  # IPC event the worker recorded after producing the KV (CUDA)
     client_id: bytes = b""  # the registration's own client (no other may use it)
     deadline: float = 0.0  # CLOCK_MONOTONIC seconds: no copy starts after it, none that ends after it is kept
+    # the digest of the prompt's chunk before the first one here (empty: they start the prompt),
+    # so that L2 writes keep the prompt's prefix order across its stores
+    parent: bytes = b""
 
 
 class Retrieve(_Msg, tag=int(Op.RETRIEVE)):
@@ -222,6 +225,7 @@ class Reserve(_Msg, tag=int(Op.RESERVE)):
     client_id: bytes
     salt: bytes = b""
     deadline: float = 0.0  # CLOCK_MONOTONIC seconds: reserved after it, nothing is (DEADLINE_EXCEEDED)
+    parent: bytes = b""  # as Store's
 
 
 class Commit(_Msg, tag=int(Op.COMMIT)):

@@ -379,10 +379,15 @@ class Client(RestartRecovery):
         return packed, ids
 
     def store(self, handle: KVCacheHandle, hashes: bytes | Iterable[bytes], block_ids, *, salt: bytes = b"",
-              stream: Any = None, timeout: float | None = None) -> "Future[StoreResult]":
+              stream: Any = None, timeout: float | None = None, parent: bytes = b"") -> "Future[StoreResult]":
         """Copy these chunks' blocks into the server. The future resolves once the bytes are in
         host memory (the blocks may then be reused). On CUDA the server first waits for the work
         queued so far on `stream` (default: the current stream), so the KV may still be in flight.
+
+        `parent`: the hash of the prompt's chunk before the first one here, when the store names
+        only a prompt's new chunks (an engine storing as the prompt grows). The server then writes
+        them to L2 after it and only if it got there: an L2 lookup stops at the first miss, so a
+        chunk whose prefix L2 lacks would be a fragment nobody can hit.
 
         The store's deadline is `timeout` seconds from now (default: the client's timeout): the
         server starts no copy after it and keeps none that ended after it (DEADLINE_EXCEEDED). So
@@ -392,16 +397,18 @@ class Client(RestartRecovery):
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout  # before the future's own expiry, which is armed later
         packed, ids = self._request_args(handle, hashes, block_ids)
+        if parent and len(parent) != DIGEST_BYTES:
+            raise ValueError(f"parent must be one {DIGEST_BYTES}-byte chunk hash, got {len(parent)} bytes")
         if handle.copier is not None:
             stream_ptr = self._stream_ptr(handle, stream) if handle.events is not None else 0
-            return self._engine.store(handle, packed, ids, salt, stream_ptr, timeout, stamps)
+            return self._engine.store(handle, packed, ids, salt, stream_ptr, timeout, stamps, parent)
         event, ev_handle, settled = None, b"", None
         if handle.events is not None:
             event, ev_handle = handle.events.record(self._stream_ptr(handle, stream))
             if event is not None:
                 settled = lambda: handle.events.give_back(event)  # noqa: E731
         msg = p.Store(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle,
-                      client_id=self.client_id, deadline=deadline)
+                      client_id=self.client_id, deadline=deadline, parent=parent)
 
         def convert(reply: Any) -> StoreResult:
             r = self._checked(reply, p.StoreReply)

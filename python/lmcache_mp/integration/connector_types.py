@@ -140,7 +140,9 @@ class Transfer:
     `scratch_block`: the block id that stands for "bytes nobody reads" (the engine's null
     block), which may appear several times: a sliding-window group's blocks of tokens outside
     the window are that block, in loads and stores alike. `pin`: nonzero for a store whose
-    blocks the scheduler keeps from reuse until every rank reported the store settled."""
+    blocks the scheduler keeps from reuse until every rank reported the store settled.
+    `parent`: for a store, the hash of the prompt's chunk before its first (empty when it starts
+    the prompt), so that the server writes the prompt to L2 in prefix order across its stores."""
 
     req_id: str
     hashes: list[bytes]
@@ -150,6 +152,7 @@ class Transfer:
     group: int = 0
     scratch_block: int | None = None
     pin: int = 0
+    parent: bytes = b""
 
 
 @dataclass

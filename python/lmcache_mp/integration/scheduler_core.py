@@ -457,7 +457,7 @@ class SchedulerCore:
                 continue
             blocks = [b for c in chunks for b in table[c * bpc : (c + 1) * bpc]]
             t = Transfer(req_id=tr.req_id, hashes=[hashes[c] for c in chunks], block_ids=blocks, group=gi,
-                         scratch_block=scratch)
+                         scratch_block=scratch, parent=hashes[chunks[0] - 1] if chunks[0] else b"")
             if self.on_store_planned is not None:
                 for c in chunks:
                     self.on_store_planned(tr.req_id, gi, c, hashes[c])

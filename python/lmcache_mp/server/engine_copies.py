@@ -37,7 +37,7 @@ from lmcache_mp.keys import DIGEST_BYTES
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.replies import Reply, mark
 from lmcache_mp.server.server_copies import INLINE_CHUNKS
-from lmcache_mp.server.validation import RequestFailure, chunk_keys, over_limit
+from lmcache_mp.server.validation import RequestFailure, chunk_keys, over_limit, parent_key
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +149,11 @@ class EngineCopies:
         mark(reply, "started")
         reg = entry.ctx.reg
         keys = chunk_keys(reg, msg.hashes, msg.salt)
+        parent = parent_key(reg, msg.parent, msg.salt)
         self._check_deadline(msg)
         with self._holders_lock:
             holder = self._holder(msg.client_id)
-        plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key)
+        plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key, parent)
         mark(reply, "in L1")
         if not plan.objects:
             def answer(failed: int) -> None:  # once the chunks others were writing landed

@@ -17,7 +17,7 @@ from lmcache_mp.keys import DIGEST_BYTES
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.registrations import Entry
 from lmcache_mp.server.replies import Reply, mark, mark_all
-from lmcache_mp.server.validation import RequestFailure, chunk_request
+from lmcache_mp.server.validation import RequestFailure, chunk_request, parent_key
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ServerCopies:
         mark(reply, "checked")
         self._touch(reg.client_id)
         self._check_deadline(msg)
-        plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key)
+        plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key, parent_key(reg, msg.parent, msg.salt))
         mark(reply, "in L1")
         if plan.skipped:
             logger.debug("store skipped %d chunks: no evictable memory", plan.skipped)

@@ -88,6 +88,15 @@ def chunk_keys(reg: Registration, hashes: bytes, salt: bytes) -> list[ObjectKey]
     return [ObjectKey(reg.model, reg.world_size, rank, d, salt) for d in found]
 
 
+def parent_key(reg: Registration, parent: bytes, salt: bytes) -> ObjectKey | None:
+    """The key of the chunk before a store's first (none when the store starts its prompt)."""
+    if not parent:
+        return None
+    if len(parent) != DIGEST_BYTES:
+        raise invalid(f"parent must be one {DIGEST_BYTES}-byte digest or empty, got {len(parent)} bytes")
+    return chunk_keys(reg, parent, salt)[0]
+
+
 def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: bytes, distinct: bool = False,
                   scratch: bytes = b""):
     """The object keys and the `[chunks, blocks per chunk]` block ids of a store or retrieve,

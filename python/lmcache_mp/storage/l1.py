@@ -131,6 +131,9 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         self._unpark(obj)
         if self.l2_wanted:
             self._l2_leaving(obj)
+        # Gone, it ends every walk back from its successors (each tier has a copy of it or lost
+        # it), so it holds on to no predecessor: chains of a long conversation stay bounded.
+        obj.prev = None
         space = self._spaces.get(self._space_of(obj.key))
         if space is not None and space.remove(obj.key.digest, obj) and not space:
             del self._spaces[self._space_of(obj.key)]
@@ -155,15 +158,22 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
 
     # ---- store -------------------------------------------------------------------------------
 
-    def begin_store(self, keys: Sequence[ObjectKey], object_bytes: int, format_key: tuple) -> StorePlan:
+    def begin_store(self, keys: Sequence[ObjectKey], object_bytes: int, format_key: tuple,
+                    parent: ObjectKey | None = None) -> StorePlan:
         """Reserve objects for the keys not yet present. Stops at the first chunk it cannot place
-        (a later chunk is useless without the earlier ones: lookups are prefix lookups)."""
+        (a later chunk is useless without the earlier ones: lookups are prefix lookups). parent:
+        the key of the chunk before the first, when the request names only a prompt's new chunks
+        (its object, if L1 holds it, becomes the first one's prefix for L2 writes)."""
         plan = StorePlan(indices=[], objects=[], present=0, skipped=0)
         with self._lock:
             cls = self._size_class(object_bytes)
             slot_bytes = self.arena.slot_bytes(cls)
             i = moves = 0
             last = None  # the object of the chunk before: its prefix, for L2 writes
+            if parent is not None:
+                last = self._get(parent)
+                if last is not None and (last.format_key != format_key or last.aborted):
+                    last = None
             while i < len(keys):
                 if i and i % SLICE == 0:
                     self._pause()

@@ -13,8 +13,10 @@ chunk k. Each object remembers the object of the chunk before it in the store th
 unwritten predecessors first, in order, and never an object whose prefix is *lost* for its tier:
 some predecessor left L1 (or failed its write) without reaching that tier (`l2_lost`, set as it
 leaves). So a write that is dropped drops the rest of that prompt with it and leaves no fragment
-behind. (A store that names only the new chunks of a prompt starts a chain of its own: the
-request does not say which chunk comes before its first.)
+behind. A store that names only the new chunks of a prompt says which chunk comes before its
+first (`parent`: an engine storing as the prompt grows); that object, while L1 holds it, is the
+first one's `prev`. An object that leaves L1 lets go of its `prev` (every walk back stops at it:
+each tier has a copy of it or lost it), so the chains of long conversations hold no dead objects.
 
 Eviction. The victim is the least recently used evictable object, except that among the oldest
 EVICTION_WINDOW ones a clean object (nothing left to write: written, not admitted, or lost

@@ -316,18 +316,20 @@ class L2Tiers:
         """Read objects into new L1 objects, in order, a batch at a time, each batch pinned (added
         to held) so that the next cannot evict it; stops at the first one that cannot be placed
         (L1 has no room left for more of this prefix) or read."""
-        for start in range(0, len(found), LOAD_BATCH_CHUNKS):
+        start = 0
+        while start < len(found):
             batch = found[start:start + LOAD_BATCH_CHUNKS]
             first = batch[0]
             batch = batch[: next((i for i, f in enumerate(batch) if (f.nbytes, f.fmt) != (first.nbytes, first.fmt)),
                                  len(batch))]
-            n = self._load_batch(batch, held)
+            n = self._load_batch(batch, held, found[start - 1].key if start else None)
             if n < len(batch):
                 break
+            start += len(batch)
 
-    def _load_batch(self, batch: list[Found], held: list[L1Object]) -> int:
+    def _load_batch(self, batch: list[Found], held: list[L1Object], parent) -> int:
         fmt = format_key_from(_decode(batch[0].fmt))
-        plan = self.l1.begin_store([f.key for f in batch], batch[0].nbytes, fmt)
+        plan = self.l1.begin_store([f.key for f in batch], batch[0].nbytes, fmt, parent)
         results: list[int] = []
         if plan.objects:
             base = self.l1.arena.base
