@@ -192,3 +192,16 @@ def test_an_evicted_chunk_lets_go_of_its_prefix():
     store(l1, b)  # 4 slots: b2 evicts a0
     store(l1, keys_of("c", 2))  # and c0 a1
     assert l1._get(a[1]) is None and gone.prev is None
+
+
+def test_a_store_that_names_a_chunk_twice_writes_each_chunk_once():
+    l1, _ = l1_of(16)
+    a = keys_of("a", 3)
+    assert store(l1, [a[0], a[1], a[0]]) == 2  # a0 then comes after a1: a loop of prefixes
+    store(l1, [a[2]])
+    assert store_after(l1, [a[2]], a[2]) == 1  # a chunk named as its own parent
+    assert l1._get(a[2]).prev is l1._get(a[2])
+    got = l1.l2_take(DISK, 1 << 30, 1 << 20)
+    assert sorted(names(got)) == ["a0", "a1", "a2"]
+    write(l1, got)
+    assert l1.l2_take(DISK, 1 << 30, 1 << 20) == []
