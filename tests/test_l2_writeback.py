@@ -6,6 +6,9 @@ chunks being written are neither evicted nor lost."""
 from __future__ import annotations
 
 import collections
+import random
+
+import pytest
 
 from lmcache_mp.native import HostArena
 from lmcache_mp.storage.l1 import L1Store, ObjectKey
@@ -205,3 +208,51 @@ def test_a_store_that_names_a_chunk_twice_writes_each_chunk_once():
     assert sorted(names(got)) == ["a0", "a1", "a2"]
     write(l1, got)
     assert l1.l2_take(DISK, 1 << 30, 1 << 20) == []
+
+
+def test_a_piece_stored_after_its_parent_left_l1_follows_what_became_of_it():
+    l1, drops = l1_of(6)
+    a, b, c = keys_of("a", 4), keys_of("b", 4), keys_of("c", 4)
+    store(l1, a[:2])
+    write(l1, l1.l2_take(DISK, 1 << 30, 1 << 20))  # a0 a1 reach the tier
+    store(l1, b[:2])
+    store(l1, keys_of("x", 6))  # the a and b chunks leave L1: a's written, b's dropped
+    assert drops.dropped == 1 and not any(l1._get(k) for k in a + b)
+    store_after(l1, a[2:], a[1])  # the next pieces come now (and the x chunks leave)
+    store_after(l1, b[2:], b[1])
+    store_after(l1, c[2:], c[1])  # c1 was never seen: these start a prompt of their own
+    assert all(l1._get(k) for k in a[2:] + b[2:] + c[2:])
+    # after a written prefix, written; after a dropped one, never (it would be a fragment)
+    assert sorted(names(l1.l2_take(DISK, 1 << 30, 1 << 20))) == ["a2", "a3", "c2", "c3"]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_pieces_lookups_and_evictions_leave_only_prefixes_in_the_tier(seed):
+    """Prompts stored in random pieces (each naming its parent), some stored again from the
+    start, random lookups, an L1 that evicts all the time and a writer taking random batches:
+    what the tier holds of each prompt is always a prefix of it, and no batch names a chunk twice."""
+    rng = random.Random(seed)
+    l1, _ = l1_of(rng.choice([6, 12, 24]), admit=rng.choice([1, 1, 2]))
+    prompts = [keys_of(f"p{j}-", 8) for j in range(6)]
+    upto = [0] * len(prompts)
+    tier: set = set()
+    for _ in range(200):
+        j = rng.randrange(len(prompts))
+        keys = prompts[j]
+        op = rng.random()
+        if op < 0.45:
+            if upto[j] == len(keys) or rng.random() < 0.1:  # the prompt again, from its start
+                upto[j] = 0
+            start, end = upto[j], min(len(keys), upto[j] + rng.randint(1, 3))
+            store_after(l1, keys[start:end], keys[start - 1] if start else None)
+            upto[j] = end
+        elif op < 0.7:
+            l1.lookup("m", 1, [k.digest for k in keys[: rng.randint(1, 8)]])
+        else:
+            got = l1.l2_take(DISK, rng.choice([0, 1 << 30]), rng.randint(1, 8) * N)
+            assert len({id(o) for o in got}) == len(got), "a chunk handed out twice"
+            write(l1, got)
+            tier |= {o.key for o in got}
+            for keys in prompts:
+                held = [k in tier for k in keys]
+                assert held == sorted(held, reverse=True), f"a fragment in the tier: {held}"

@@ -163,7 +163,7 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         """Reserve objects for the keys not yet present. Stops at the first chunk it cannot place
         (a later chunk is useless without the earlier ones: lookups are prefix lookups). parent:
         the key of the chunk before the first, when the request names only a prompt's new chunks
-        (its object, if L1 holds it, becomes the first one's prefix for L2 writes)."""
+        (its object, in L1 or lately gone, becomes the first one's prefix for L2 writes)."""
         plan = StorePlan(indices=[], objects=[], present=0, skipped=0)
         with self._lock:
             cls = self._size_class(object_bytes)
@@ -171,9 +171,7 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
             i = moves = 0
             last = None  # the object of the chunk before: its prefix, for L2 writes
             if parent is not None:
-                last = self._get(parent)
-                if last is not None and (last.format_key != format_key or last.aborted):
-                    last = None
+                last = self._l2_parent(parent, format_key)
             while i < len(keys):
                 if i and i % SLICE == 0:
                     self._pause()

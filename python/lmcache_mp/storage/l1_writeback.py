@@ -14,9 +14,10 @@ unwritten predecessors first, in order, and never an object whose prefix is *los
 some predecessor left L1 (or failed its write) without reaching that tier (`l2_lost`, set as it
 leaves). So a write that is dropped drops the rest of that prompt with it and leaves no fragment
 behind. A store that names only the new chunks of a prompt says which chunk comes before its
-first (`parent`: an engine storing as the prompt grows); that object, while L1 holds it, is the
-first one's `prev`. An object that leaves L1 lets go of its `prev` (every walk back stops at it:
-each tier has a copy of it or lost it), so the chains of long conversations hold no dead objects.
+first (`parent`: an engine storing as the prompt grows); that object is the first one's `prev`,
+whether L1 still holds it or it left lately (the last DEPARTED are remembered, with the tiers that
+got them). An object that leaves L1 lets go of its `prev` (every walk back stops at it: each tier
+has a copy of it or lost it), so the chains of long conversations hold no dead objects.
 
 Eviction. The victim is the least recently used evictable object, except that among the oldest
 EVICTION_WINDOW ones a clean object (nothing left to write: written, not admitted, or lost
@@ -33,11 +34,13 @@ and drops nothing; a write-back tier's spare bandwidth goes to the chunks neares
 
 from __future__ import annotations
 
+import collections
 from typing import Callable
 
 EVICTION_WINDOW = 64  # oldest evictable objects looked through for a clean one before a dirty one goes
 MAX_CHAIN = 64  # predecessors followed (a longer unwritten run is written from there on)
 SCAN = 1024  # objects a write-back pass looks at, at most (under the lock: a bounded walk)
+DEPARTED = 16384  # objects that left L1 lately, kept for the stores that name them as parent
 
 
 def busy(obj) -> bool:
@@ -54,6 +57,7 @@ class L1Writeback:
     on_l2_dirty: Callable | None = None  # (obj), lock held: obj was just admitted (a write-through list)
     on_l2_drop: Callable | None = None  # (dropped bits, lost bits, objects), lock held: writes given up
     on_l2_evict: Callable | None = None  # (), lock held: an allocation evicted (wakes the writers)
+    _departed: collections.OrderedDict | None = None  # key -> object that left L1 (with L2 writes only)
 
     def attach_l2(self, wanted: int, admit: int, on_dirty: Callable | None, on_drop: Callable | None,
                   on_evict: Callable | None) -> None:
@@ -62,6 +66,7 @@ class L1Writeback:
             self.l2_admit = admit
             self.on_l2_dirty, self.on_l2_drop, self.on_l2_evict = on_dirty, on_drop, on_evict
             self.l2_wanted = wanted
+            self._departed = collections.OrderedDict() if wanted else None
 
     def _l2_missing(self, obj) -> int:
         """Tiers that should receive obj and neither have it nor are writing it."""
@@ -115,8 +120,24 @@ class L1Writeback:
             self.on_l2_evict()
 
     def _l2_leaving(self, obj) -> None:
-        """obj leaves L1 (lock held): the tiers without a copy lose it, and the chunks after it."""
+        """obj leaves L1 (lock held): the tiers without a copy lose it, and the chunks after it.
+        It is remembered a while: the next piece of its prompt may come after it left."""
         obj.l2_lost |= self.l2_wanted & ~obj.l2_copies
+        if obj.committed and self._departed is not None:
+            self._departed[obj.key] = obj
+            self._departed.move_to_end(obj.key)
+            if len(self._departed) > DEPARTED:
+                self._departed.popitem(last=False)
+
+    def _l2_parent(self, key, format_key: tuple):
+        """(lock held) The object a store names as its parent: in L1, or one that left it lately
+        (its bits say which tiers got it); None when neither is known."""
+        obj = self._get(key)
+        if obj is None and self._departed is not None:
+            obj = self._departed.get(key)
+        if obj is None or obj.format_key != format_key or obj.aborted:
+            return None
+        return obj
 
     def _l2_admitted(self, obj) -> None:
         if obj.uses == self.l2_admit and self.on_l2_dirty is not None:
