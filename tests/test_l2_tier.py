@@ -161,6 +161,37 @@ class SlowTier(L2Backend):
         return self.inner.stats()
 
 
+class FirstWriteFails(SlowTier):
+    """A real tier that fails the write of each batch's first chunk (writes the rest, as a tier
+    writing a batch in parallel may)."""
+
+    def __init__(self, inner: L2Backend):
+        super().__init__(inner, 0.0)
+
+    def put(self, keys, formats, ptrs, sizes):
+        return [False] + self.inner.put(keys[1:], formats[1:], ptrs[1:], sizes[1:])
+
+
+def test_nothing_more_of_a_prompt_is_written_after_a_failed_chunk(shm_files, servers, clients, tmp_path,  # noqa: F811
+                                                                   no_internal_errors):  # noqa: F811
+    srv = servers(**l2_settings(tmp_path / "l2", l2_write="all"))
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    writer = srv.engine.l2.writers[0]
+    writer.tier = FirstWriteFails(writer.tier)
+    store_prompts(c, h, kv, [1])
+    writer_idle(srv)
+    st = srv.engine.status()["l2"]  # chunk 0 failed; 1-3 went out with it, in parallel
+    assert (st["write_errors"], st["written"], st["tiers"][0]["written_after_failed"]) == (1, 3, 3)
+    # the rest of that prompt is not written after them
+    src = blocks_of(6)
+    w.write_tokens(kv, "mha", src, w.reference(1, "mha", 6 * CHUNK))
+    hashes = chunk_hashes(w.prompt(1, 6), CHUNK)
+    assert c.store(h, hashes[4:], src[4 * (CHUNK // 8):], parent=hashes[3]).result(10).chunks == 2
+    writer_idle(srv)
+    assert on_disk(srv, 1, chunks=6) == 3 and srv.engine.status()["l2"]["written"] == 3
+
+
 def test_a_slow_disk_is_waited_for_only_until_the_prefetch_deadline(shm_files, servers, clients, tmp_path,  # noqa: F811
                                                                     no_internal_errors):  # noqa: F811
     srv = servers(**l2_settings(tmp_path / "l2", l2_write="all", prefetch_timeout=0.3))

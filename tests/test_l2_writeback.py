@@ -230,12 +230,18 @@ def test_a_piece_stored_after_its_parent_left_l1_follows_what_became_of_it():
 def test_random_pieces_lookups_and_evictions_leave_only_prefixes_in_the_tier(seed):
     """Prompts stored in random pieces (each naming its parent), some stored again from the
     start, random lookups, an L1 that evicts all the time and a writer taking random batches:
-    what the tier holds of each prompt is always a prefix of it, and no batch names a chunk twice."""
+    each chunk goes to the tier after its predecessor (earlier in the batch, or there already
+    with its whole prefix) and no batch names a chunk twice; where no write fails, what the tier holds of each prompt
+    is always a prefix of it. (A batch is written in parallel: where a write fails, the chunks
+    after it in the batch may land; nothing more of their prompt follows them.)"""
     rng = random.Random(seed)
     l1, _ = l1_of(rng.choice([6, 12, 24]), admit=rng.choice([1, 1, 2]))
+    fail = rng.choice([0.0, 0.0, 0.2])
     prompts = [keys_of(f"p{j}-", 8) for j in range(6)]
     upto = [0] * len(prompts)
+    pred = {k: keys[i - 1] if i else None for keys in prompts for i, k in enumerate(keys)}
     tier: set = set()
+    whole: set = set()  # in the tier with every chunk before it
     for _ in range(200):
         j = rng.randrange(len(prompts))
         keys = prompts[j]
@@ -251,8 +257,31 @@ def test_random_pieces_lookups_and_evictions_leave_only_prefixes_in_the_tier(see
         else:
             got = l1.l2_take(DISK, rng.choice([0, 1 << 30]), rng.randint(1, 8) * N)
             assert len({id(o) for o in got}) == len(got), "a chunk handed out twice"
-            write(l1, got)
-            tier |= {o.key for o in got}
-            for keys in prompts:
-                held = [k in tier for k in keys]
-                assert held == sorted(held, reverse=True), f"a fragment in the tier: {held}"
+            # each after its predecessor: before it in the batch, or in the tier with its whole prefix
+            for i, o in enumerate(got):
+                before = pred[o.key]
+                assert before is None or before in whole or before in {x.key for x in got[:i]}, names(got)
+            ok = [rng.random() > fail for _ in got]  # a tier writes a batch in parallel: any may fail
+            l1.l2_written(DISK, list(zip(got, ok)))
+            for o, good in zip(got, ok):
+                if good:
+                    tier.add(o.key)
+                    if pred[o.key] is None or pred[o.key] in whole:
+                        whole.add(o.key)
+            if not fail:
+                for keys in prompts:
+                    held = [k in tier for k in keys]
+                    assert held == sorted(held, reverse=True), f"a fragment in the tier: {held}"
+
+
+def test_chunks_written_after_a_failed_write_are_fragments_and_lost():
+    l1, _ = l1_of(8)
+    a = keys_of("a", 5)
+    store(l1, a[:4])
+    got = l1.l2_take(DISK, 1 << 30, 1 << 20)
+    assert names(got) == ["a0", "a1", "a2", "a3"]
+    fragments = l1.l2_written(DISK, list(zip(got, [True, False, True, True])))  # written in parallel
+    assert names(fragments) == ["a2", "a3"]
+    assert [bool(l1._get(k).l2_copies) for k in a[:4]] == [True, False, False, False]
+    store_after(l1, a[4:], a[3])
+    assert l1.l2_take(DISK, 1 << 30, 1 << 20) == []  # nothing after them either

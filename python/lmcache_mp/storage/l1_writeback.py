@@ -222,13 +222,22 @@ class L1Writeback:
             size += o.nbytes
         return size
 
-    def l2_written(self, bit: int, results) -> None:
-        """Tier `bit` has read these objects' bytes: (object, ok) pairs. A failed write is not
-        tried again: the object and the chunks after it count as lost there."""
+    def l2_written(self, bit: int, results) -> list:
+        """Tier `bit` has read these objects' bytes: (object, ok) pairs, in the order l2_take
+        gave them. A failed write is not tried again: the object and the chunks after it count as
+        lost there. Returns the objects written after a predecessor whose write failed (a tier
+        writes a batch in parallel): they count as lost there too, so that the rest of their
+        prompt is not written after them."""
+        fragments = []
         with self._lock:
             for obj, ok in results:
                 obj.l2_writing &= ~bit
+                p = obj.prev
+                if ok and p is not None and p.l2_lost & bit and not p.l2_copies & bit:
+                    ok = False
+                    fragments.append(obj)
                 if ok:
                     obj.l2_copies |= bit
                 else:
                     obj.l2_lost |= bit
+        return fragments

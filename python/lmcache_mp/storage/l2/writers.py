@@ -72,7 +72,7 @@ class TierWriter:
         # are written already, unless the writer fell behind: a walk over them would be wasted)
         self.scan = SCAN if policy == "evicted" else EVICTION_WINDOW
         self.fresh: collections.deque | None = collections.deque(maxlen=FRESH_MAX) if policy == "all" else None
-        self.counts = collections.Counter({k: 0 for k in ("written", "write_errors", "dropped", "lost")})
+        self.counts = collections.Counter({k: 0 for k in ("written", "write_errors", "dropped", "lost", "fragments")})
         self.written_bytes = 0
         self.writing = self.writing_bytes = 0  # the write in flight
         self._taking = False  # from before it takes a batch until that batch is written
@@ -126,6 +126,7 @@ class TierWriter:
         sizes = [l1.object_bytes(o.size_class) for o in batch]
         self.writing, self.writing_bytes = len(batch), sum(sizes)
         results = [False] * len(batch)
+        fragments = []
         try:
             base = l1.arena.base
             results = self.tier.put([key_bytes(o.key) for o in batch], [format_bytes(o.format_key) for o in batch],
@@ -133,13 +134,16 @@ class TierWriter:
         except Exception as e:  # a tier bug must not leave objects pinned in L1
             logger.exception("L2 write to %s failed: %s", self.tier.name, e)
         finally:
-            l1.l2_written(self.bit, zip(batch, results))
+            fragments = l1.l2_written(self.bit, zip(batch, results))
             self.writing = self.writing_bytes = 0
-        written = sum(map(bool, results))
-        self.counts["written"] += written
-        self.counts["write_errors"] += len(batch) - written
+        failed = len(batch) - sum(map(bool, results))
+        # Chunks written after one that failed stay (the tier may hold an older copy of the
+        # failed one, another node's maybe), but nothing more of their prompt follows them.
+        self.counts["fragments"] += len(fragments)
+        self.counts["written"] += len(batch) - failed
+        self.counts["write_errors"] += failed
         self.written_bytes += sum(n for n, ok in zip(sizes, results) if ok)
-        self._incident.update(len(batch) - written, len(batch), lambda: str(self.tier.stats().get("last_error", "")))
+        self._incident.update(failed, len(batch), lambda: str(self.tier.stats().get("last_error", "")))
 
     def _warn_drops(self) -> None:
         c = self.counts
@@ -168,7 +172,8 @@ class TierWriter:
     def stats(self) -> dict:
         return {"write": self.policy, "written": self.counts["written"], "write_errors": self.counts["write_errors"],
                 "dropped_writes": self.counts["dropped"] + self.counts["lost"],
-                "dropped_evicted": self.counts["dropped"], "listed": len(self.fresh or ()),
+                "dropped_evicted": self.counts["dropped"], "written_after_failed": self.counts["fragments"],
+                "listed": len(self.fresh or ()),
                 "writing": self.writing, "writing_bytes": self.writing_bytes}
 
     def close(self, deadline: float) -> None:
