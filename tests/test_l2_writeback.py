@@ -38,8 +38,8 @@ def keys_of(prompt: str, chunks: int) -> list[ObjectKey]:
     return [ObjectKey("m", 1, 0, f"{prompt}{i}".encode().ljust(16, b"."), b"") for i in range(chunks)]
 
 
-def store(l1: L1Store, keys) -> int:
-    plan = l1.begin_store(keys, N, FMT)
+def store(l1: L1Store, keys, parent=None) -> int:
+    plan = l1.begin_store(keys, N, FMT, parent)
     l1.commit(plan)
     return len(plan.objects) + plan.present
 
@@ -151,18 +151,12 @@ def test_a_tier_that_keeps_up_with_the_stores_loses_nothing():
     assert written[:4 * 36] == [f"p{p:02d}-{i}" for p in range(36) for i in range(4)]
 
 
-def store_after(l1: L1Store, keys, parent) -> int:
-    plan = l1.begin_store(keys, N, FMT, parent)
-    l1.commit(plan)
-    return len(plan.objects) + plan.present
-
-
 def test_a_prompt_stored_as_it_grows_is_written_in_prefix_order_across_its_stores():
     l1, drops = l1_of(16)
     a = keys_of("a", 6)
     store(l1, a[:2])
-    store_after(l1, a[2:4], a[1])  # the engine stores each new piece naming the chunk before it
-    store_after(l1, a[4:], a[3])
+    store(l1, a[2:4], a[1])  # the engine stores each new piece naming the chunk before it
+    store(l1, a[4:], a[3])
     assert l1.lookup("m", 1, [k.digest for k in a[:2]])[0] == 2  # a0 a1 the newest: LRU a2 .. a5 a0 a1
     # (without the parents: a2 a3 a4 a5 a0 a1, the order of the LRU list)
     assert names(l1.l2_take(DISK, 1 << 30, 1 << 20)) == ["a0", "a1", "a2", "a3", "a4", "a5"]
@@ -173,7 +167,7 @@ def test_a_piece_whose_earlier_piece_was_dropped_is_never_written():
     l1, drops = l1_of(4)
     a, b = keys_of("a", 4), keys_of("b", 2)
     store(l1, a[:2])
-    store_after(l1, a[2:], a[1])
+    store(l1, a[2:], a[1])
     store(l1, b)  # evicts a0 (a dropped write) and a1 (lost with it) unwritten
     assert (drops.dropped, drops.lost) == (1, 1)
     got = l1.l2_take(DISK, 1 << 30, 1 << 20)
@@ -202,7 +196,7 @@ def test_a_store_that_names_a_chunk_twice_writes_each_chunk_once():
     a = keys_of("a", 3)
     assert store(l1, [a[0], a[1], a[0]]) == 2  # a0 then comes after a1: a loop of prefixes
     store(l1, [a[2]])
-    assert store_after(l1, [a[2]], a[2]) == 1  # a chunk named as its own parent
+    assert store(l1, [a[2]], a[2]) == 1  # a chunk named as its own parent
     assert l1._get(a[2]).prev is l1._get(a[2])
     got = l1.l2_take(DISK, 1 << 30, 1 << 20)
     assert sorted(names(got)) == ["a0", "a1", "a2"]
@@ -218,9 +212,9 @@ def test_a_piece_stored_after_its_parent_left_l1_follows_what_became_of_it():
     store(l1, b[:2])
     store(l1, keys_of("x", 6))  # the a and b chunks leave L1: a's written, b's dropped
     assert drops.dropped == 1 and not any(l1._get(k) for k in a + b)
-    store_after(l1, a[2:], a[1])  # the next pieces come now (and the x chunks leave)
-    store_after(l1, b[2:], b[1])
-    store_after(l1, c[2:], c[1])  # c1 was never seen: these start a prompt of their own
+    store(l1, a[2:], a[1])  # the next pieces come now (and the x chunks leave)
+    store(l1, b[2:], b[1])
+    store(l1, c[2:], c[1])  # c1 was never seen: these start a prompt of their own
     assert all(l1._get(k) for k in a[2:] + b[2:] + c[2:])
     # after a written prefix, written; after a dropped one, never (it would be a fragment)
     assert sorted(names(l1.l2_take(DISK, 1 << 30, 1 << 20))) == ["a2", "a3", "c2", "c3"]
@@ -231,9 +225,9 @@ def test_random_pieces_lookups_and_evictions_leave_only_prefixes_in_the_tier(see
     """Prompts stored in random pieces (each naming its parent), some stored again from the
     start, random lookups, an L1 that evicts all the time and a writer taking random batches:
     each chunk goes to the tier after its predecessor (earlier in the batch, or there already
-    with its whole prefix) and no batch names a chunk twice; where no write fails, what the tier holds of each prompt
-    is always a prefix of it. (A batch is written in parallel: where a write fails, the chunks
-    after it in the batch may land; nothing more of their prompt follows them.)"""
+    with its whole prefix) and no batch names a chunk twice; where no write fails, what the tier
+    holds of each prompt is always a prefix of it. (A batch is written in parallel: where a write
+    fails, the chunks after it in the batch may land; nothing more of their prompt follows them.)"""
     rng = random.Random(seed)
     l1, _ = l1_of(rng.choice([6, 12, 24]), admit=rng.choice([1, 1, 2]))
     fail = rng.choice([0.0, 0.0, 0.2])
@@ -250,7 +244,7 @@ def test_random_pieces_lookups_and_evictions_leave_only_prefixes_in_the_tier(see
             if upto[j] == len(keys) or rng.random() < 0.1:  # the prompt again, from its start
                 upto[j] = 0
             start, end = upto[j], min(len(keys), upto[j] + rng.randint(1, 3))
-            store_after(l1, keys[start:end], keys[start - 1] if start else None)
+            store(l1, keys[start:end], keys[start - 1] if start else None)
             upto[j] = end
         elif op < 0.7:
             l1.lookup("m", 1, [k.digest for k in keys[: rng.randint(1, 8)]])
@@ -283,5 +277,5 @@ def test_chunks_written_after_a_failed_write_are_fragments_and_lost():
     fragments = l1.l2_written(DISK, list(zip(got, [True, False, True, True])))  # written in parallel
     assert names(fragments) == ["a2", "a3"]
     assert [bool(l1._get(k).l2_copies) for k in a[:4]] == [True, False, False, False]
-    store_after(l1, a[4:], a[3])
+    store(l1, a[4:], a[3])
     assert l1.l2_take(DISK, 1 << 30, 1 << 20) == []  # nothing after them either

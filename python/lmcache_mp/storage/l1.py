@@ -169,9 +169,8 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
             cls = self._size_class(object_bytes)
             slot_bytes = self.arena.slot_bytes(cls)
             i = moves = 0
-            last = None  # the object of the chunk before: its prefix, for L2 writes
-            if parent is not None:
-                last = self._l2_parent(parent, format_key)
+            # the object of the chunk before: its prefix, for L2 writes
+            last = self._l2_parent(parent, format_key) if parent is not None else None
             while i < len(keys):
                 if i and i % SLICE == 0:
                     self._pause()

@@ -195,14 +195,12 @@ class L1Writeback:
         if obj.moving:
             return -1
         chain = [obj]
-        seen = {id(obj)}
         p = obj.prev
         for _ in range(MAX_CHAIN):
             # (a request that names a chunk twice, or a parent after its own chunks, links a
             # loop: its walk ends where it comes round)
-            if p is None or (p.l2_copies | p.l2_writing) & bit or id(p) in seen:
+            if p is None or (p.l2_copies | p.l2_writing) & bit or p in chain:  # (identity: eq=False)
                 break
-            seen.add(id(p))
             if p.l2_lost & bit or self._get(p.key) is not p:  # its prefix is lost there
                 if not dry:
                     for o in chain:

@@ -327,7 +327,7 @@ class L2Tiers:
                 break
             start += len(batch)
 
-    def _load_batch(self, batch: list[Found], held: list[L1Object], parent) -> int:
+    def _load_batch(self, batch: list[Found], held: list[L1Object], parent: ObjectKey | None) -> int:
         fmt = format_key_from(_decode(batch[0].fmt))
         plan = self.l1.begin_store([f.key for f in batch], batch[0].nbytes, fmt, parent)
         results: list[int] = []

@@ -126,7 +126,6 @@ class TierWriter:
         sizes = [l1.object_bytes(o.size_class) for o in batch]
         self.writing, self.writing_bytes = len(batch), sum(sizes)
         results = [False] * len(batch)
-        fragments = []
         try:
             base = l1.arena.base
             results = self.tier.put([key_bytes(o.key) for o in batch], [format_bytes(o.format_key) for o in batch],
