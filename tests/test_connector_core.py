@@ -272,23 +272,78 @@ def test_config_from_extra_config():
 # ---- shared memory ---------------------------------------------------------------------------
 
 
-def test_register_moves_cpu_cache_into_shared_memory_in_place(server, engines):
+def my_shm_files(pid: int | None = None) -> set[str]:
     from lmcache_mp import shm
 
+    prefix = f"{shm.SHM_PREFIX}{os.getpid() if pid is None else pid}_"
+    return {f for f in os.listdir(shm.SHM_DIR) if f.startswith(prefix)}
+
+
+def test_a_registered_cpu_cache_has_no_file_in_dev_shm(server, engines):
+    """The worker's CPU cache moves into shared memory in place (the store and load tests show
+    that the server reads and writes the tensors' own bytes); once registered, that memory has
+    no name in /dev/shm, so however the worker ends, nothing is left there."""
+    from lmcache_mp import shm
+
+    before = my_shm_files()
     eng = engines(server.url)
     try:
         cache = eng.caches[0]
         name = shm.find_shared_region(cache[0].data_ptr(), cache[0].numel() * 2).name
-        path = os.path.join(shm.SHM_DIR, name)
-        assert os.path.exists(path)
-        # The same tensor objects now write into the file the server maps.
-        cache[1][5].fill_(1.5)
-        mapped = torch.from_file(path, shared=True, size=os.path.getsize(path) // 2, dtype=torch.bfloat16)
-        offset = (cache[1][5].data_ptr() - cache[0].data_ptr()) // 2
-        assert torch.all(mapped[offset : offset + HEADS * BS * HEAD2] == 1.5)
+        with Client(server.url, timeout=5) as c:
+            assert [r["model"] for r in c.status()["registrations"]] == ["tiny"]
+        assert my_shm_files() == before and name not in before
     finally:
         eng.close()
-    assert not os.path.exists(path)
+
+
+def test_a_server_that_cannot_open_the_file_through_proc_gets_a_lasting_name(server, engines, monkeypatch, caplog):
+    """A server of another user or pid namespace cannot open the worker's file through the
+    symbolic link to /proc/PID/fd/FD: the file then gets its name for good (removed at close),
+    and the registration goes through."""
+    import contextlib
+
+    from lmcache_mp import shm
+
+    monkeypatch.setattr(shm, "published", lambda names: contextlib.nullcontext())  # as if the link led nowhere
+    before = my_shm_files()
+    eng = engines(server.url)
+    try:
+        name = shm.find_shared_region(eng.caches[0][0].data_ptr(), 1).name
+        assert registered_models(server.url) == ["tiny"]
+        assert my_shm_files() - before == {name}
+        assert "gets a name in /dev/shm for good" in caplog.text
+    finally:
+        eng.close()
+    assert my_shm_files() == before
+
+
+KILLED_WORKER = """
+import sys, time, torch
+from lmcache_mp.integration.connector_core import ConnectorConfig, WorkerCore
+worker = WorkerCore(ConnectorConfig(url=sys.argv[1], model="killed", block_size=32))
+buf = torch.zeros(2 * 16 * 2 * 32 * 64, dtype=torch.bfloat16)  # vLLM's CPU layout, 2 layers
+worker.register_kv_caches([buf.view(2, 16, 2, 32, 64)[i] for i in range(2)])
+print("registered" if worker.link.get() is not None else "not registered", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_worker_leaves_nothing_in_dev_shm(server):
+    """vLLM's default stop kills its workers (SIGKILL): their KV cache must not stay in /dev/shm."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WORKER, server.url], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "registered"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    assert not my_shm_files(proc.pid)
 
 
 # ---- hits, caps and alignment ----------------------------------------------------------------
@@ -497,27 +552,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_absent_server_means_no_hits_and_no_stalls(caplog, engines):
-    url = f"tcp://127.0.0.1:{free_port()}"
+def registered_models(url: str) -> list[str]:
+    with Client(url, timeout=5) as c:
+        return [r["model"] for r in c.status()["registrations"]]
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_absent_server_means_no_hits_and_no_stalls_and_a_late_one_is_used_at_once(caplog, engines):
+    """No server at start-up: the engine starts without waiting for one, and serves without the
+    cache and without stalls. A server that comes up later is found by the connector itself
+    (the worker registers with it while no request runs), and the next request stores."""
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
     caplog.set_level(logging.WARNING, logger="lmcache_mp")
     t0 = time.monotonic()
-    a = engines(url, connect_timeout=0.3, retry_interval=60)
-    assert time.monotonic() - t0 < 3
+    a = engines(url, connect_timeout=5, retry_interval=0.5)
+    assert time.monotonic() - t0 < 1.5  # nobody listens: neither side waits its connect timeout
     toks = prompt(13, 300)
     t0 = time.monotonic()
     for i in range(20):
         assert matched(a.sched, f"r{i}", toks, 0) == 0
-    # no per-request timeouts: one connect timeout each would take 20 * 0.3 s
-    assert time.monotonic() - t0 < 20 * 0.3 / 2
+    assert time.monotonic() - t0 < 0.5  # no request waits for a connection
     ext, blocks, plan = a.prefill("p", toks)
     assert ext == 0 and not plan.stores
     assert a.sched.request_finished("p") is False
     # A load the workers cannot do is reported, so the engine recomputes.
     a.execute(StepPlan(loads=[Transfer("x", chunk_hashes(toks, CS)[:1], [5, 6])]))
     assert a.load_errors == {5, 6}
-    a.close()
     warnings = [r for r in caplog.records if "cannot connect" in r.getMessage()]
-    assert 1 <= len(warnings) <= 2  # once per client (scheduler, worker), not per request
+    assert 1 <= len(warnings) <= 2  # once per client (scheduler, worker), not per attempt or request
+
+    srv = Server(ServerConfig(url=url, l1_size="64MiB", device="cpu", chunk_size=CS)).start()
+    try:
+        wait_until(lambda: registered_models(url) == ["tiny"], 20, "the worker to register by itself")
+        wait_until(lambda: a.sched.link.get() is not None, 20, "the scheduler to connect")
+        a.free = list(range(1, NUM_BLOCKS))
+        assert a.prefill("first", toks)[2].stores  # the first request after the server came stores
+        a.finish("first")
+        assert matched(a.sched, "probe", toks, 0) == 4 * CS
+        a.sched.request_finished("probe")
+    finally:
+        a.close()
+        srv.stop()
 
 
 class SlowClient:
@@ -558,7 +640,7 @@ def test_slow_server_costs_one_timeout_per_retry_interval(caplog):
         assert matched(sched, f"r{i}", toks, 0) == 0
     assert slow.lookups == 1
     assert time.monotonic() - t0 < 50 * cfg.lookup_timeout / 2  # one timeout per request would take 50
-    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "treating the server as a cache miss" in r.getMessage()]) == 1
     sched.close()
 
 
@@ -702,7 +784,15 @@ def test_every_cache_layout_comes_back_from_the_disk_tier(kind, tmp_path):
             srv.stop()
 
 
-def test_server_restart_is_survived(engines):
+@pytest.mark.parametrize("lane", [True, False], ids=["local_lane", "heartbeat_only"])
+def test_server_restart_is_survived(engines, monkeypatch, lane):
+    """The server stops: lookups are immediate misses (no request waits for its timeout or a
+    reconnection). An empty server starts at the same address: the clients find it by themselves
+    (the worker registers its cache again while no request runs), and the first request stores.
+    Without the local lane the heartbeat notices the outage, within a few seconds."""
+    if not lane:
+        monkeypatch.setattr(ClientLink, "_make_client", lambda self, url, timeout, connect_timeout: Client(
+            url, timeout=timeout, connect_timeout=connect_timeout, local_lane=False))
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
 
@@ -710,7 +800,7 @@ def test_server_restart_is_survived(engines):
         return Server(ServerConfig(url=url, l1_size="64MiB", device="cpu", chunk_size=CS)).start()
 
     srv = start()
-    a = engines(url, retry_interval=2.0, lookup_timeout=0.5)
+    a = engines(url, lookup_timeout=2.0)  # retry_interval: the default 5 s
     try:
         toks = prompt(16, 300)
         a.prefill("r1", toks)
@@ -718,24 +808,21 @@ def test_server_restart_is_survived(engines):
         assert matched(a.sched, "probe1", toks, 0) == 4 * CS
         a.sched.request_finished("probe1")
         srv.stop()
-        assert matched(a.sched, "down", toks, 0) == 0  # one lookup timeout
-        assert a.sched.link.get() is None and a.sched.link.client is not None  # paused for retry_interval
+        links = [a.sched.link, a.workers[0].link]
+        wait_until(lambda: all(link.get() is None for link in links), 10, "the clients to find the server away")
         t0 = time.monotonic()
-        assert matched(a.sched, "down2", toks, 0) == 0
-        assert time.monotonic() - t0 < a.cfg.lookup_timeout  # no second timeout (it could not be shorter)
+        for i in range(20):
+            assert matched(a.sched, f"down{i}", toks, 0) == 0
+            a.sched.request_finished(f"down{i}")
+        assert time.monotonic() - t0 < 0.1  # not one lookup timeout (2 s)
         srv = start()  # empty, same address
-        # The clients notice the new server by themselves and register the caches again;
-        # within a few retry intervals, new stores land and are found.
-        deadline, i, hit = time.monotonic() + 20, 0, 0
-        while time.monotonic() < deadline and not hit:
-            time.sleep(0.6)
-            i += 1
-            a.free = list(range(1, NUM_BLOCKS))  # every earlier request has finished
-            a.prefill(f"again{i}", toks)
-            a.finish(f"again{i}")
-            hit = matched(a.sched, f"probe{i}", toks, 0)
-            a.sched.request_finished(f"probe{i}")
-        assert hit == 4 * CS
+        wait_until(lambda: registered_models(url) == ["tiny"], 20, "the worker to register again by itself")
+        wait_until(lambda: all(link.get() is not None for link in links), 20, "the clients to find the server back")
+        a.free = list(range(1, NUM_BLOCKS))  # every earlier request has finished
+        assert a.prefill("again", toks)[2].stores
+        a.finish("again")
+        assert matched(a.sched, "probe2", toks, 0) == 4 * CS  # the first request after the restart stored
+        a.sched.request_finished("probe2")
     finally:
         a.close()
         srv.stop()

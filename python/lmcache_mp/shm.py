@@ -5,22 +5,30 @@ file and maps it, so both processes see the same bytes. The file is removed when
 tensor object is garbage collected or the process exits (mappings already open stay valid, and
 views keep the memory; but a server that restarts can map it again only while it exists, so keep
 the returned tensor alive as long as the cache is registered).
+
+An unnamed file (`open_unnamed`, O_TMPFILE) has a name in /dev/shm only while a registration
+needs one (`published`: a symbolic link to this process's descriptor of it): a process killed at
+any other time leaves nothing there, and the kernel frees the memory once the last process that
+maps it is gone.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import uuid
 import weakref
 from dataclasses import dataclass
+from typing import Iterable
 
 from lmcache_mp.protocol import SHM_DIR, SHM_PREFIX, shm_path  # noqa: F401  (SHM_DIR: public)
 
 
 _lock = threading.Lock()
 _regions: dict[int, tuple[int, str]] = {}  # base address -> (bytes, name)
+_unnamed: dict[str, "_Unnamed"] = {}  # by name
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,109 @@ def _unlink(name: str, base: int) -> None:
 def new_shared_name() -> str:
     return f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:16]}"
 
+
+@dataclass
+class _Unnamed:
+    fd: int
+    published: int = 0  # registrations that need its name now
+    named: bool = False  # has its name for good (keep_name)
+
+
+def open_unnamed(nbytes: int) -> tuple[str, int]:
+    """A new file of `nbytes` bytes in /dev/shm without a name there: (the name it takes while
+    `published`, its descriptor; map it through /proc/self/fd/FD). OSError where /dev/shm cannot
+    make unnamed files. `close_unnamed` ends it."""
+    fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    name = new_shared_name()
+    with _lock:
+        _unnamed[name] = _Unnamed(fd)
+    return name, fd
+
+
+@contextlib.contextmanager
+def published(names: Iterable[str]):
+    """While the block runs, give the unnamed files among `names` their names in /dev/shm: a
+    symbolic link to this process's descriptor (/proc/PID/fd/FD), which a server in this pid
+    namespace, of this user, opens like the file. Other names are left alone."""
+    linked = []
+    try:
+        for name in set(names):
+            with _lock:
+                entry = _unnamed.get(name)
+                if entry is None or entry.named:
+                    continue
+                if not entry.published:
+                    os.symlink(f"/proc/{os.getpid()}/fd/{entry.fd}", shm_path(name))
+                entry.published += 1
+            linked.append(name)
+        yield
+    finally:
+        for name in linked:
+            with _lock:
+                entry = _unnamed.get(name)
+                if entry is not None and not entry.named:
+                    entry.published -= 1
+                    if not entry.published:
+                        _remove_name(name)
+
+
+def is_unnamed(name: str) -> bool:
+    """An unnamed file that has no name for good."""
+    with _lock:
+        entry = _unnamed.get(name)
+        return entry is not None and not entry.named
+
+
+def keep_name(name: str) -> None:
+    """Give an unnamed file its name for good, a hard link (for a server that cannot follow
+    the symbolic link: another user, another pid namespace); it is removed by close_unnamed
+    or at exit, but a killed process leaves it behind."""
+    with _lock:
+        entry = _unnamed.get(name)
+        if entry is None or entry.named:
+            return
+        if entry.published:
+            _remove_name(name)  # the symbolic link
+        # linkat(AT_SYMLINK_FOLLOW) on /proc/self/fd/FD names an O_TMPFILE file (once); os.link
+        # makes that call only when given a directory descriptor (else link(), which links the
+        # symbolic link itself).
+        folder = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.link(f"/proc/self/fd/{entry.fd}", name, dst_dir_fd=folder, follow_symlinks=True)
+        finally:
+            os.close(folder)
+        entry.named = True
+
+
+def close_unnamed(name: str) -> None:
+    """Close an unnamed file (the mappings of it stay valid) and remove any name it has."""
+    with _lock:
+        entry = _unnamed.pop(name, None)
+    if entry is not None:
+        if entry.published or entry.named:
+            _remove_name(name)
+        os.close(entry.fd)
+
+
+def _remove_name(name: str) -> None:
+    try:
+        os.unlink(shm_path(name))
+    except FileNotFoundError:
+        pass
+
+
+@atexit.register
+def _remove_names() -> None:
+    # an exit in the middle of a registration, or files named for good
+    with _lock:
+        names = [name for name, entry in _unnamed.items() if entry.published or entry.named]
+    for name in names:
+        _remove_name(name)
 
 
 def shared_cpu_tensor(shape, dtype, *, fill: float | None = 0):

@@ -4,9 +4,9 @@ Thread-safe. Store and retrieve return futures (client/io_thread.py): a request 
 calling thread, and a caller that waits on its future reads the reply itself. Small requests take
 the server's local lane when this process can reach it (a unix datagram socket, no ZeroMQ I/O
 threads on the way); synchronous calls without it go out on a ZeroMQ socket of the calling thread.
-Either way a request costs one round trip and no thread hand-offs. A heartbeat notices a restarted
-server: the client then fails what was in flight and registers its KV caches again
-(client/recovery.py). KV caches registered with transfer="engine" are copied by this process
+Either way a request costs one round trip and no thread hand-offs. A heartbeat notices a server
+that went away (requests then fail at once until it answers again) or restarted: the client then
+fails what was in flight and registers its KV caches again (client/recovery.py). KV caches registered with transfer="engine" are copied by this process
 (client/engine_transfers.py).
 """
 
@@ -26,6 +26,7 @@ from typing import Any, Iterable, Sequence
 import zmq
 
 from lmcache_mp import protocol as p
+from lmcache_mp import shm
 from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_stream
 from lmcache_mp.client.curve import apply_curve
 from lmcache_mp.client.endpoint import check_url, unreachable_hint
@@ -55,6 +56,9 @@ class Client(RestartRecovery):
     microseconds late; 0: sleep at once; default: 5000 on machines of at least 8 cores, else 0).
     local_lane: send small requests on the server's local lane when it offers one and this
     process can reach it (a unix datagram socket: no ZeroMQ I/O threads on the way).
+    A heartbeat every heartbeat_interval seconds watches the server: while it finds the server
+    away, requests fail at once with ServerUnavailable (`server_away` says why), and once it
+    answers again the client registers again what a restarted server lost, then serves.
     curve_server_key, curve_client_key: key files for a server with CURVE authentication
     (default: LMCACHE_MP_CURVE_SERVER_KEY and LMCACHE_MP_CURVE_CLIENT_KEY; see client/curve.py)."""
 
@@ -80,6 +84,7 @@ class Client(RestartRecovery):
         self._handles: list[KVCacheHandle] = []
         self._opened = OpenedEvents()
         self._closed = False
+        self._away = ""  # why the server is taken to be away (recovery.py)
         self._restarting = threading.Lock()
         self._io: IOThread | None = None
         self._engine = EngineTransfers(self)
@@ -106,6 +111,7 @@ class Client(RestartRecovery):
         def lane_lost() -> None:
             client = ref()
             if client is not None:
+                client._went_away("it closed its local lane")
                 client._suspect_restart()
 
         self._io.on_lane_lost = lane_lost
@@ -142,6 +148,7 @@ class Client(RestartRecovery):
         self._io.set_lane(sock)
 
     def _call(self, msg: p._Msg, expected: type, timeout: float | None = None) -> Any:
+        self._check_reachable()
         timeout = self.timeout if timeout is None else timeout
         if self._io is not None and self._io.has_lane and isinstance(msg, _LANE_CALLS):
             stamps = [("call", time.monotonic_ns())] if self.trace else None
@@ -178,6 +185,8 @@ class Client(RestartRecovery):
                 spin_poll(self._local.fds, int(max(0.0, spin_until - now) * 1e6), int((deadline - now) * 1000) + 1)
                 continue
             frames = sock.recv_multipart(zmq.NOBLOCK)
+            if self._io is not None:
+                self._io.last_heard = time.monotonic()
             if len(frames) in (2, 3) and len(frames[0]) == 8 and p.unpack_request_id(frames[0]) == rid:
                 if stamps is not None:
                     add_trace(stamps, frames[2] if len(frames) == 3 else None)
@@ -220,6 +229,7 @@ class Client(RestartRecovery):
                      salt: bytes = b"", timeout: float | None = None) -> "Future[LookupResult]":
         """lookup() without waiting: a lookup with lock may wait on the server while chunks found
         in L2 are brought into L1 (up to its prefetch timeout)."""
+        self._check_reachable()
         stamps = [("call", time.monotonic_ns())] if self.trace else None
         packed = pack_hashes(hashes)
         msg = p.Lookup(client_id=self.client_id, model=model, world_size=world_size, hashes=packed, lock=lock,
@@ -277,6 +287,7 @@ class Client(RestartRecovery):
 
     def events_async(self, since: int = 0, models: Sequence[str] = (), max_events: int = 1024,
                      timeout: float | None = None) -> "Future[p.EventsReply]":
+        self._check_reachable()
         msg = p.Events(client_id=self.client_id, since=since, models=list(models), max_events=max_events)
         return self._async(msg, timeout, lambda reply: self._checked(reply, p.EventsReply), None)
 
@@ -342,7 +353,23 @@ class Client(RestartRecovery):
                                 rank=handle.rank, device=d.device, device_uuid=d.device_uuid,
                                 layout=handle.requested_layout, layers=d.layers,
                                 block_size=handle.requested_block_size or 0, transfer="engine" if engine else "")
-        handle._apply((call or self._call)(msg, p.RegisterReply, max(self.timeout, 30.0)))
+        # A worker's CPU cache may live in an unnamed file: the server opens it by name, so it
+        # has one until the server answered (it has mapped the file then).
+        files = {layer.memory.name for layer in d.layers if layer.memory.kind == "shm"}
+        try:
+            with shm.published(files):
+                reply = (call or self._call)(msg, p.RegisterReply, max(self.timeout, 30.0))
+        except RequestError as e:
+            unnamed = [name for name in files if shm.is_unnamed(name) and name in e.message]
+            if not unnamed:
+                raise
+            logger.warning("lmcache-mp: the server cannot open this process's shared memory through /proc (%s): "
+                           "it gets a name in %s for good, which a killed process leaves behind (run the server "
+                           "as the same user, in the same pid namespace)", e, shm.SHM_DIR)
+            for name in unnamed:
+                shm.keep_name(name)
+            reply = (call or self._call)(msg, p.RegisterReply, max(self.timeout, 30.0))
+        handle._apply(reply)
         if engine:
             self._engine.attach(handle)
 
@@ -393,6 +420,7 @@ class Client(RestartRecovery):
         server starts no copy after it and keeps none that ended after it (DEADLINE_EXCEEDED). So
         once the future has failed for its timeout, the blocks may be reused whatever the server
         does later: a stalled server that resumes never saves bytes the engine wrote since."""
+        self._check_reachable()
         stamps = [("call", time.monotonic_ns())] if self.trace else None
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout  # before the future's own expiry, which is armed later
@@ -431,6 +459,7 @@ class Client(RestartRecovery):
         CUDA: the server waits for the work queued so far on `stream` before writing. wait="host"
         resolves the future when the bytes are in the blocks; wait="stream" resolves it as soon as
         `stream` has been made to wait for the copy (the host never blocks on the copy)."""
+        self._check_reachable()
         stamps = [("call", time.monotonic_ns())] if self.trace else None
         if wait not in ("host", "stream"):
             raise ValueError("wait must be 'host' or 'stream'")

@@ -5,6 +5,7 @@ whose handshake this client failed: CURVE keys missing or wrong)."""
 from __future__ import annotations
 
 import re
+import socket
 import time
 
 import zmq
@@ -78,3 +79,25 @@ def unreachable_hint(ctx: zmq.Context, url: str, curve: bool, wait: float = 1.0)
     if seen & {zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CLOSED}:
         return "nothing listens there (is the server running, on this URL?)"
     return ""
+
+
+def nothing_listens(url: str, timeout: float = 0.5) -> bool:
+    """True when a connection to the server's address is refused (nobody listens there): a
+    client need not wait for a handshake that cannot come. False when something accepts it, or
+    when that cannot be told within `timeout` (a slow network, an inproc:// URL)."""
+    scheme, _, rest = url.partition("://")
+    try:
+        if scheme == "tcp":
+            host, _, port = rest.rpartition(":")
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+                return False
+        if scheme == "ipc":
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(timeout)
+                s.connect("\0" + rest[1:] if rest.startswith("@") else rest)
+            return False
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except (OSError, ValueError):
+        return False
+    return False

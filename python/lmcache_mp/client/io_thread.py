@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import zmq
 
@@ -61,6 +61,17 @@ def add_trace(stamps: list, trace: bytes | None) -> None:
         except Exception:
             logger.debug("ignored a malformed trace frame")
     stamps.append(("client received", time.monotonic_ns()))
+
+
+class Heartbeat(NamedTuple):
+    msg: p._Msg
+    convert: Converter  # called with the reply
+    failed: Callable[[BaseException], None]  # called when it got none
+
+    def settled(self, fut: Future) -> None:
+        error = fut.exception()
+        if error is not None:
+            self.failed(error)
 
 
 class _Pending:
@@ -112,8 +123,10 @@ class ReplyFuture(Future):
 
 
 class IOThread:
-    def __init__(self, ctx: zmq.Context, url: str, heartbeat: Callable[[], tuple[p._Msg, Converter]] | None,
+    def __init__(self, ctx: zmq.Context, url: str, heartbeat: Callable[[], "Heartbeat | None"] | None,
                  heartbeat_interval: float, spin_us: int = 0):
+        """heartbeat: called every heartbeat_interval; the request it gives is sent with a
+        timeout of two intervals (its convert gets the reply, its failed the error)."""
         self._spin = spin_us / 1e6  # a caller waiting on a reply polls without sleeping this long
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -149,6 +162,7 @@ class IOThread:
         self._ids = itertools.count(1 << 62)  # apart from the sync sockets' ids
         self._heartbeat = heartbeat
         self._interval = heartbeat_interval
+        self.last_heard = 0.0  # time.monotonic() of the latest reply from the server (any request)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="lmcache-client-io", daemon=True)
         self._thread.start()
@@ -418,6 +432,7 @@ class IOThread:
         return False
 
     def _deliver(self, pend: _Pending | None, body: bytes, trace: bytes | None) -> None:
+        self.last_heard = time.monotonic()
         if pend is None:
             return  # answered after its timeout
         if pend.stamps is not None:
@@ -533,7 +548,7 @@ class IOThread:
                 next_beat = now + self._interval
                 beat = self._heartbeat()
                 if beat is not None:
-                    self.request(beat[0], self._interval * 2, beat[1])
+                    self.request(beat.msg, self._interval * 2, beat.convert).add_done_callback(beat.settled)
         err = ServerUnavailable("the client is closed")
         with self._lock:
             self._open = False

@@ -1,15 +1,23 @@
-"""Noticing a restarted server and coming back from it: a part of Client. A heartbeat (or a lane
-that closed, or an unknown registration) makes a thread of its own handshake again, fail what
-was in flight to the old server and register again every KV cache the server no longer knows."""
+"""Noticing a server that went away or restarted, and coming back from it: a part of Client.
+
+A heartbeat that gets no reply (while nothing else was heard from the server either) or a local
+lane the server closed means the server is away: until it answers again, requests fail at once
+with ServerUnavailable instead of each waiting for its timeout (requests in flight keep theirs:
+a store or retrieve may still be copying). A heartbeat reply then (or a new session id, or an
+unknown registration) makes a thread of its own handshake again, fail what was in flight to a
+restarted server and register again every KV cache the server no longer knows; only then do
+requests go out again, so the first one finds its KV caches registered."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
 from lmcache_mp import protocol as p
+from lmcache_mp.client.io_thread import Heartbeat
 from lmcache_mp.client.results import check_reply
 from lmcache_mp.errors import ServerUnavailable
 
@@ -20,15 +28,48 @@ RECOVERY_STOP_S = 1.0  # how long closing waits for a recovery to end (it ends o
 
 
 class RestartRecovery:
-    """Expects Client's url, timeout, client_id, session_id, chunk_size, _io, _lock, _handles,
-    _closed, _restarting, _hello_msg, _connect_lane and _register."""
+    """Expects Client's url, name, timeout, client_id, session_id, chunk_size, _io, _lock,
+    _handles, _closed, _away, _restarting, _hello_msg, _connect_lane and _register."""
 
-    def _heartbeat_msg(self):
+    @property
+    def server_away(self) -> str:
+        """Why the server is taken to be away ('' while it answers): requests then fail at once
+        with ServerUnavailable. Its heartbeat notices when the server is back, within a second."""
+        return self._away
+
+    def _check_reachable(self) -> None:
+        away = self._away
+        if away:
+            raise ServerUnavailable(f"the server at {self.url} is away ({away}); requests fail at once "
+                                    "until it answers again")
+
+    def _heartbeat_msg(self) -> Heartbeat:
+        sent = time.monotonic()
+
         def convert(reply: Any) -> None:
-            if isinstance(reply, p.PingReply) and reply.session_id != self.session_id:
+            if isinstance(reply, p.PingReply) and (reply.session_id != self.session_id or self._away):
                 self._suspect_restart()
 
-        return p.Ping(client_id=self.client_id), convert
+        def failed(error: BaseException) -> None:
+            if self._io is not None and self._io.last_heard > sent:
+                return  # the server answered something else meanwhile: only this beat was slow
+            self._went_away(f"no reply to its heartbeat: {error}")
+
+        return Heartbeat(p.Ping(client_id=self.client_id), convert, failed)
+
+    def _went_away(self, why: str) -> None:
+        with self._lock:
+            if self._closed or self._away:
+                return
+            self._away = why
+        logger.warning("lmcache-mp client %s: server %s is away (%s); requests fail at once until it answers "
+                       "again", self.name, self.url, why)
+
+    def _came_back(self) -> None:
+        with self._lock:
+            was, self._away = self._away, ""
+        if was:
+            logger.info("lmcache-mp client %s: server %s answers again", self.name, self.url)
 
     def _suspect_restart(self) -> None:
         if self._closed or not self._restarting.acquire(blocking=False):
@@ -66,10 +107,13 @@ class RestartRecovery:
                     return
                 try:
                     self._register(h, self._recovery_call)
+                except ServerUnavailable:
+                    raise
                 except Exception as e:
                     if self._closed:
                         return
                     logger.error("re-registering %r failed: %s", h, e)
+            self._came_back()
         except ServerUnavailable:
             pass  # still down (or closing); the next heartbeat tries again
         except Exception:

@@ -5,6 +5,10 @@ many places (attention layers, the model runner, kernel-block views). The server
 memory it can map by name, so the bytes must move into a file under /dev/shm *without* any of
 those references changing. Swapping the data pointer of the tensors' common storage does that:
 every tensor and view of the storage then addresses the shared mapping.
+
+The file has no name in /dev/shm (O_TMPFILE) except while the client registers the cache with a
+server (`shm.published`): engines get killed (vLLM's default stop kills its workers), and a
+killed worker must not leave its whole KV cache behind in /dev/shm.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SharedBuffer:
-    """One storage moved to shared memory: the file name and its size in bytes."""
+    """One storage moved to shared memory: the file's name (while published), its size in bytes,
+    and whether it is unnamed outside registrations (else a named file, removed at exit)."""
 
     name: str
     nbytes: int
     base: int
+    unnamed: bool = True
 
     @property
     def path(self) -> str:
@@ -36,13 +42,13 @@ class SharedBuffer:
 
 
 _lock = threading.Lock()
-_owned: dict[str, SharedBuffer] = {}
+_named: dict[str, SharedBuffer] = {}  # files with a name for their whole life
 
 
 def _unlink_all() -> None:
     with _lock:
-        buffers = list(_owned.values())
-        _owned.clear()
+        buffers = list(_named.values())
+        _named.clear()
     for buf in buffers:
         try:
             os.unlink(buf.path)
@@ -51,6 +57,28 @@ def _unlink_all() -> None:
 
 
 atexit.register(_unlink_all)
+
+
+def _new_file(nbytes: int) -> tuple[SharedBuffer, str]:
+    """A file for the storage: (its buffer, the path to map). Unnamed where /dev/shm can make
+    such files, else named (a killed process then leaves it behind)."""
+    try:
+        name, fd = shm.open_unnamed(nbytes)
+        return SharedBuffer(name=name, nbytes=nbytes, base=0), f"/proc/self/fd/{fd}"
+    except OSError as exc:
+        logger.warning("cannot make an unnamed file in %s (%s): the CPU KV cache's file keeps its name, and a "
+                       "killed worker leaves it behind", shm.SHM_DIR, exc)
+    name = shm.new_shared_name()
+    path = shm_path(name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    buf = SharedBuffer(name=name, nbytes=nbytes, base=0, unnamed=False)
+    with _lock:
+        _named[name] = buf
+    return buf, path
 
 
 def _is_shared(storage) -> bool:
@@ -70,7 +98,7 @@ def move_to_shared_memory(tensors: Sequence) -> list[SharedBuffer]:
     """Put the storages behind `tensors` (CPU) into /dev/shm files, keeping every reference valid.
 
     Tensors already in registered shared memory are left alone. Returns the buffers created;
-    their files are removed by `release_shared_memory` or at process exit.
+    `release_shared_memory` ends them.
     """
     import torch
 
@@ -86,16 +114,7 @@ def move_to_shared_memory(tensors: Sequence) -> list[SharedBuffer]:
             continue
         seen.add(key)
         nbytes = storage.nbytes()
-        name = shm.new_shared_name()
-        path = shm_path(name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
-        buf = SharedBuffer(name=name, nbytes=nbytes, base=0)
-        with _lock:
-            _owned[name] = buf
+        buf, path = _new_file(nbytes)
         try:
             mapped = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
             mapped.copy_(storage)
@@ -114,18 +133,22 @@ def move_to_shared_memory(tensors: Sequence) -> list[SharedBuffer]:
             release_shared_memory([buf])
             raise
         buf.base = storage.data_ptr()
-        shm.register_shared_region(buf.base, nbytes, name)
+        shm.register_shared_region(buf.base, nbytes, buf.name)
         created.append(buf)
-        logger.info("moved a %.1f MiB CPU KV cache into shared memory %s", nbytes / 2**20, path)
+        logger.info("moved a %.1f MiB CPU KV cache into shared memory%s", nbytes / 2**20,
+                    "" if buf.unnamed else f" {buf.path}")
     return created
 
 
 def release_shared_memory(buffers: Sequence[SharedBuffer]) -> None:
-    """Remove the files (the mappings stay valid while the tensors live)."""
+    """Close or remove the files (the mappings stay valid while the tensors live)."""
     for buf in buffers:
-        with _lock:
-            _owned.pop(buf.name, None)
         _forget_region(buf)
+        if buf.unnamed:
+            shm.close_unnamed(buf.name)
+            continue
+        with _lock:
+            _named.pop(buf.name, None)
         try:
             os.unlink(buf.path)
         except FileNotFoundError:

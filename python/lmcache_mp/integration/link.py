@@ -1,11 +1,15 @@
 """A connection to the lmcache-mp server that an engine can use without ever waiting on it.
 
 The engine's scheduler must not stall because the cache server is slow, absent or restarting:
-a missing server only means "no cache hits". `ClientLink` owns at most one `Client`, makes it
-in a background thread (at most once every `retry_interval` seconds), and after a call fails
-with `ServerUnavailable` hands out no client until `retry_interval` has passed, so each outage
-costs one timeout, not one per request. Outages are logged once when they start and once when
-they end. Once made, the client reconnects and re-registers by itself after a server restart.
+a missing server only means "no cache hits". `ClientLink` owns at most one `Client`, made by a
+thread of its own that tries every `retry_interval` seconds until a server answers (the worker
+registers its KV cache there, so a server that comes up later is used as soon as it answers, not
+at the next request). Once made, the client watches the server itself (its heartbeat): while
+the server is away `get()` hands out no client, and when it is back (restarted or not) the
+client registers the KV caches again before it serves. Requests therefore never wait for a
+reconnection. A server that answers heartbeats but lets a request time out is slow: the client
+is not handed out for `retry_interval` seconds, so such a server costs one timeout per interval,
+not one per request.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import threading
 import time
 import weakref
 from typing import Any, Callable
+
+from lmcache_mp.client.endpoint import nothing_listens
+from lmcache_mp.errors import ServerUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +36,6 @@ def _close_live_links() -> None:
     # and stops the client's threads before their sockets are torn down at random.
     for link in list(_live_links):
         link.close()
-
-
-def _default_factory(url: str, timeout: float, connect_timeout: float):
-    from lmcache_mp import Client
-
-    return Client(url, timeout=timeout, connect_timeout=connect_timeout)
 
 
 class ClientLink:
@@ -63,54 +64,72 @@ class ClientLink:
         self.connect_timeout = float(connect_timeout)
         self.retry_interval = float(retry_interval)
         self._on_connect = on_connect
-        self._factory = client_factory or _default_factory
+        self._factory = client_factory or self._make_client
+        self._probe = client_factory is None  # (a test's factory may need no server)
         self._clock = clock
         self._lock = threading.Lock()
         self._client = None
         self._connecting: threading.Thread | None = None
-        self._settled = threading.Event()  # set when the latest attempt ended, either way
-        self._next_attempt = 0.0
+        self._settled = threading.Event()  # set when the first attempt ended, either way
+        self._stop = threading.Event()
         self._paused_until = 0.0
-        self._down = False  # an outage has been logged and not yet its end
+        self._slow_logged = False  # a slow server has been logged and has not answered since
         self._closed = False
         _live_links.add(self)
+
+    def _make_client(self, url: str, timeout: float, connect_timeout: float):
+        from lmcache_mp import Client
+
+        return Client(url, timeout=timeout, connect_timeout=connect_timeout, name=self.name.removeprefix("lmcache-mp "))
 
     # ---- state -------------------------------------------------------------------------------
 
     @property
     def client(self):
-        """The client if one was ever made (even while paused), else None."""
+        """The client if one was ever made (even while its server is away), else None."""
         return self._client
 
     def connect(self, wait: float = 0.0):
-        """Start connecting if needed and wait up to `wait` seconds for the attempt to end;
-        returns `get()`."""
-        self._maybe_start_attempt(force=True)
+        """Start connecting if needed, and wait up to `wait` seconds for the first attempt to
+        end (at once when nobody listens at the URL); returns `get()`."""
+        self._start()
         if wait > 0:
             self._settled.wait(wait)
         return self.get()
 
     def get(self):
-        """The client, or None while it is not connected or paused after a failure."""
-        if self._closed:
-            return None
+        """The client, or None while none is made, its server is away, or it is paused after a
+        slow request."""
         client = self._client
         if client is None:
-            self._maybe_start_attempt()
+            if self._connecting is None:
+                self._start()
+            return None
+        if self._closed:
+            return None
+        if getattr(client, "server_away", ""):
+            # The heartbeat says when it is back; a pause for a request that failed as it left
+            # would only hold the client back longer.
+            self._paused_until = 0.0
             return None
         if self._clock() < self._paused_until:
             return None
         return client
 
     def report_failure(self, exc: BaseException) -> None:
-        """A call timed out or found no server: stop using the client for a while."""
+        """A request failed (timed out, or found no server): unless the client already knows its
+        server is away, the server is slow; stop using the client for retry_interval seconds."""
+        client = self._client
+        if client is not None and getattr(client, "server_away", ""):
+            return  # the client logged the outage, and hands out nothing until it is over
         with self._lock:
             self._paused_until = self._clock() + self.retry_interval
-            first = not self._down
-            self._down = True
+            first = not self._slow_logged
+            self._slow_logged = True
         if first:
             logger.warning(
-                "%s: server %s unavailable (%s); treating it as a cache miss, retrying every %.1f s",
+                "%s: a request to %s failed (%s); treating the server as a cache miss for %.1f s at a time while "
+                "requests fail",
                 self.name,
                 self.url,
                 exc,
@@ -118,29 +137,38 @@ class ClientLink:
             )
 
     def report_success(self) -> None:
-        if self._down:
+        if self._slow_logged:
             with self._lock:
-                was_down, self._down = self._down, False
-            if was_down:
-                logger.info("%s: server %s reachable again", self.name, self.url)
+                was, self._slow_logged = self._slow_logged, False
+            if was:
+                logger.info("%s: server %s answers in time again", self.name, self.url)
 
     # ---- connecting --------------------------------------------------------------------------
 
-    def _maybe_start_attempt(self, force: bool = False) -> None:
+    def _start(self) -> None:
         with self._lock:
-            if self._closed or self._client is not None or self._connecting is not None:
+            if self._closed or self._connecting is not None:
                 return
-            if not force and self._clock() < self._next_attempt:
-                return
-            self._next_attempt = self._clock() + self.retry_interval
-            t = threading.Thread(target=self._attempt, name=f"{self.name}-connect", daemon=True)
-            self._connecting = t
-            self._settled.clear()
-        t.start()
+            self._connecting = threading.Thread(target=self._run, name=f"{self.name}-connect", daemon=True)
+        self._connecting.start()
 
-    def _attempt(self) -> None:
+    def _run(self) -> None:
+        """Until a client is made: an attempt, then retry_interval seconds of rest."""
+        failed_before = False
+        while not self._stop.is_set():
+            client = self._attempt(failed_before)
+            self._settled.set()
+            if client is not None:
+                return
+            failed_before = True
+            self._stop.wait(self.retry_interval)
+
+    def _attempt(self, failed_before: bool):
         client = None
         try:
+            if self._probe and nothing_listens(self.url, timeout=min(self.connect_timeout, 0.5)):
+                # a handshake that cannot come: do not wait connect_timeout for it
+                raise ServerUnavailable(f"nothing listens at {self.url}")
             client = self._factory(self.url, self.request_timeout, self.connect_timeout)
             if self._on_connect is not None:
                 self._on_connect(client)
@@ -150,38 +178,22 @@ class ClientLink:
                     client.close()
                 except Exception:  # noqa: BLE001
                     pass
-            with self._lock:
-                self._connecting = None
-                first = not self._down
-                self._down = True
-            if first:
-                logger.warning(
-                    "%s: cannot connect to %s (%s); running without the cache, retrying every %.1f s",
-                    self.name,
-                    self.url,
-                    exc,
-                    self.retry_interval,
-                )
-            self._settled.set()
-            return
+            log = logger.debug if failed_before else logger.warning
+            log("%s: cannot connect to %s (%s); running without the cache, retrying every %.1f s",
+                self.name, self.url, exc, self.retry_interval)
+            return None
         with self._lock:
-            self._connecting = None
-            if self._closed:
-                closed = True
-            else:
-                closed = False
+            closed = self._closed
+            if not closed:
                 self._client = client
-                self._paused_until = 0.0
-        self._settled.set()
         if closed:
             client.close()
-            return
-        if self._down:
-            self.report_success()
-        else:
-            logger.info("%s: connected to %s", self.name, self.url)
+            return None
+        logger.info("%s: connected to %s", self.name, self.url)
+        return client
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             self._closed = True
             client, self._client = self._client, None

@@ -1,0 +1,74 @@
+"""A client whose server goes away: while its heartbeat finds the server away, requests fail at
+once (not after their timeouts), and once the server answers again (restarted, empty) the
+client registers its KV caches again by itself and serves. With the local lane the client
+notices a server that closed it at once; without it, its heartbeat does within a few seconds."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from lmcache_mp import Client, Server, ServerConfig, ServerUnavailable, chunk_hashes, shared_cpu_tensor  # noqa: E402
+
+CHUNK = 16
+BLOCK = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(url: str) -> Server:
+    return Server(ServerConfig(url=url, device="cpu", l1_size="64MiB", chunk_size=CHUNK, http_addr="off")).start()
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["local_lane", "heartbeat_only"])
+def test_requests_fail_at_once_while_the_server_is_away_and_work_when_it_is_back(shm_files, lane):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    server = start(url)
+    client = Client(url, timeout=10, local_lane=lane)
+    kv = [shared_cpu_tensor((16, 2, BLOCK, 16), torch.float16)]  # vLLM's CPU layout [blocks, heads, tokens, 2*dim]
+    try:
+        handle = client.register_kv_cache(kv, model="m")
+        hashes = chunk_hashes(list(range(2 * CHUNK)), CHUNK)
+        blocks = [0, 1, 2, 3]
+        assert client.store(handle, hashes, blocks).result(10).stored == 2
+        assert client.server_away == ""
+        server.stop()
+        wait_until(lambda: client.server_away, 10, "the client to find the server away")
+        requests = {
+            "lookup": lambda: client.lookup(hashes, model="m", lock=True),
+            "lookup_async": lambda: client.lookup_async(hashes, model="m").result(10),
+            "store": lambda: client.store(handle, hashes, blocks).result(10),
+            "retrieve": lambda: client.retrieve(handle, hashes, blocks).result(10),
+            "release": lambda: client.release(lease=1),
+            "status": lambda: client.status(),
+            "events": lambda: client.events(0),
+            "register": lambda: client.register_kv_cache(kv, model="other"),
+        }
+        for name, request in requests.items():
+            t0 = time.monotonic()
+            with pytest.raises(ServerUnavailable, match="is away"):
+                request()
+            assert time.monotonic() - t0 < 0.05, name  # not its timeout (10 s)
+        server = start(url)  # empty, at the same address
+        wait_until(lambda: not client.server_away, 20, "the client to find the server back")
+        # The KV cache was registered again before any request went out: the first store lands.
+        assert client.store(handle, hashes, blocks).result(10).stored == 2
+        assert client.lookup(hashes, model="m") == 2
+    finally:
+        client.close()
+        server.stop()
