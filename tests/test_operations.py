@@ -43,6 +43,19 @@ def metric(text: str, name: str, **labels) -> float:
     raise AssertionError(f"no {name} {labels} in /metrics")
 
 
+def test_every_request_series_is_exported_at_zero_before_any_request(servers):  # noqa: F811
+    """Prometheus alerts on a series that does not exist never fire: each op's count and latency
+    are there, at 0, before the first request."""
+    srv = servers(http_addr="127.0.0.1:0")
+    code, body = get(srv.engine.http, "/metrics")
+    text = body.decode()
+    assert code == 200
+    for op in ("Lookup", "Store", "Retrieve", "RegisterKVCache", "Events"):
+        assert metric(text, "lmcache_mp_requests_total", op=op, outcome="OK") == 0
+        assert metric(text, "lmcache_mp_request_seconds_count", op=op) == 0
+    assert metric(text, "lmcache_mp_hits_total") == 0 and metric(text, "lmcache_mp_lookups_total") == 0
+
+
 def test_http_endpoints_after_known_traffic(shm_files, servers, clients, no_internal_errors):  # noqa: F811
     srv = servers(http_addr="127.0.0.1:0")
     addr = srv.engine.http

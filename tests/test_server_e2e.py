@@ -613,7 +613,8 @@ def test_client_survives_a_server_restart_and_registers_again(shm_files, ipc_url
 
     second = new_server(url=ipc_url)
     try:
-        wait_until(lambda: c.session_id != session and h.kv_id != kv_id, 10, "the client to register again")
+        wait_until(lambda: c.session_id != session and h.kv_id != kv_id and not c.server_away, 10,
+                   "the client to register again")
         regs = second.engine.status()["registrations"]
         assert [r["id"] for r in regs] == [f"{h.kv_id & 0xFFFF:04x}"] and regs[0]["model"] == "m"
         assert c.lookup(hashes, model="m") == 0  # a new server starts empty

@@ -121,7 +121,7 @@ def test_stats_reach_vllms_log_line_and_prometheus_counters():
 
     ktc = KVTransferConfig(kv_connector="LMCacheMPConnector", kv_connector_module_path="lmcache_mp.integration.vllm",
                            kv_role="kv_both")
-    scheduler = {"lookups": 2, "lookup_tokens": 512, "hit_tokens": 384}
+    scheduler = {"lookups": 2, "lookup_tokens": 512, "hit_tokens": 384, "found_tokens": 448}
     rank = {"loaded_chunks": 3, "loaded_bytes": 3 << 20, "loads": 2, "load_seconds": 0.004, "stored_chunks": 1,
             "stored_bytes": 1 << 20, "stores": 1, "store_seconds": 0.002}
     from lmcache_mp.integration.vllm import LMCacheMPConnector
@@ -135,10 +135,15 @@ def test_stats_reach_vllms_log_line_and_prometheus_counters():
     lines = []
     logging_.log(lambda fmt, *args: lines.append(fmt % args))
     assert lines == ["KV Transfer metrics: lmcache_mp_hit_tokens=384, lmcache_mp_miss_tokens=128, "
-                     "lmcache_mp_hit_rate_%=75.0, lmcache_mp_loaded_chunks=6, lmcache_mp_failed_load_chunks=0, "
+                     "lmcache_mp_hit_rate_%=75.0, lmcache_mp_found_tokens=448, lmcache_mp_loaded_chunks=6, lmcache_mp_failed_load_chunks=0, "
                      "lmcache_mp_loaded_MiB=6.0, lmcache_mp_avg_load_ms=2.0, lmcache_mp_stored_chunks=2, "
                      "lmcache_mp_stored_MiB=2.0, lmcache_mp_avg_store_ms=2.0, lmcache_mp_store_errors=0"]
-    prom = KVConnectorProm(types.SimpleNamespace(kv_transfer_config=ktc), ["engine"], {0: ["0"]})
+    prom = KVConnectorProm(types.SimpleNamespace(kv_transfer_config=ktc), ["engine"], {0: ["0"], 1: ["1"]})
+    from lmcache_mp.integration.vllm_stats import COUNTERS
+
+    for key in COUNTERS:  # every counter of every engine exists from the start, at 0
+        for engine in ("0", "1"):
+            assert REGISTRY.get_sample_value(f"vllm:lmcache_mp_{key}_total", {"engine": engine}) == 0, key
     prom.observe(step.to_dict(), 0)
     assert REGISTRY.get_sample_value("vllm:lmcache_mp_hit_tokens_total", {"engine": "0"}) == 384
     assert REGISTRY.get_sample_value("vllm:lmcache_mp_loaded_bytes_total", {"engine": "0"}) == 6 << 20

@@ -111,7 +111,6 @@ class Client(RestartRecovery):
         def lane_lost() -> None:
             client = ref()
             if client is not None:
-                client._went_away("it closed its local lane")
                 client._suspect_restart()
 
         self._io.on_lane_lost = lane_lost

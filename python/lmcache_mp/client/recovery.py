@@ -1,7 +1,8 @@
 """Noticing a server that went away or restarted, and coming back from it: a part of Client.
 
-A heartbeat that gets no reply (while nothing else was heard from the server either) or a local
-lane the server closed means the server is away: until it answers again, requests fail at once
+A heartbeat that gets no reply (while nothing else was heard from the server either), or nobody
+listening at the server's address when something (its local lane closing) made the client look,
+means the server is away: until it answers again, requests fail at once
 with ServerUnavailable instead of each waiting for its timeout (requests in flight keep theirs:
 a store or retrieve may still be copying). A heartbeat reply then (or a new session id, or an
 unknown registration) makes a thread of its own handshake again, fail what was in flight to a
@@ -17,6 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from lmcache_mp import protocol as p
+from lmcache_mp.client.endpoint import nothing_listens
 from lmcache_mp.client.io_thread import Heartbeat
 from lmcache_mp.client.results import check_reply
 from lmcache_mp.errors import ServerUnavailable
@@ -81,6 +83,8 @@ class RestartRecovery:
         longer knows: all of them after a restart, or those it dropped when it stopped hearing
         from this client."""
         short = min(self.timeout, RECOVERY_CALL_S)
+        if nothing_listens(self.url):  # (its process is gone: a closed lane is the first sign of that)
+            self._went_away("nothing listens at its address")
         try:
             # A look at _closed between calls; a call in flight fails once the I/O thread stops.
             hello = self._recovery_call(self._hello_msg(), p.HelloReply, short)

@@ -40,6 +40,8 @@ class _Tracked:
     spans: Sequence[tuple[int, int, bytes]] = ()  # token ranges whose KV depends on more (see below)
     hashes: list[bytes] = field(default_factory=list)
     looked_up: bool = False
+    asked_at: float = 0.0  # when the engine first asked for this admission's hit (time.perf_counter())
+    engine_tokens: int = 0  # tokens vLLM's own prefix cache held when it asked
     hit_chunks: int = 0  # leading chunks every group has
     # Per group: leading chunks leased by our lookup and not yet loaded/released, and the id of
     # the server's lease on them.
@@ -88,8 +90,12 @@ class SchedulerCore:
         self._error_logged = False
         # Releases must not block the scheduler; one thread keeps them in order.
         self._releaser = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-mp-release")
-        self.stats = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0, "load_tokens": 0, "store_chunks": 0,
-                      "lookup_us_total": 0, "lookup_us_max": 0}  # time the scheduler loop spent in lookups
+        # lookup_tokens: what the server could supply (beyond the engine's own hit); hit_tokens:
+        # what it did (loads planned); found_tokens: what it had. lookup_us_*: the time the
+        # scheduler loop spent in lookups; answer_us_max: the longest a request waited for its
+        # lookup's answer, over the steps that asked.
+        self.stats = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0, "found_tokens": 0, "store_chunks": 0,
+                      "lookup_us_total": 0, "lookup_us_max": 0, "answer_us_max": 0}
         self._hits_logged: tuple[float, int, int] | None = None
         self._first_hit_logged = False
         self._block_left = config.lookup_block  # what this step may still wait for lookups, all together
@@ -212,9 +218,15 @@ class SchedulerCore:
                 self._requests[req_id] = tr
         if not tr.looked_up:
             tr.looked_up = True
+            tr.asked_at = time.perf_counter()
+            tr.engine_tokens = num_computed_tokens
             self._lookup(tr)
         if tr.pending is not None and not self._lookup_done(tr):
             return None
+        if tr.asked_at:
+            us = int((time.perf_counter() - tr.asked_at) * 1e6)
+            self.stats["answer_us_max"] = max(self.stats["answer_us_max"], us)
+            tr.asked_at = 0.0
         return self._external_tokens(tr, num_computed_tokens)
 
     def _lookup(self, tr: _Tracked) -> None:
@@ -274,12 +286,8 @@ class SchedulerCore:
         self.link.report_success()
         cs, max_chunks = self._chunk_size, len(tr.hashes)
         n = max(0, min(min(int(f) for f in found), max_chunks))
-        self.stats["hit_tokens"] += n * cs
-        self.stats["lookup_tokens"] += max_chunks * cs
-        if n and not self._first_hit_logged:
-            self._first_hit_logged = True
-            logger.info("lmcache-mp: first cache hit: %d of the %d prompt tokens of request %s are on the server",
-                        n * cs, len(tr.token_ids), tr.req_id)
+        self.stats["found_tokens"] += n * cs
+        self.stats["lookup_tokens"] += max(0, max_chunks * cs - tr.engine_tokens)
         self._log_hits()
         tr.hit_chunks = n
         tr.leases = [f.lease for f in found]
@@ -309,7 +317,8 @@ class SchedulerCore:
             self._abandon(pending)
 
     def _log_hits(self, every: float = 30.0) -> None:
-        """One INFO line at most every `every` seconds: how much of the looked-up prompts hit."""
+        """One INFO line at most every `every` seconds: how much of what the server could supply
+        it did."""
         now = time.monotonic()
         last = self._hits_logged
         if last is None:
@@ -320,8 +329,8 @@ class SchedulerCore:
             return
         hit, seen = self.stats["hit_tokens"] - hit0, self.stats["lookup_tokens"] - seen0
         if seen:
-            logger.info("lmcache-mp: %d of %d looked-up prompt tokens were cached (%.1f%%) in the last %.0f s",
-                        hit, seen, 100.0 * hit / seen, now - t0)
+            logger.info("lmcache-mp: loaded %d of the %d prompt tokens looked up beyond vLLM's own prefix cache hits "
+                        "(%.1f%%) in the last %.0f s", hit, seen, 100.0 * hit / seen, now - t0)
         self._hits_logged = (now, self.stats["hit_tokens"], self.stats["lookup_tokens"])
 
     def _external_tokens(self, tr: _Tracked, num_computed_tokens: int) -> int:
@@ -390,7 +399,12 @@ class SchedulerCore:
                          lease=tr.leases[gi], group=gi, scratch_block=scratch)
             )
             tr.has_transfers = True
-        self.stats["load_tokens"] += num_external_tokens
+        self.stats["hit_tokens"] += num_external_tokens
+        if not self._first_hit_logged:
+            self._first_hit_logged = True
+            logger.info("lmcache-mp: first cache hit: loading %d of the %d prompt tokens of request %s from the server "
+                        "(vLLM's own prefix cache held %d)", num_external_tokens, tr.num_prompt_tokens, req_id,
+                        tr.engine_tokens)
 
     def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
         self._block_left = self.cfg.lookup_block  # the engine's next step starts its own budget

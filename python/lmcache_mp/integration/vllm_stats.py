@@ -2,7 +2,7 @@
 metrics: ...") and as Prometheus counters (vllm:lmcache_mp_*_total) on vLLM's /metrics.
 
 Each side reports what changed since its last report: the scheduler its lookups (prompt tokens
-looked up, tokens found on the server), every worker its loads and stores (chunks, bytes, the
+the connector could supply, tokens it loaded, tokens the server had), every worker its loads and stores (chunks, bytes, the
 time the forward pass waited for loads, the time stores took to be answered, failures). vLLM
 sums the workers' reports and the scheduler's each step, then over its logging interval.
 """
@@ -17,8 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 # counter -> what it counts (the Prometheus documentation)
 COUNTERS = {
     "lookups": "prompts looked up on the lmcache-mp server",
-    "lookup_tokens": "prompt tokens looked up on the lmcache-mp server (whole chunks, never the last token)",
-    "hit_tokens": "prompt tokens the lmcache-mp server had (hits); lookup_tokens minus hit_tokens are misses",
+    "lookup_tokens": "prompt tokens the lmcache-mp server could supply: whole chunks (never the last token) beyond "
+                     "what vLLM's own prefix cache held",
+    "hit_tokens": "prompt tokens loaded from the lmcache-mp server (hits); lookup_tokens minus hit_tokens are misses",
+    "found_tokens": "prompt tokens the lmcache-mp server had, whether loaded or held by vLLM's own prefix cache already",
     "loaded_chunks": "chunks loaded from the lmcache-mp server into the KV cache, all ranks",
     "failed_load_chunks": "chunks a load did not bring (recomputed by vLLM), all ranks",
     "loaded_bytes": "bytes loaded from the lmcache-mp server, all ranks",
@@ -72,6 +74,7 @@ class LMCacheMPStats(KVConnectorStats):
             "lmcache_mp_hit_tokens": int(hit),
             "lmcache_mp_miss_tokens": int(looked - hit),
             "lmcache_mp_hit_rate_%": round(100.0 * hit / looked, 1) if looked else 0.0,
+            "lmcache_mp_found_tokens": int(d.get("found_tokens", 0)),
             "lmcache_mp_loaded_chunks": int(d.get("loaded_chunks", 0)),
             "lmcache_mp_failed_load_chunks": int(d.get("failed_load_chunks", 0)),
             "lmcache_mp_loaded_MiB": round(d.get("loaded_bytes", 0) / 2**20, 2),
@@ -89,17 +92,15 @@ class LMCacheMPPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {key: self._counter_cls(name=f"vllm:lmcache_mp_{key}_total", documentation=doc,
-                                                 labelnames=self._labelnames)
-                          for key, doc in COUNTERS.items()}
-        self._children: dict[tuple[int, str], Any] = {}
+        counters = {key: self._counter_cls(name=f"vllm:lmcache_mp_{key}_total", documentation=doc,
+                                           labelnames=self._labelnames)
+                    for key, doc in COUNTERS.items()}
+        # Every engine's series from the start, at 0: alerts on an absent series would never fire.
+        self._children = {(engine, key): counter.labels(*values)
+                          for engine, values in per_engine_labelvalues.items() for key, counter in counters.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
-            counter = self._counters.get(key)
-            if counter is None or value <= 0:
-                continue
             child = self._children.get((engine_idx, key))
-            if child is None:
-                child = self._children[(engine_idx, key)] = counter.labels(*self.per_engine_labelvalues[engine_idx])
-            child.inc(value)
+            if child is not None and value > 0:
+                child.inc(value)

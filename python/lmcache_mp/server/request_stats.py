@@ -8,6 +8,7 @@ import bisect
 import collections
 import threading
 import time
+import typing
 
 from lmcache_mp import protocol as p
 
@@ -22,6 +23,11 @@ class RequestStats:
         self._counts: collections.Counter = collections.Counter()  # (op, outcome) -> replies
         self._hist: dict[str, list[int]] = {}  # op -> replies per bucket (the last: beyond them all)
         self._sums: collections.Counter = collections.Counter()  # op -> seconds
+        for request in typing.get_args(p.Request):  # every op's series from the start, at 0: alerts
+            op = request.__name__                     # on an absent series would never fire
+            self._counts[(op, "OK")] = 0
+            self._hist[op] = [0] * (len(BUCKETS) + 1)
+            self._sums[op] = 0.0
 
     def done(self, op: str, t0: float, reply: p._Msg) -> None:
         dt = time.monotonic() - t0
