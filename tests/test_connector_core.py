@@ -1005,6 +1005,27 @@ def tracked(engine):
     return ev
 
 
+def test_stores_reported_finished_are_announced_at_once_while_the_engine_steps(server, engines):
+    """vLLM publishes the connector's events only while it steps: when stores finish, the events
+    are read at once (not at the next interval) and the engine is asked to step until it took
+    them; then it may go idle."""
+    a = engines(server.url)
+    ev = tracked(a)  # reads every hour unless asked
+    try:
+        a.prefill("r1", prompt(72, 200))
+        a.finish("r1")  # its stores are on the server (vLLM: finished_sending)
+        assert not ev.has_news()
+        ev.sync_soon()
+        taken, deadline = [], time.monotonic() + 10
+        while ev.has_news():  # the engine's steps: has_pending_push_work, then take_events
+            assert time.monotonic() < deadline, "the engine was asked to step for ever"
+            taken += ev.take()
+            time.sleep(0.001)
+        assert taken == [("stored", "r1", c) for c in range(3)]
+    finally:
+        ev.close()
+
+
 def test_engine_announces_its_stores_then_evictions_then_a_restart():
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"

@@ -9,7 +9,9 @@ result.json holds, per prompt, the generated token ids and vLLM's `num_cached_to
 engine's start-up and generation wall times.
 With --pause-dir DIR, prompts.json is a list of batches run one after another by the same
 engine; before batch i > 0 the engine creates DIR/paused-i and waits for DIR/resume-i (the
-test changes the world in between, e.g. restarts the server).
+test changes the world in between, e.g. restarts the server). A resume file that says "up" or
+"down" makes the engine wait until its connector sees the server so (the seconds it waited are
+in the result, with each batch's connector counters).
 With --connector-url the engine uses lmcache_mp.integration.vllm.LMCacheMPConnector.
 With --kv-events ENDPOINT vLLM publishes KV events there (ZeroMQ); after each batch the engine
 then reads the server's chunk events now and runs a one-token step, so that what the connector
@@ -50,72 +52,102 @@ def inject_load_failures() -> None:
     worker_core.WorkerCore.start_loads = start_loads
 
 
-def wait_for_resume(pause_dir: str, i: int, timeout: float = 120.0) -> None:
+def wait_for_resume(pause_dir: str, i: int, timeout: float = 120.0) -> str:
+    """What the test says of the server now: "up", "down" or ""."""
     open(os.path.join(pause_dir, f"paused-{i}"), "w").close()
     deadline = time.monotonic() + timeout
-    while not os.path.exists(os.path.join(pause_dir, f"resume-{i}")):
+    resume = os.path.join(pause_dir, f"resume-{i}")
+    while not os.path.exists(resume):
         if time.monotonic() > deadline:
             raise TimeoutError(f"nobody resumed batch {i}")
         time.sleep(0.05)
+    with open(resume) as f:
+        return f.read().strip()
 
 
-def wait_registered(timeout: float = 60.0) -> None:
-    """Every client of this process has its KV caches registered with the server that answers
-    now, if one does (after a restart, the workers' clients register again within a heartbeat or
-    two; a store sent before that is lost, as it would be in production)."""
+def of_type(cls) -> list:
     import gc
 
-    from lmcache_mp import Client
+    gc.unfreeze()  # vLLM freezes its start-up objects, which hides them from get_objects()
+    found = [obj for obj in gc.get_objects() if isinstance(obj, cls)]
+    gc.freeze()  # as vLLM left it (else its shutdown spends a second collecting them)
+    return found
 
-    gc.unfreeze()
-    clients = [obj for obj in gc.get_objects() if isinstance(obj, Client) and obj._handles]
-    gc.freeze()
-    deadline = time.monotonic() + timeout
-    for c in clients:
-        silent_until = time.monotonic() + 5  # no server answering by then: it is away (a test's outage)
-        while True:
-            try:
-                mine = set(c.status(timeout=1.0).get("mine", ()))
-            except Exception:  # noqa: BLE001 - away, or still starting
-                if time.monotonic() > silent_until:
-                    break
-            else:
-                silent_until = deadline
-                if {h.kv_id for h in c._handles} <= mine:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("the workers did not register again with the restarted server")
-            time.sleep(0.1)
+
+def wait_for_connector(server: str, timeout: float = 60.0) -> float:
+    """Until every connection of the connector in this process sees the server as the test says
+    it is: "up" (a client handed out: connected, its KV caches registered) or "down" (none);
+    returns the seconds waited. A store sent before a worker registered again is lost, as it
+    would be in production: the test waits here so that it can count the stores."""
+    from lmcache_mp.integration.link import ClientLink
+
+    t0 = time.monotonic()
+    if server not in ("up", "down"):
+        return 0.0
+    for link in of_type(ClientLink):
+        while (link.get() is not None) != (server == "up"):
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"the connector did not find the server {server} within {timeout} s")
+            time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def time_connects() -> list[float]:
+    """Test hook: the seconds each connection of the connector waited for the server at start-up."""
+    from lmcache_mp.integration import link
+
+    waits, connect = [], link.ClientLink.connect
+
+    def timed(self, wait: float = 0.0):
+        t0 = time.perf_counter()
+        try:
+            return connect(self, wait)
+        finally:
+            waits.append(time.perf_counter() - t0)
+
+    link.ClientLink.connect = timed
+    return waits
 
 
 def connector_stats() -> dict:
     """Sum of the counters of the connector cores in this process (workers of other processes,
-    as with tensor parallelism, are not seen)."""
-    import gc
-
+    as with tensor parallelism, are not seen); maxima (*_max) are the largest."""
     try:
         from lmcache_mp.integration.connector_core import SchedulerCore, WorkerCore
     except ImportError:
         return {}
     total: dict = {}
-    gc.unfreeze()  # vLLM freezes its start-up objects, which hides them from get_objects()
-    cores = [obj for obj in gc.get_objects() if isinstance(obj, (SchedulerCore, WorkerCore))]
-    gc.freeze()  # as vLLM left it (else its shutdown spends a second collecting them)
-    for core in cores:
+    for core in of_type((SchedulerCore, WorkerCore)):
         for k, v in core.stats.items():
-            total[k] = total.get(k, 0) + v
+            total[k] = max(total.get(k, 0), v) if k.endswith("_max") else total.get(k, 0) + v
     return total
+
+
+def batch_stats(before: dict) -> dict:
+    """The connector's counters over one batch (from `before`, the totals at its start); its
+    maxima are the batch's own (they start again from 0 for the next)."""
+    from lmcache_mp.integration.connector_core import SchedulerCore
+
+    now = connector_stats()
+    out = {k: v if k.endswith("_max") else v - before.get(k, 0) for k, v in now.items()}
+    for core in of_type(SchedulerCore):
+        core.stats.update({k: 0 for k in core.stats if k.endswith("_max")})
+    return out
+
+
+def whole_run(totals: dict, per_batch: list[dict]) -> dict:
+    """The counters of the run: the totals, with the maxima over every batch."""
+    for k in totals:
+        if k.endswith("_max"):
+            totals[k] = max(b["connector"].get(k, 0) for b in per_batch)
+    return totals
 
 
 def publish_events(llm, params) -> None:
     """Read the server's chunk events now (every connector of this process) and run one step."""
-    import gc
-
     from lmcache_mp.integration.chunk_events import ChunkEvents
 
-    gc.unfreeze()
-    trackers = [obj for obj in gc.get_objects() if isinstance(obj, ChunkEvents)]
-    gc.freeze()
+    trackers = of_type(ChunkEvents)
     deadline = time.monotonic() + 60
     for t in trackers:
         while not t.sync():  # a restarted server: until the client found it
@@ -163,6 +195,7 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         os.environ.setdefault(k, v)
     if fail_loads:
         inject_load_failures()
+    connect_waits = time_connects() if connector_url else []
     from vllm import LLM, SamplingParams
 
     kwargs = {}
@@ -206,23 +239,25 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         batches = prompts
     else:
         batches = [[p] for p in prompts] if sequential else [prompts]
-    outs = []
+    outs, per_batch = [], []
     for i, batch in enumerate(batches):
-        if pause_dir and i:
-            wait_for_resume(pause_dir, i)
-            wait_registered()
+        waited = wait_for_connector(wait_for_resume(pause_dir, i)) if pause_dir and i else 0.0
+        before = connector_stats() if connector_url else {}
         if batch:
             prompts_, params_, adapters = zip(*(request(p, params, loras or {}) for p in batch))
             outs += llm.generate(list(prompts_), list(params_), lora_request=list(adapters), use_tqdm=False)
         if kv_events:
             publish_events(llm, params)
+        per_batch.append({"waited_s": waited, "connector": batch_stats(before) if connector_url else {}})
     t2 = time.perf_counter()
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
         "engine_start_s": t1 - t0,
         "generate_s": t2 - t1,
-        "connector": connector_stats() if connector_url else {},
+        "connector": whole_run(connector_stats(), per_batch) if connector_url else {},
+        "connect_s": connect_waits,
+        "batches": per_batch,
     }
     if log_stats:  # the connector's counters on vLLM's Prometheus metrics
         result["metrics"] = {m.name: m.value for m in llm.get_metrics() if "lmcache_mp" in m.name}

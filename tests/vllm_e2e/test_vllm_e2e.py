@@ -85,6 +85,11 @@ class ServerProcess:
         with Client(self.url, timeout=10) as c:
             return [c.lookup(chunk_hashes(p, c.chunk_size), model=model) for p in prompts]
 
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+        self._log.close()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -290,18 +295,6 @@ def test_two_servers_share_one_valkey(run, prompts, baseline, model_dir, workdir
         valkey.wait(10)
 
 
-def test_server_absent_changes_nothing(run, prompts, baseline):
-    P, Q, _ = prompts
-    url = f"tcp://127.0.0.1:{free_port()}"  # nobody listens here
-    r = run("no_server", P + Q, url)
-    assert r["outputs"] == baseline["outputs"]
-    assert r["num_cached_tokens"] == [0] * len(P + Q)
-    # Start-up waits for the server at most once per side (connect_timeout 2 s); serving sends
-    # no lookups to an absent server, so no request waits for a lookup timeout.
-    assert r["engine_start_s"] < baseline["engine_start_s"] + 8
-    assert r["connector"]["lookups"] == 0
-
-
 def registrations(url: str, model: str) -> int:
     from lmcache_mp import Client
 
@@ -309,58 +302,87 @@ def registrations(url: str, model: str) -> int:
         return sum(r["model"] == model for r in c.status()["registrations"])
 
 
-def test_server_restarted_mid_run(run, prompts, baseline, model_dir, workdir):
-    """One engine runs the same batch four times. Before batch 2 the server stops; before batch
-    3 an empty server starts at the same address. The outputs never change, the outage is logged
-    once per side, the worker registers its cache again by itself, and batch 4 hits what batch 3
-    stored on the new server."""
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_server_outages_cost_no_waits_and_the_connector_comes_back_by_itself(run, prompts, baseline, model_dir,
+                                                                             workdir):
+    """One engine runs the same batch five times; the server's life in between:
+    0: none at start-up (the engine starts without waiting for one);
+    1: one came up: the worker registered with it while the engine was paused (no request ran),
+       and the batch's first requests store;
+    2: it was killed (SIGKILL);
+    3: an empty one came up at the same address: the worker registered again by itself, and the
+       batch stores again;
+    4: hits what batch 3 stored.
+    While the server is away no lookup is sent and no request waits (the longest a request waited
+    for its lookup's answer is well under 100 ms), and the outputs never change."""
     P, _, _ = prompts
     batch = P[:3]
     port = free_port()
-    pauses = workdir / "restart_pauses"
+    url = f"tcp://127.0.0.1:{port}"
+    pauses = workdir / "outage_pauses"
     pauses.mkdir()
-    servers = [ServerProcess(port, workdir / "server_restart_1.log")]
-    retry = 1.0
-    extra = ("--pause-dir", str(pauses), "--extra-config", json.dumps({"lmcache_mp.retry_interval": retry}))
+    servers: list[ServerProcess] = []
+    full = [len(p) // CHUNK for p in batch]
 
-    def between(i: int, pending: cf.Future, action) -> None:
+    def between(i: int, pending: cf.Future, action, server_is: str) -> None:
         while not (pauses / f"paused-{i}").exists():
             if pending.done():
                 pending.result()  # the engine failed: show why
                 raise AssertionError(f"the engine ended before batch {i}")
             time.sleep(0.05)
         action()
-        (pauses / f"resume-{i}").touch()
+        (pauses / f"resume-{i}").write_text(server_is)  # the engine waits until its connector sees it so
 
-    def restart() -> None:
-        servers.append(ServerProcess(port, workdir / "server_restart_2.log"))
-        deadline = time.monotonic() + 30
-        while registrations(servers[-1].url, model_dir) < 1:  # the client's heartbeat re-registers
-            assert time.monotonic() < deadline, "the worker never registered with the new server"
-            time.sleep(0.1)
-        time.sleep(2 * retry)  # past the scheduler's pause after its failed lookups
+    def start() -> None:
+        servers.append(ServerProcess(port, workdir / f"server_outage_{len(servers) + 1}.log"))
+        # by itself: the engine is paused, no request runs
+        wait_until(lambda: registrations(url, model_dir) == 1, 60, "the worker to register with the server")
+
+    def stored() -> bool:
+        return servers[-1].present_chunks(batch, model_dir) == full
+
+    def kill() -> None:
+        wait_until(stored, 30, "the first requests after the server came up to store")
+        servers[-1].kill()
 
     try:
         with cf.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(run, "restart", [batch] * 4, servers[0].url, *extra)
-            between(1, pending, servers[0].stop)
-            between(2, pending, restart)
-            between(3, pending, lambda: None)
+            pending = pool.submit(run, "outages", [batch] * 5, url, "--pause-dir", str(pauses))
+            between(1, pending, start, "up")
+            between(2, pending, kill, "down")
+            between(3, pending, start, "up")
+            between(4, pending, lambda: wait_until(stored, 30, "the batch after the restart to store"), "up")
             r = pending.result()
     finally:
         for s in servers:
             s.stop()
     n = len(batch)
-    assert r["outputs"] == baseline["outputs"][:n] * 4
+    assert r["outputs"] == baseline["outputs"][:n] * 5
     hits = [expected_hit(len(p), len(p)) for p in batch]
-    assert r["num_cached_tokens"] == [0] * n * 3 + hits  # batch 3 found the new server empty
-    log = (workdir / "restart.log").read_text()
-    outages = [line for line in log.splitlines() if "treating it as a cache miss" in line]
-    assert len(outages) == 1, outages  # the scheduler's lookups: one line for the outage
-    assert "registering 1 KV caches again" in log
-    assert "registering 0 KV caches" not in log  # the scheduler's client has none to register
-    assert "reachable again" in log  # INFO lines reach vLLM's log too
-    assert not [line for line in log.splitlines() if 'File "' in line and "lmcache_mp" in line]  # no traceback of ours
+    assert r["num_cached_tokens"] == [0] * n * 4 + hits
+    assert len(r["connect_s"]) == 2 and sum(r["connect_s"]) < 1.0  # not a connect timeout (2 s) per side
+    batches = [b["connector"] for b in r["batches"]]
+    for away in (batches[0], batches[2]):
+        assert away["lookups"] == 0 and away["stored_chunks"] == 0
+        assert away["answer_us_max"] < 100_000  # no request waited for a lookup or a connection
+    assert batches[4]["loaded_chunks"] == sum(hits) // CHUNK and batches[4]["failed_load_chunks"] == 0
+    # The connector saw the server back within a heartbeat or two of the worker's registration
+    # (batch 1: the scheduler's first connection, tried every retry_interval, 5 s), and away at once.
+    waited = [b["waited_s"] for b in r["batches"]]
+    assert waited[1] < 10 and waited[2] < 5 and waited[3] < 5, waited
+    log = (workdir / "outages.log").read_text().splitlines()
+    assert len([line for line in log if "cannot connect" in line]) == 2  # once per side at start-up
+    assert len([line for line in log if "is away" in line]) == 2  # the kill: once per side
+    assert len([line for line in log if "registering 1 KV caches again" in line]) == 1  # the worker's
+    assert not [line for line in log if "registering 0 KV caches" in line]  # the scheduler has none
+    assert len([line for line in log if line.endswith(f"{url} is back")]) == 2  # INFO lines reach vLLM's log too
+    assert not [line for line in log if 'File "' in line and "lmcache_mp" in line]  # no traceback of ours
 
 
 def two_cpus() -> list[int] | None:
@@ -550,7 +572,7 @@ def test_kv_events_stores_evictions_and_a_server_restart(run, prompts, model_dir
                 raise AssertionError(f"the engine ended before batch {i}")
             time.sleep(0.05)
         check()
-        (pauses / f"resume-{i}").touch()
+        (pauses / f"resume-{i}").write_text("up")  # the connector finds the (restarted) server first
 
     def cpu_view_is(prompt_set) -> bool:
         return set(sub.view("CPU").values()) == blocks_of(prompt_set)
@@ -655,3 +677,166 @@ def test_two_engines_at_once_share_one_server(run, prompts, baseline, model_dir,
         index = {tuple(p): k for k, p in enumerate(P)}
         assert r["outputs"] == [baseline["outputs"][index[tuple(p)]] for p in mine + theirs]
         assert r["connector"]["failed_load_chunks"] == 0
+
+
+class ServeProcess:
+    """vLLM's OpenAI server with the connector, as docs/vllm.md starts it (the CPU wheel's `vllm`
+    script cannot find its own version: `vllm serve`'s server is run as a module instead)."""
+
+    def __init__(self, model: str, connector_url: str, kv_events: str, log: Path):
+        self.port, self.model = free_port(), model
+        self.base = f"http://127.0.0.1:{self.port}"
+        transfer = {"kv_connector": "LMCacheMPConnector", "kv_connector_module_path": "lmcache_mp.integration.vllm",
+                    "kv_role": "kv_both", "kv_connector_extra_config": {"lmcache_mp.url": connector_url}}
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events}
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
+               "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--block-size", "32",
+               "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0",
+               "--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(events)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               "VLLM_HOST_IP": "127.0.0.1"}
+        self.log = log
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"vLLM's server did not start:\n{log.read_text()[-6000:]}")
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def complete(self, tokens: list[int]) -> list[int]:
+        import urllib.request
+
+        body = {"model": self.model, "prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        req = urllib.request.Request(self.base + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=ENGINE_TIMEOUT) as r:
+            return json.loads(r.read())["choices"][0]["token_ids"]
+
+    def metrics(self) -> dict:
+        """(name, the labels other than engine and model_name) -> value, of vLLM's /metrics."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("engine", "model_name")))
+                out[(sample.name, labels)] = sample.value
+        return out
+
+    def pids(self) -> list[int]:
+        import psutil
+
+        return [self.proc.pid] + [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+
+    def worker_pid(self) -> int:
+        import psutil
+
+        (worker,) = [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)
+                     if "Worker" in c.name() or "Worker" in " ".join(c.cmdline())]
+        return worker
+
+    def stop(self) -> None:
+        """As an operator stops it: SIGTERM (vLLM's shutdown then kills its workers)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+    def kill(self) -> None:
+        import psutil
+
+        if self.proc.poll() is None:
+            for pid in self.pids()[::-1]:
+                try:
+                    psutil.Process(pid).kill()
+                except psutil.NoSuchProcess:
+                    pass
+            self.proc.wait(30)
+        self._log.close()
+
+
+def gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def shm_files_of(pids) -> list[str]:
+    return [f.name for pid in pids for f in Path("/dev/shm").glob(f"lmcache_mp_{pid}_*")]
+
+
+def test_vllm_serve_stores_restarts_loads_and_leaves_nothing_behind(prompts, baseline, model_dir, workdir):
+    """vLLM's OpenAI server, as operators run it: every connector counter exists before the first
+    request; a completion stores its chunks, announced as KV events within moments though the
+    engine is idle then; the same prompt again is served from vLLM's own prefix cache, which the
+    connector does not count as loaded, leaving no lease on the server; the server stopped (SIGTERM,
+    which kills its worker) and started again loads the chunks and answers the same; a killed
+    worker leaves nothing in /dev/shm."""
+    from lmcache_mp import Client
+    from lmcache_mp.integration.vllm_stats import COUNTERS
+
+    P, _, _ = prompts
+    x = P[0]
+    server = ServerProcess(free_port(), workdir / "server_serve.log")
+    pub = f"tcp://127.0.0.1:{free_port()}"
+    sub = EventSubscriber(pub)
+    api = None
+    try:
+        api = ServeProcess(model_dir, server.url, pub, workdir / "serve_1.log")
+        m = api.metrics()
+        assert all(m[(f"vllm:lmcache_mp_{key}_total", ())] == 0 for key in COUNTERS)
+        first = api.complete(x)
+        assert first == baseline["outputs"][0]
+        sub.wait_for(lambda: set(sub.view("CPU").values()) == blocks_of([x]), timeout=20)  # the engine is idle
+        assert api.complete(x) == first  # vLLM's own prefix cache has it all
+        m = api.metrics()
+        full = len(x) // CHUNK * CHUNK
+        assert m[("vllm:lmcache_mp_hit_tokens_total", ())] == 0  # nothing loaded from the server
+        assert m[("vllm:lmcache_mp_found_tokens_total", ())] == expected_hit(len(x), len(x))  # though it had it
+        assert m[("vllm:lmcache_mp_lookup_tokens_total", ())] == expected_hit(len(x), len(x))  # the first prompt's
+        assert m[("vllm:lmcache_mp_stored_chunks_total", ())] == full // CHUNK
+        with Client(server.url, timeout=10) as c:
+            assert c.status()["l1"]["leased_objects"] == 0
+        pids = api.pids()
+        api.stop()
+        assert not shm_files_of(pids)  # vLLM's default stop kills its worker
+
+        api = ServeProcess(model_dir, server.url, pub, workdir / "serve_2.log")
+        assert api.complete(x) == first
+        m = api.metrics()
+        hit = expected_hit(len(x), len(x))
+        assert m[("vllm:lmcache_mp_hit_tokens_total", ())] == hit
+        assert m[("vllm:lmcache_mp_loaded_chunks_total", ())] == hit // CHUNK
+        assert m[("vllm:lmcache_mp_failed_load_chunks_total", ())] == 0
+        assert m[("vllm:prompt_tokens_cached_by_source_total", (("source", "host"),))] == hit  # vLLM's label for ours
+        worker = api.worker_pid()
+        os.kill(worker, signal.SIGKILL)
+        wait_until(lambda: gone(worker), 30, "the worker to die")
+        assert not shm_files_of([worker])
+    finally:
+        if api is not None:
+            api.kill()
+        sub.close()
+        server.stop()

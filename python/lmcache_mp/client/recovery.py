@@ -43,7 +43,7 @@ class RestartRecovery:
         away = self._away
         if away:
             raise ServerUnavailable(f"the server at {self.url} is away ({away}); requests fail at once "
-                                    "until it answers again")
+                                    "until it is back")
 
     def _heartbeat_msg(self) -> Heartbeat:
         sent = time.monotonic()
@@ -64,14 +64,14 @@ class RestartRecovery:
             if self._closed or self._away:
                 return
             self._away = why
-        logger.warning("lmcache-mp client %s: server %s is away (%s); requests fail at once until it answers "
-                       "again", self.name, self.url, why)
+        logger.warning("lmcache-mp client %s: server %s is away (%s); requests fail at once until it is back",
+                       self.name, self.url, why)
 
     def _came_back(self) -> None:
         with self._lock:
             was, self._away = self._away, ""
         if was:
-            logger.info("lmcache-mp client %s: server %s answers again", self.name, self.url)
+            logger.info("lmcache-mp client %s: server %s is back", self.name, self.url)
 
     def _suspect_restart(self) -> None:
         if self._closed or not self._restarting.acquire(blocking=False):

@@ -13,6 +13,10 @@ them into those announcements, which the engine publishes (`take`):
   (it may miss some it still has: such chunks are only announced again when stored again).
 
 Chunks stored by another engine sharing the server are announced by that engine.
+
+The thread reads every `interval` seconds, and at once when the engine says stores finished
+(`sync_soon`); `has_news` tells the engine to keep stepping until what that read brought is
+taken, so an engine that goes idle after its last request still publishes its stores.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class ChunkEvents:
         self._session: bytes | None = None
         self._next = 0  # the next sequence number to read
         self.stats = {"announced_stored": 0, "announced_removed": 0, "resyncs": 0}
+        self._soon = threading.Event()  # a read is wanted now
+        self._reading = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lmcache-mp-events", daemon=True)
         self._thread.start()
@@ -68,6 +74,14 @@ class ChunkEvents:
             while len(self._pending) > self.max_pending:  # stores the server never confirmed
                 old, _ = self._pending.popitem(last=False)
                 self._ranks.pop(old, None)
+
+    def sync_soon(self) -> None:
+        """Read the server's events now, on the reader's thread (stores just finished)."""
+        self._soon.set()
+
+    def has_news(self) -> bool:
+        """A read asked for has not ended yet, or announcements wait to be taken."""
+        return self._soon.is_set() or self._reading or bool(self._out)
 
     def take(self) -> list[Any]:
         with self._lock:
@@ -156,9 +170,18 @@ class ChunkEvents:
         self._ranks.clear()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sync()
+        while True:
+            self._soon.wait(self.interval)
+            if self._stop.is_set():
+                return
+            self._reading = True  # (before the flag goes: has_news never sees neither)
+            self._soon.clear()
+            try:
+                self.sync()
+            finally:
+                self._reading = False
 
     def close(self) -> None:
         self._stop.set()
+        self._soon.set()
         self._thread.join(timeout=5)

@@ -367,13 +367,20 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.unpin_blocks = lambda ids: gpu_block_pool.free_blocks([blocks[b] for b in ids])
 
     def has_pending_push_work(self) -> bool:
-        """Pinned blocks are given back only as steps run: keep the engine stepping until then."""
-        return self._scheduler is not None and self._scheduler.pinned_stores > 0
+        """Pinned blocks are given back, and KV events published, only as steps run: keep the
+        engine stepping until then."""
+        if self._scheduler is None:
+            return False
+        return self._scheduler.pinned_stores > 0 or (self._events is not None and self._events.has_news())
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self._scheduler is not None and isinstance(meta, LMCacheMPWorkerMetadata):
             self._scheduler.stores_settled(meta.settled)
+        if self._events is not None and getattr(connector_output, "finished_sending", None):
+            # Those requests' stores are on the server: announce them within a step, even if the
+            # engine has nothing else to do (it steps until has_news is over).
+            self._events.sync_soon()
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
