@@ -692,6 +692,7 @@ class ServeProcess:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
                "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--block-size", "32",
                "--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0",
+               "--enable-prompt-tokens-details",
                "--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(events)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "VLLM_HOST_IP": "127.0.0.1"}
@@ -715,6 +716,7 @@ class ServeProcess:
             return False
 
     def complete(self, tokens: list[int]) -> list[int]:
+        """The greedy completion's token ids; self.cached: the prompt tokens it found cached."""
         import urllib.request
 
         body = {"model": self.model, "prompt": tokens, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -722,7 +724,9 @@ class ServeProcess:
         req = urllib.request.Request(self.base + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=ENGINE_TIMEOUT) as r:
-            return json.loads(r.read())["choices"][0]["token_ids"]
+            reply = json.loads(r.read())
+        self.cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return reply["choices"][0]["token_ids"]
 
     def metrics(self) -> dict:
         """(name, the labels other than engine and model_name) -> value, of vLLM's /metrics."""
@@ -825,8 +829,9 @@ def test_vllm_serve_stores_restarts_loads_and_leaves_nothing_behind(prompts, bas
 
         api = ServeProcess(model_dir, server.url, pub, workdir / "serve_2.log")
         assert api.complete(x) == first
-        m = api.metrics()
         hit = expected_hit(len(x), len(x))
+        assert api.cached == hit
+        m = api.metrics()
         assert m[("vllm:lmcache_mp_hit_tokens_total", ())] == hit
         assert m[("vllm:lmcache_mp_loaded_chunks_total", ())] == hit // CHUNK
         assert m[("vllm:lmcache_mp_failed_load_chunks_total", ())] == 0

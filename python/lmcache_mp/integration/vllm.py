@@ -13,8 +13,9 @@ Extra-config keys (all optional): `lmcache_mp.url` (default tcp://127.0.0.1:5555
 `lmcache_mp.lookup_timeout` (seconds, default 2), `lmcache_mp.store_decode` (default false),
 and the other `ConnectorConfig` fields. Unless `lmcache_mp.recompute_on_load_error` is false, the
 connector sets vLLM's `kv_load_failure_policy` to "recompute": a chunk that cannot be loaded
-is computed again instead of failing the request. The scheduler never waits on an absent or slow server
-for longer than one lookup timeout per retry interval; it then serves without the cache.
+is computed again instead of failing the request. An absent server costs no wait (lookups are
+immediate misses until the connector's clients find it back, by themselves); a slow one at most
+one lookup timeout per retry interval.
 
 `kv_role` kv_both / kv_producer (stores only) / kv_consumer (loads only). Hybrid models keep
 vLLM's hybrid KV-cache manager (SupportsHMA): every KV-cache group is stored and loaded on its
