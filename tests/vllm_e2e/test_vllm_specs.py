@@ -135,7 +135,8 @@ def test_stats_reach_vllms_log_line_and_prometheus_counters():
     lines = []
     logging_.log(lambda fmt, *args: lines.append(fmt % args))
     assert lines == ["KV Transfer metrics: lmcache_mp_hit_tokens=384, lmcache_mp_miss_tokens=128, "
-                     "lmcache_mp_hit_rate_%=75.0, lmcache_mp_found_tokens=448, lmcache_mp_loaded_chunks=6, lmcache_mp_failed_load_chunks=0, "
+                     "lmcache_mp_hit_rate_%=75.0, lmcache_mp_found_tokens=448, "
+                     "lmcache_mp_loaded_chunks=6, lmcache_mp_failed_load_chunks=0, "
                      "lmcache_mp_loaded_MiB=6.0, lmcache_mp_avg_load_ms=2.0, lmcache_mp_stored_chunks=2, "
                      "lmcache_mp_stored_MiB=2.0, lmcache_mp_avg_store_ms=2.0, lmcache_mp_store_errors=0"]
     prom = KVConnectorProm(types.SimpleNamespace(kv_transfer_config=ktc), ["engine"], {0: ["0"], 1: ["1"]})

@@ -5,9 +5,9 @@ calling thread, and a caller that waits on its future reads the reply itself. Sm
 the server's local lane when this process can reach it (a unix datagram socket, no ZeroMQ I/O
 threads on the way); synchronous calls without it go out on a ZeroMQ socket of the calling thread.
 Either way a request costs one round trip and no thread hand-offs. A heartbeat notices a server
-that went away (requests then fail at once until it answers again) or restarted: the client then
-fails what was in flight and registers its KV caches again (client/recovery.py). KV caches registered with transfer="engine" are copied by this process
-(client/engine_transfers.py).
+that went away (requests then fail at once until it is back) or restarted: the client then fails
+what was in flight and registers its KV caches again (client/recovery.py). KV caches registered
+with transfer="engine" are copied by this process (client/engine_transfers.py).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class Client(RestartRecovery):
     local_lane: send small requests on the server's local lane when it offers one and this
     process can reach it (a unix datagram socket: no ZeroMQ I/O threads on the way).
     A heartbeat every heartbeat_interval seconds watches the server: while it finds the server
-    away, requests fail at once with ServerUnavailable (`server_away` says why), and once it
-    answers again the client registers again what a restarted server lost, then serves.
+    away, requests fail at once with ServerUnavailable (`server_away` says why), and once it is
+    back the client registers again what a restarted server lost, then serves.
     curve_server_key, curve_client_key: key files for a server with CURVE authentication
     (default: LMCACHE_MP_CURVE_SERVER_KEY and LMCACHE_MP_CURVE_CLIENT_KEY; see client/curve.py)."""
 

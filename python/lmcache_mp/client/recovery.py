@@ -2,12 +2,12 @@
 
 A heartbeat that gets no reply (while nothing else was heard from the server either), or nobody
 listening at the server's address when something (its local lane closing) made the client look,
-means the server is away: until it answers again, requests fail at once
-with ServerUnavailable instead of each waiting for its timeout (requests in flight keep theirs:
-a store or retrieve may still be copying). A heartbeat reply then (or a new session id, or an
-unknown registration) makes a thread of its own handshake again, fail what was in flight to a
-restarted server and register again every KV cache the server no longer knows; only then do
-requests go out again, so the first one finds its KV caches registered."""
+means the server is away: until it is back, requests fail at once with ServerUnavailable instead
+of each waiting for its timeout (requests in flight keep theirs: a store or retrieve may still
+be copying). A heartbeat reply then (or a new session id, or an unknown registration) makes a
+thread of its own handshake again, fail what was in flight to a restarted server and register
+again every KV cache the server no longer knows; only then do requests go out again, so the
+first one finds its KV caches registered."""
 
 from __future__ import annotations
 

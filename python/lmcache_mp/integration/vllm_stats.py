@@ -2,9 +2,10 @@
 metrics: ...") and as Prometheus counters (vllm:lmcache_mp_*_total) on vLLM's /metrics.
 
 Each side reports what changed since its last report: the scheduler its lookups (prompt tokens
-the connector could supply, tokens it loaded, tokens the server had), every worker its loads and stores (chunks, bytes, the
-time the forward pass waited for loads, the time stores took to be answered, failures). vLLM
-sums the workers' reports and the scheduler's each step, then over its logging interval.
+the server could supply, tokens loaded from it, tokens it had), every worker its loads and
+stores (chunks, bytes, the time the forward pass waited for loads, the time stores took to be
+answered, failures). vLLM sums the workers' reports and the scheduler's each step, then over its
+logging interval. Every counter is on /metrics from the start, at 0.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ COUNTERS = {
     "lookup_tokens": "prompt tokens the lmcache-mp server could supply: whole chunks (never the last token) beyond "
                      "what vLLM's own prefix cache held",
     "hit_tokens": "prompt tokens loaded from the lmcache-mp server (hits); lookup_tokens minus hit_tokens are misses",
-    "found_tokens": "prompt tokens the lmcache-mp server had, whether loaded or held by vLLM's own prefix cache already",
+    "found_tokens": "prompt tokens the lmcache-mp server had, whether loaded or held by vLLM's own prefix cache "
+                    "already",
     "loaded_chunks": "chunks loaded from the lmcache-mp server into the KV cache, all ranks",
     "failed_load_chunks": "chunks a load did not bring (recomputed by vLLM), all ranks",
     "loaded_bytes": "bytes loaded from the lmcache-mp server, all ranks",
