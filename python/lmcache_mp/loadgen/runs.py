@@ -17,7 +17,7 @@ from lmcache_mp.loadgen.tails import LONG_STALL_NS, attribute, machine_stalls, p
 from lmcache_mp.loadgen.trace import print_idle, print_traces
 from lmcache_mp.loadgen.trace import slowest as slowest_traces
 from lmcache_mp.loadgen.trace import summarize as summarize_traces
-from lmcache_mp.loadgen.worker import DTYPE_BYTES, LAYOUTS, kv_shape, worker_main
+from lmcache_mp.loadgen.worker import LAYOUTS, worker_main
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
 TABLE_NOTE = "GB/s = 1e9 bytes/s, bytes of all workers / slowest worker's phase wall time"
@@ -216,19 +216,9 @@ def summarize(infos: list[dict], workers: int, gpus_used: int, ceilings: dict | 
     }
 
 
-def transfer_mode_label(lay: dict, chunk: int, chunks: int, regs: list[dict]) -> str:
-    modes = sorted({str(r.get("transfer_mode")) for r in regs}) or ["?"]
-    label = ",".join(modes)
-    if modes == ["auto"]:
-        from lmcache_mp.layout import infer_layout
-        from lmcache_mp.server.policy import choose_transfer_mode
-
-        shape = kv_shape(lay, 2 * chunks * (chunk // lay["block_size"]))
-        strides = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
-        spec = infer_layout(shape, strides, DTYPE_BYTES, "bfloat16", lay["layers"], lay["kind"])
-        label += (f" (policy: store {choose_transfer_mode(spec, 'gather', chunks)}, "
-                  f"retrieve {choose_transfer_mode(spec, 'scatter', chunks)})")
-    return label
+def transfer_mode_label(regs: list[dict]) -> str:
+    """The modes the server gave the run's caches (it decides at registration)."""
+    return ",".join(sorted({str(r.get("transfer_mode")) for r in regs})) or "?"
 
 
 def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
@@ -255,7 +245,7 @@ def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
     row = summarize(infos, workers, gpus_used, ceilings)
     row["evicted"] = after.get("evicted", 0) - evicted_before
     regs = next((i["status_registrations"] for i in infos if "status_registrations" in i), [])
-    row["transfer_mode"] = modes = transfer_mode_label(lay, chunk, chunks, regs)
+    row["transfer_mode"] = modes = transfer_mode_label(regs)
     traces = {k: [t for i in infos for t in i.get("traces", {}).get(k, [])] for k in ("store", "lookup", "retrieve")}
     if any(traces.values()):
         print_traces(traces)

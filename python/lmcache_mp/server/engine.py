@@ -255,7 +255,9 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
             regs = [
                 {"id": f"{kv & 0xFFFF:04x}",  # a tag (as in thread names): the kv_id is the client's secret
                  "model": e.ctx.reg.model, "rank": e.ctx.reg.rank, "world_size": e.ctx.reg.world_size,
-                 "layout": e.ctx.reg.spec.kind, "device": e.ctx.device, "transfer_mode": e.ctx.transfer_mode,
+                 "layout": e.ctx.reg.spec.kind, "layers": e.ctx.reg.spec.model_layers,
+                 "copy_bytes": e.ctx.reg.spec.segment_bytes, "device": e.ctx.device,
+                 "transfer_mode": e.ctx.transfer_mode, "transfer_mode_reason": e.ctx.mode_reason,
                  "object_bytes": e.ctx.reg.object_bytes}
                 for kv, e in self._entries.items()
             ]
