@@ -222,3 +222,44 @@ def test_a_packed_cache_describes_itself():
     other, other_views = blocks_outermost("blhnc", "cpu", layers=4)
     hnd = describe_layers([Ref(v, other.data_ptr()) for v in other_views])
     assert hnd.kind == "packed" and hnd.format_key() != in_order.format_key()
+
+
+def test_auto_takes_the_copy_engines_for_copies_of_a_mebibyte_or_more():
+    from lmcache_mp.layout import infer_layout, pack_layers
+    from lmcache_mp.server.policy import DMA_MIN_SEGMENT, choose_transfer_mode
+
+    page = 16 * 8 * 256 * 2  # a Llama-3-8B layer's block of 16 tokens: 64 KiB
+    per_layer = infer_layout((100, 8, 16, 256), (32 * 16 * 8 * 256, 256, 8 * 256, 1), 2, "bfloat16", 32, "opaque",
+                             block_size=16)
+    packed = pack_layers(per_layer, [i * page for i in range(32)])
+    assert packed.segment_bytes == 32 * page >= DMA_MIN_SEGMENT
+    mode, why = choose_transfer_mode(packed)
+    assert mode == "dma" and "2.0 MiB" in why
+    mode, why = choose_transfer_mode(per_layer)  # alone, a layer's block: 64 KiB
+    assert mode == "staged" and "64.0 KiB" in why
+    flash = infer_layout((2, 100, 16, 8, 128), (100 * 16 * 1024, 16 * 1024, 1024, 128, 1), 2, "bfloat16", 32)
+    assert choose_transfer_mode(flash)[0] == "staged"  # 32 KiB per layer, K or V
+    small = pack_layers(per_layer, [i * page for i in range(8)])  # 512 KiB spans
+    assert choose_transfer_mode(small)[0] == "staged"
+
+
+@pytest.mark.gpu
+def test_a_cuda_cache_of_large_blocks_moves_by_copy_engines_only(cuda_server):  # noqa: F811
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    layers, blocks = 16, 40  # pages of 64 KiB: spans of 1 MiB
+    with Client(cuda_server) as c:
+        whole = torch.empty((blocks, layers, N, 8, 256), dtype=torch.bfloat16, device="cuda")
+        whole.view(torch.int16).random_(-(1 << 15), (1 << 15) - 1)
+        views = [whole[:, i].permute(0, 2, 1, 3) for i in range(layers)]
+        h = c.register_kv_cache(views, model="dma-packed")
+        assert (h.layout, h.transfer_mode) == ("packed", "dma")
+        reg = next(r for r in c.status()["registrations"] if r["model"] == "dma-packed")
+        assert reg["copy_bytes"] == 1 << 20 and "copy engines" in reg["transfer_mode_reason"]
+        hashes = chunk_hashes(np.arange(3 * CHUNK), CHUNK)
+        src = np.array([3, 4, 5, 6, 30, 2, 17, 9, 10, 11, 12, 0])  # adjacent runs merge, others do not
+        dst = np.array([20, 21, 22, 23, 24, 26, 25, 39, 31, 32, 33, 34])
+        assert c.store(h, hashes, src).result().stored == 3
+        assert c.retrieve(h, hashes, dst).result().loaded == 3
+        assert same(whole[dst], whole[src])
+        c.unregister_kv_cache(h)
