@@ -263,3 +263,30 @@ def test_a_cuda_cache_of_large_blocks_moves_by_copy_engines_only(cuda_server):  
         assert c.retrieve(h, hashes, dst).result().loaded == 3
         assert same(whole[dst], whole[src])
         c.unregister_kv_cache(h)
+
+
+def test_packed_chunks_survive_in_the_disk_tier_and_stay_apart_there(tmp_path):
+    """Their format key goes to L2 with them: a new server serves them to a packed cache of the
+    same layout, and to a per-layer cache of the same model not at all."""
+    settings = dict(url="tcp://127.0.0.1:0", device="cpu", l1_size="64MiB", chunk_size=CHUNK,
+                    l2_disk=str(tmp_path / "l2"), l2_write="all")
+    hashes = chunk_hashes(np.arange(2 * CHUNK), CHUNK)
+    whole, views = blocks_outermost("blnhc", "cpu", seed=50)
+    srv = Server(ServerConfig(**settings)).start()
+    with Client(srv.url) as c:
+        assert c.store(c.register_kv_cache(views, model="disk"), hashes, np.arange(2 * BPC)).result().stored == 2
+    srv.stop()  # drains the writes
+    srv = Server(ServerConfig(**settings)).start()
+    try:
+        with Client(srv.url) as c:
+            owners = [blocks_outermost("blnhc", "cpu", layers=1, seed=60 + i) for i in range(LAYERS)]
+            per_layer = c.register_kv_cache([v[0] for _, v in owners], model="disk")
+            before = [w.clone() for w, _ in owners]
+            assert c.retrieve(per_layer, hashes, np.arange(2 * BPC)).result().loaded == 0
+            assert all(same(w, b) for (w, _), b in zip(owners, before))
+            other, other_views = blocks_outermost("blnhc", "cpu", seed=51)
+            assert c.retrieve(c.register_kv_cache(other_views, model="disk"), hashes,
+                              np.arange(2 * BPC) + 5).result().loaded == 2
+            assert same(other[5:5 + 2 * BPC], whole[:2 * BPC])
+    finally:
+        srv.stop()
