@@ -77,8 +77,8 @@ class Bench:
             t = self.kv[0]
             per_layer = infer_layout(t.shape, t.stride(), 2, "bfloat16", len(self.kv),
                                      "mla" if t.dim() == 3 else "opaque", block_size=bs)
-            self.spec = pack_layers(per_layer, [v.data_ptr() - t.data_ptr() for v in self.kv])
-            assert self.spec is not None
+            # one layer: its own block is the span
+            self.spec = pack_layers(per_layer, [v.data_ptr() - t.data_ptr() for v in self.kv]) or per_layer
         else:
             shape = (2, nb, bs, cfg["heads"], cfg["head_size"]) if cfg["kind"] == "mha" else (nb, bs, cfg["dim"])
             self.kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(cfg["layers"])]

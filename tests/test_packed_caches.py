@@ -224,7 +224,7 @@ def test_a_packed_cache_describes_itself():
     assert hnd.kind == "packed" and hnd.format_key() != in_order.format_key()
 
 
-def test_auto_takes_the_copy_engines_for_copies_of_a_mebibyte_or_more():
+def test_auto_takes_the_copy_engines_for_copies_of_768_kib_or_more():
     from lmcache_mp.layout import infer_layout, pack_layers
     from lmcache_mp.server.policy import DMA_MIN_SEGMENT, choose_transfer_mode
 
@@ -241,6 +241,7 @@ def test_auto_takes_the_copy_engines_for_copies_of_a_mebibyte_or_more():
     assert choose_transfer_mode(flash)[0] == "staged"  # 32 KiB per layer, K or V
     small = pack_layers(per_layer, [i * page for i in range(8)])  # 512 KiB spans
     assert choose_transfer_mode(small)[0] == "staged"
+    assert choose_transfer_mode(pack_layers(per_layer, [i * page for i in range(12)]))[0] == "dma"  # 768 KiB
 
 
 @pytest.mark.gpu

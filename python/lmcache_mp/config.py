@@ -67,7 +67,7 @@ class ServerConfig:
         "auto", "cpu: KV caches in shared memory; cuda: GPU caches over CUDA IPC; auto: cuda when usable")
     transfer_mode: str = _setting(
         "auto", "GPU copy path: direct (zero-copy kernel), staged (device ring + DMA), dma (copy engines only); "
-        "auto: dma for caches whose blocks are contiguous spans of 1 MiB or more, else staged")
+        "auto: dma for caches whose blocks are contiguous spans of 768 KiB or more, else staged")
     staging_size: int | str = _setting(
         "256MiB", "device staging ring per registration and direction (staged); deep enough to pack ahead")
     direct_ctas: int = _setting(4, "CTAs of the zero-copy kernel (direct): few, to leave SMs to the engine")
