@@ -62,9 +62,9 @@ def backends():
         made.append(b)
         return b
 
+    make.close_all = lambda: [b.close() for b in made]
     yield make
-    for b in made:
-        b.close()
+    make.close_all()
 
 
 def wait_until(cond, timeout: float, what: str):
@@ -255,6 +255,7 @@ def test_a_server_restart_gives_misses_then_hits_never_wrong_bytes(backends):
         assert b.batch_get_v1(keys, page_indices([10, 11, 12, 13])) == [True] * 4
         assert [page_bytes(other, p) for p in (10, 11, 12, 13)] == [page_bytes(pool, p) for p in (0, 1, 2, 3)]
     finally:
+        backends.close_all()
         srv.stop()
 
 
@@ -280,4 +281,23 @@ def test_pages_come_back_from_the_disk_tier_after_a_restart(backends, tmp_path):
         assert b.batch_get_v1(keys, page_indices([20, 21, 22, 23, 24])) == [True] * 5
         assert [page_bytes(other, p) for p in range(20, 25)] == [page_bytes(pool, p) for p in (9, 8, 7, 6, 5)]
     finally:
+        backends.close_all()
         srv.stop()
+
+
+def test_the_benchmark_moves_pages_near_memcpy_speed(tmp_path):
+    """bench/bench_sglang_storage.py, small: every load is checked byte for byte inside it; the
+    ratios to memcpy are printed for the log. The bound here is loose on purpose (a loaded 2-core
+    machine): it catches a path that sends pages over the socket or copies them per token, not noise."""
+    import json
+    import subprocess
+
+    out = tmp_path / "bench.json"
+    bench = Path(__file__).resolve().parents[2] / "bench" / "bench_sglang_storage.py"
+    run = subprocess.run([sys.executable, str(bench), "--layers", "4", "--repeat", "5", "--json", str(out)],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    print(run.stdout)
+    r = json.loads(out.read_text())
+    assert r["pages"] == 64 and r["bytes"] == 64 * r["page_bytes"]
+    assert r["batch_set_x_memcpy"] > 0.3 and r["batch_get_x_memcpy"] > 0.3, r

@@ -40,6 +40,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from lmcache_mp.errors import RequestError, ServerUnavailable
+from lmcache_mp.protocol import ErrorCode
 from lmcache_mp.integration.link import ClientLink
 from lmcache_mp.integration.sglang_keys import namespace, page_digest, page_digests
 from lmcache_mp.integration.sglang_pages import PagePlan, UnsupportedPool, plan_pages
@@ -256,15 +257,18 @@ class LMCacheMPStorage(HiCacheStorage):
     def close(self) -> None:
         client, handle = self._handle_client, self._handle
         self._handle = None
+        if handle is not None and handle.closed:
+            handle = None
         if client is not None and handle is not None:
             try:
-                client.unregister_kv_cache(handle, timeout=self.settings.request_timeout)
+                client.unregister_kv_cache(handle, timeout=min(self.settings.request_timeout, 1.0))
             except (ServerUnavailable, RequestError) as e:
                 logger.debug("lmcache-mp: unregistering the host pool failed: %s", e)
         self.link.close()
 
     def _failed(self, what: str, e: BaseException) -> None:
-        if isinstance(e, ServerUnavailable):
+        restarted = isinstance(e, RequestError) and e.code == ErrorCode.UNKNOWN_REGISTRATION
+        if isinstance(e, ServerUnavailable) or restarted:
             self.link.report_failure(e)  # a miss for a while, one warning per outage
         else:
             logger.warning("lmcache-mp: a %s failed: %s", what, e)
