@@ -38,6 +38,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def start_server(l1_bytes: int, chunk_size: int, log: Path) -> tuple[subprocess.Popen, str]:
     from lmcache_mp import Client, ServerUnavailable
 
@@ -177,7 +185,7 @@ def main() -> None:
         return total / statistics.median(ts) / 1e9
 
     result = {
-        "date": time.strftime("%Y-%m-%d"), "machine": platform.node(), "cpu": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(),
         "cores": os.cpu_count(), "kind": args.kind, "layout": args.layout, "pages": args.pages,
         "page_size": args.page_size, "page_bytes": page_bytes, "runs_per_page": len(backend.plan.runs),
         "bytes": total, "repeat": args.repeat,
