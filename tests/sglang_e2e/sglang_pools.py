@@ -43,7 +43,8 @@ def host_pool(kind: str, layout: str, *, heads: int = MHA_HEADS, layers: int = L
 def extra_config(url: str, **more) -> dict:
     return {"backend_name": "lmcache_mp", "module_path": "lmcache_mp.integration.sglang",
             "class_name": "LMCacheMPStorage", "interface_v1": 1, "lmcache_mp.url": url,
-            "lmcache_mp.retry_interval": 0.3, "lmcache_mp.request_timeout": 5.0, **more}
+            "lmcache_mp.retry_interval": 0.3, "lmcache_mp.request_timeout": 30.0,
+            "lmcache_mp.connect_timeout": 30.0, **more}  # generous: a loaded 2-core machine
 
 
 def storage_config(url: str, *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1, model: str = "tiny",
