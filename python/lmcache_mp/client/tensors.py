@@ -1,5 +1,7 @@
 """Describing a worker's KV-cache tensors for registration: shapes, strides and where the bytes
-are (a shared-memory file for CPU tensors, a CUDA IPC handle for GPU tensors)."""
+are (a shared-memory file for CPU tensors, a CUDA IPC handle for GPU tensors). A CPU cache that
+this process copies itself (transfer="engine") may live in its private memory: the server never
+maps it."""
 
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ def _span_bytes(t) -> int:
     return (last + 1) * t.element_size()
 
 
-def describe_kv_caches(kv_caches) -> DescribedCache:
+def describe_kv_caches(kv_caches, private_cpu: bool = False) -> DescribedCache:
+    """private_cpu: CPU tensors outside shared memory are allowed (described as "private"); only
+    for caches whose chunks this process copies itself."""
     import torch
 
     tensors = _as_list(kv_caches)
@@ -46,8 +50,14 @@ def describe_kv_caches(kv_caches) -> DescribedCache:
     layers = []
     if device.type == "cpu":
         for t in tensors:
-            region = find_shared_region(t.data_ptr(), _span_bytes(t))
-            mem = p.MemoryRef(kind="shm", name=region.name, offset=region.offset, size=region.size)
+            try:
+                region = find_shared_region(t.data_ptr(), _span_bytes(t))
+            except ValueError:
+                if not private_cpu:
+                    raise
+                mem = p.MemoryRef(kind="private", size=_span_bytes(t))
+            else:
+                mem = p.MemoryRef(kind="shm", name=region.name, offset=region.offset, size=region.size)
             layers.append(_layer(t, mem))
         return DescribedCache("cpu", -1, b"", layers)
     if device.type != "cuda":
