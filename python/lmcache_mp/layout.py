@@ -303,6 +303,9 @@ def describe_layers(layers: Sequence[Any], kind: str = "auto", block_size: int |
     def allocation(m) -> tuple:
         return (m.kind, m.handle if m.kind == "cuda_ipc" else m.name)
 
+    # memory the server cannot name (a client's private memory) has no offsets to compare
+    if any(layer.memory.kind not in ("shm", "cuda_ipc") for layer in layers):
+        return spec
     if len({allocation(layer.memory) for layer in layers}) != 1:
         return spec
     return pack_layers(spec, [int(layer.memory.offset) for layer in layers]) or spec
