@@ -35,12 +35,21 @@ def test_two_workers_store_and_retrieve_every_byte(server, tmp_path, capsys):
     assert "the bare round trip's own p99" in printed.out
     assert "store GB/s" in printed.out and "x D2H" not in printed.out  # no ceiling, no ratio columns
     assert server.engine.status()["registrations"] == []  # the workers unregistered their caches
-    # progress while it runs: each phase once both workers finished it, with the counts of both
-    phases = [line.split(" s  ", 1)[1] for line in printed.out.splitlines() if line.startswith("  ") and " s  " in line]
-    assert phases == ["registered: 2 KV caches, 72 blocks", "store: 4 requests, 16 chunks",
-                      "lookup: 40 lookups, 40 bare round trips", "retrieve: 4 requests, 16 chunks",
-                      "verify: 16 chunks checked, 0 missing, 0 mismatching",
-                      "requests after idle gaps: 10 lookups, 10 retrieves"], printed.out
+    # progress while it runs: each phase once both workers finished it, with the counts of both,
+    # and what the slow ones wait for once the first worker begins them (its report may overtake
+    # another worker's of the phase before: each process sends its own)
+    lines = [line.split(" s  ", 1)[1] for line in printed.out.splitlines() if line.startswith("  ") and " s  " in line]
+    begun = [line for line in lines if line.startswith("(")]
+    assert [line for line in lines if line not in begun] == [
+        "registered: 2 KV caches, 72 blocks", "store: 4 requests, 16 chunks",
+        "lookup: 40 lookups, 40 bare round trips", "retrieve: 4 requests, 16 chunks",
+        "verify: 16 chunks checked, 0 missing, 0 mismatching",
+        "requests after idle gaps: 10 lookups, 10 retrieves"], printed.out
+    assert begun == ["(register: each worker fills its KV cache with random bytes and registers it with the server)",
+                     "(verify: each worker retrieves every request again and compares it with what it stored, "
+                     "bit for bit)"], printed.out
+    assert lines.index(begun[0]) < lines.index("registered: 2 KV caches, 72 blocks")
+    assert lines.index(begun[1]) < lines.index("verify: 16 chunks checked, 0 missing, 0 mismatching")
 
 
 def test_trace_times_every_other_request_and_the_others_give_the_latencies(server, tmp_path, capsys):
