@@ -178,16 +178,23 @@ def collect(procs, q, timeout: float, progress: Progress | None = None, watch: S
 
 
 def print_failures(failures: dict, workers: int) -> None:
-    """One line per cause (workers that stopped at a barrier because another failed are not
-    causes), then the tracebacks of errors that are no server's or connection's (bugs)."""
+    """One line per cause, naming the workers and the phases they were in (workers that stopped at
+    a barrier because another failed are no cause), then the tracebacks of errors that are no
+    server's or connection's (bugs)."""
     causes = {w: f for w, f in failures.items() if not f["after_another"]} or failures
-    by_cause: dict = {}
+    by_error: dict = {}
     for w, f in sorted(causes.items()):
-        by_cause.setdefault((f["phase"], f["error"]), []).append(w)
-    for (phase, error), ws in by_cause.items():
+        by_error.setdefault(f["error"], {}).setdefault(f["phase"], []).append(w)
+    for error, phases in by_error.items():
+        ws = sorted(w for in_phase in phases.values() for w in in_phase)
         who = f"worker {ws[0]}" if len(ws) == 1 else f"workers {', '.join(map(str, ws))}"
-        of = f" of {workers}" if workers > 1 else ""
-        print(f"lmcache-mp-bench: {who}{of} failed in the {phase} phase: {error}", file=sys.stderr)
+        if len(phases) == 1:
+            where = f"the {next(iter(phases))} phase"
+        else:
+            where = "the " + " and ".join(f"{phase} ({'worker' if len(w) == 1 else 'workers'} {', '.join(map(str, w))})"
+                                          for phase, w in phases.items()) + " phases"
+        print(f"lmcache-mp-bench: {who}{f' of {workers}' if workers > 1 else ''} failed in {where}: {error}",
+              file=sys.stderr)
     for w, f in sorted(causes.items()):
         if f["traceback"]:
             print(f"--- worker {w}:\n{f['traceback']}", file=sys.stderr)
