@@ -160,8 +160,13 @@ def test_config_file(sock_path, tmp_path):
     ([], {"LMCACHE_MP_L1_SIZE": "lots"}, "LMCACHE_MP_L1_SIZE: l1_size: not a size: 'lots'"),
     (["--local-lane", "maybe"], {}, "unrecognized arguments: maybe"),  # a switch takes no value
     ([], {"LMCACHE_MP_LOCAL_LANE": "maybe"}, "LMCACHE_MP_LOCAL_LANE: local_lane must be on or off"),
+    (["--url", "tcp://127.0.0.1:99999"], {}, "port 99999 of 'tcp://127.0.0.1:99999' is out of range (0-65535; 0 "
+                                             "picks a free one) (url from --url)"),
+    (["--http-addr", "127.0.0.1:99999"], {}, "port 99999 of '127.0.0.1:99999' is out of range (0-65535; 0 picks a "
+                                             "free one) (http_addr from --http-addr)"),
 ], ids=["unknown-flag", "bad-int", "bad-size", "bad-device", "bad-log-level", "missing-config", "bad-env",
-        "bad-env-size", "switch-with-a-value", "bad-env-switch"])
+        "bad-env-size", "switch-with-a-value", "bad-env-switch", "url-port-out-of-range",
+        "http-port-out-of-range"])
 def test_bad_settings_exit_2_with_a_message(args, env, message):
     out = subprocess.run(server_command() + args, env=dict(os.environ, **env), capture_output=True, text=True,
                          timeout=60)

@@ -178,6 +178,9 @@ class ServerConfig:
             parse_addr(self.http_addr)
         if not re.match(r"^(tcp|ipc|inproc)://", self.url):
             raise ValueError(f"url must start with tcp://, ipc:// or inproc://, got {self.url!r}")
+        port = self.url.rsplit(":", 1)[1] if self.url.startswith("tcp://") else ""
+        if port.isdigit() and int(port) > 65535:  # ZeroMQ would wrap it round, to another port
+            raise ValueError(f"url: port {port} of {self.url!r} is out of range (0-65535; 0 picks a free one)")
         if not self.curve_secret_key and not is_loopback_url(self.url):
             raise ValueError(f"binding {self.url} lets other machines in: it needs authentication. Run "
                              "`lmcache-mp-server keygen DIR` and pass --curve-secret-key DIR/server.key_secret "
@@ -274,6 +277,8 @@ def parse_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise ValueError(f"http_addr must be HOST:PORT (or off), got {addr!r}")
+    if int(port) > 65535:
+        raise ValueError(f"http_addr: port {port} of {addr!r} is out of range (0-65535; 0 picks a free one)")
     return host.strip("[]"), int(port)
 
 
