@@ -140,3 +140,15 @@ def find_shared_region(ptr: int, nbytes: int) -> SharedRegion:
         "CPU KV-cache tensors must live in shared memory: make them with "
         "lmcache_mp.shared_cpu_tensor(shape, dtype) (NumPy arrays: lmcache_mp.shared_cpu_array)"
     )
+
+
+def remove_shared_files(pid: int) -> None:
+    """Remove the shared-memory files that the process `pid` made (their names carry it): for
+    whoever kills such a process, which cannot remove them itself."""
+    prefix = f"{SHM_PREFIX}{int(pid)}_"
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(prefix):
+            try:
+                os.unlink(shm_path(name))
+            except FileNotFoundError:
+                pass

@@ -9,12 +9,11 @@ the bench, which alone decides, ends them (once, each).
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 import time
 
-from lmcache_mp.protocol import SHM_DIR, SHM_PREFIX
+from lmcache_mp.shm import remove_shared_files
 
 
 @contextlib.contextmanager
@@ -42,13 +41,3 @@ def end_processes(procs, grace: float) -> None:
             p.kill()
             p.join(10)
             remove_shared_files(p.pid)
-
-
-def remove_shared_files(pid: int) -> None:
-    """The shared-memory files a process of this pid made (lmcache_mp.shm names them by pid)."""
-    prefix = f"{SHM_PREFIX}{pid}_"
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(SHM_DIR):
-            if name.startswith(prefix):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(SHM_DIR, name))
