@@ -145,6 +145,7 @@ def collect(procs, q, timeout: float, progress: Progress | None = None, watch: S
     phases: dict = {}  # the phase each worker is in
     dead_since: dict = {}
     deadline = time.monotonic() + timeout
+    late = f"no result within {timeout:.0f} s"
     while len(results) < len(procs):
         try:
             wid, status, payload = q.get(timeout=0.5)
@@ -157,8 +158,9 @@ def collect(procs, q, timeout: float, progress: Progress | None = None, watch: S
                     progress(wid, payload)
             else:
                 results[wid] = (status, payload)
-                if status != "ok":
-                    deadline = min(deadline, time.monotonic() + AFTER_FAILURE_S)
+                if status != "ok" and time.monotonic() + AFTER_FAILURE_S < deadline:
+                    deadline = time.monotonic() + AFTER_FAILURE_S
+                    late = f"it did not stop within {AFTER_FAILURE_S:.0f} s of another worker's failure"
         except queue.Empty:
             pass
         now = time.monotonic()
@@ -173,7 +175,7 @@ def collect(procs, q, timeout: float, progress: Progress | None = None, watch: S
                 results[wid] = ("fail", failure(phases.get(wid, "start-up"),
                                                 f"the worker process exited with code {p.exitcode} without a result"))
             elif now > deadline:
-                results[wid] = ("fail", failure(phases.get(wid, "start-up"), f"no result within {timeout:.0f} s"))
+                results[wid] = ("fail", failure(phases.get(wid, "start-up"), late))
     return results
 
 

@@ -155,7 +155,6 @@ def bench_worker(cfg: dict, wid: int, barrier, reporter: Reporter) -> dict:
     cuda = cfg["device"] == "cuda"
     info: dict = {"wid": wid, "pid": os.getpid()}
     reporter.begin("register")
-    report = reporter.done
     if cuda:
         import torch
 
@@ -207,7 +206,7 @@ def bench_worker(cfg: dict, wid: int, barrier, reporter: Reporter) -> dict:
 
     kv = random_kv(lay, nb, cuda, data_seed)
     handle = client.register_kv_cache(kv, model=model, world_size=world, rank=rank, layout=lay["kind"])
-    report("registered", **{"KV caches": 1, "blocks": nb})
+    reporter.done("registered", **{"KV caches": 1, "blocks": nb})
     info.update(model=model, rank=rank, world_size=world, layout=handle.layout, shared=handle.shared,
                 object_bytes=handle.object_bytes, transfer_mode=handle.transfer_mode)
     obj = handle.object_bytes
@@ -242,7 +241,7 @@ def bench_worker(cfg: dict, wid: int, barrier, reporter: Reporter) -> dict:
                     lambda fut: fut.trace).result()
         stored, present, skipped = stored + res.stored, present + res.present, skipped + res.skipped
     store_wall = time.perf_counter() - t_phase
-    report("store", requests=R, chunks=stored + present)
+    reporter.done("store", requests=R, chunks=stored + present)
     barrier.wait(timeout)
     if wid == 0:  # every worker is registered now: the server says which transfer mode each uses
         info["status_registrations"] = [
@@ -266,7 +265,7 @@ def bench_worker(cfg: dict, wid: int, barrier, reporter: Reporter) -> dict:
         lookup_short += hits != n
     if bare is not None:
         bare.close()
-    report("lookup", lookups=cfg["lookups"], **({"bare round trips": len(lat_bare)} if bare is not None else {}))
+    reporter.done("lookup", lookups=cfg["lookups"], **({"bare round trips": len(lat_bare)} if bare is not None else {}))
 
     # (c) retrieve
     reporter.begin("retrieve")
@@ -281,7 +280,7 @@ def bench_worker(cfg: dict, wid: int, barrier, reporter: Reporter) -> dict:
                     lambda fut: fut.trace).result()
         loaded_per_request.append(res.loaded)
     retrieve_wall = time.perf_counter() - t_phase
-    report("retrieve", requests=R, chunks=int(sum(loaded_per_request)))
+    reporter.done("retrieve", requests=R, chunks=int(sum(loaded_per_request)))
     gc_pauses.close()
     pauses = list(gc_pauses.recent)
     barrier.wait(timeout)  # nobody verifies while another worker is still timing
@@ -294,7 +293,7 @@ def bench_worker(cfg: dict, wid: int, barrier, reporter: Reporter) -> dict:
         res = client.retrieve(handle, hashes[r], dst[r]).result()
         missing += n - res.loaded
         mismatches += count_mismatches(kv, lay["kind"], src[r], dst[r], n, res.loaded)
-    report("verify", **{"chunks checked": R * n - missing, "missing": missing, "mismatching": mismatches})
+    reporter.done("verify", **{"chunks checked": R * n - missing, "missing": missing, "mismatching": mismatches})
 
     # after a quiet gap, as an engine's requests come (one per step, not back to back), traced;
     # the engine computes meanwhile, so this thread stays busy (a sleeping one would add its
@@ -310,7 +309,7 @@ def bench_worker(cfg: dict, wid: int, barrier, reporter: Reporter) -> dict:
         fut = waited(client.retrieve(handle, hashes[k % R], dst[k % R], wait="host"))
         idle["retrieve"].append(fut.trace + [("returned", time.monotonic_ns())])
     client.trace = False
-    report("requests after idle gaps", lookups=IDLE_REQUESTS, retrieves=IDLE_REQUESTS)
+    reporter.done("requests after idle gaps", lookups=IDLE_REQUESTS, retrieves=IDLE_REQUESTS)
 
     reporter.begin("unregister")
     barrier.wait(timeout)
