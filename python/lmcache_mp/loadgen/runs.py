@@ -131,9 +131,9 @@ class Progress:
             print(f"  {time.monotonic() - self.t0:6.1f} s  {phase}: {total}", flush=True)
 
 
-def failure(phase: str, error: str) -> dict:
+def failure(phase: str, error: str, server_gone: bool = False) -> dict:
     """A worker's failure as the parent notes it (worker_main sends the same fields)."""
-    return {"phase": phase, "error": error, "traceback": "", "after_another": False}
+    return {"phase": phase, "error": error, "traceback": "", "after_another": False, "server_gone": server_gone}
 
 
 def collect(procs, q, timeout: float, progress: Progress | None = None, watch: ServerWatch | None = None) -> dict:
@@ -170,7 +170,7 @@ def collect(procs, q, timeout: float, progress: Progress | None = None, watch: S
                 continue
             if gone:
                 results[wid] = ("fail", failure(phases.get(wid, "start-up"),
-                                                f"no reply from the server at {watch.url}: {gone}"))
+                                                f"no reply from the server at {watch.url}: {gone}", True))
             elif not p.is_alive() and now - dead_since.setdefault(wid, now) > 5:
                 results[wid] = ("fail", failure(phases.get(wid, "start-up"),
                                                 f"the worker process exited with code {p.exitcode} without a result"))
@@ -181,13 +181,15 @@ def collect(procs, q, timeout: float, progress: Progress | None = None, watch: S
 
 def print_failures(failures: dict, workers: int) -> None:
     """One line per cause, naming the workers and the phases they were in (workers that stopped at
-    a barrier because another failed are no cause), then the tracebacks of errors that are no
-    server's or connection's (bugs)."""
+    a barrier because another failed are no cause; a server gone is one cause, however each worker
+    met it: the first one's words tell it), then the tracebacks of errors that are no server's or
+    connection's (bugs)."""
     causes = {w: f for w, f in failures.items() if not f["after_another"]} or failures
-    by_error: dict = {}
+    by_cause: dict = {}
     for w, f in sorted(causes.items()):
-        by_error.setdefault(f["error"], {}).setdefault(f["phase"], []).append(w)
-    for error, phases in by_error.items():
+        cause = by_cause.setdefault("server gone" if f.get("server_gone") else f["error"], [f["error"], {}])
+        cause[1].setdefault(f["phase"], []).append(w)
+    for error, phases in by_cause.values():
         ws = sorted(w for in_phase in phases.values() for w in in_phase)
         who = f"worker {ws[0]}" if len(ws) == 1 else f"workers {', '.join(map(str, ws))}"
         if len(phases) == 1:

@@ -30,7 +30,7 @@ import traceback
 
 import numpy as np
 
-from lmcache_mp.errors import LMCacheMPError
+from lmcache_mp.errors import LMCacheMPError, ServerUnavailable
 from lmcache_mp.server.gc_pauses import GCPauses
 
 DTYPE_BYTES = 2  # bfloat16
@@ -357,8 +357,8 @@ class BareRoundTrip:
 
 def worker_main(cfg: dict, wid: int, barrier, q, body) -> None:
     """A worker process: body(cfg, wid, barrier, reporter)'s result on q as (wid, "ok", result),
-    or (wid, "fail", {phase, error, traceback, after_another}); the traceback only for an error
-    that is not the server's or the connection's (a bug)."""
+    or (wid, "fail", {phase, error, traceback, after_another, server_gone}); the traceback only for
+    an error that is not the server's or the connection's (a bug)."""
     reporter = Reporter(wid, q)
     try:
         q.put((wid, "ok", body(cfg, wid, barrier, reporter)))
@@ -368,4 +368,4 @@ def worker_main(cfg: dict, wid: int, barrier, q, body) -> None:
         after_another = isinstance(e, threading.BrokenBarrierError)
         q.put((wid, "fail", {"phase": reporter.phase, "error": f"{type(e).__name__}: {e}",
                              "traceback": "" if after_another or isinstance(e, LMCacheMPError) else traceback.format_exc(),
-                             "after_another": after_another}))
+                             "after_another": after_another, "server_gone": isinstance(e, ServerUnavailable)}))
