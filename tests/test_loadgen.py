@@ -196,3 +196,19 @@ def test_the_stall_probe_sees_a_stop_of_its_process():
     with stall_probe(enabled=False) as off:
         pass
     assert off.stalls == [] and machine_stalls(off) == {}
+
+
+def test_a_failed_run_says_each_cause_once(capsys):
+    """A server gone is one cause however each worker met it; workers stopped at a barrier by
+    another's failure are no cause; a bug's traceback is shown."""
+    from lmcache_mp.loadgen.runs import failure, print_failures
+
+    print_failures({0: failure("store", "no reply from the server at tcp://x:1: it stopped", server_gone=True),
+                    1: failure("lookup", "ServerUnavailable: the Lookup was lost", server_gone=True),
+                    2: dict(failure("lookup", "BrokenBarrierError: "), after_another=True),
+                    3: dict(failure("verify", "KeyError: 'x'"), traceback="Traceback (most recent call last): ...")}, 4)
+    assert capsys.readouterr().err.splitlines() == [
+        "lmcache-mp-bench: workers 0, 1 of 4 failed in the store (worker 0) and lookup (worker 1) phases: no reply "
+        "from the server at tcp://x:1: it stopped",
+        "lmcache-mp-bench: worker 3 of 4 failed in the verify phase: KeyError: 'x'",
+        "--- worker 3:", "Traceback (most recent call last): ..."]
