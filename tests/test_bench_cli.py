@@ -178,7 +178,7 @@ def test_a_run_in_an_environment_without_torch(server, without_torch, benches):
 @pytest.mark.parametrize("server", [(), ("--no-local-lane",)], ids=["lane", "zeromq-only"], indirect=True)
 def test_a_server_killed_mid_run_ends_the_run_within_seconds_naming_the_worker_and_phase(server, benches):
     bench = benches(["--url", server.url, *SMALL, "--lookups", "100000000"])  # lookups until stopped
-    bench.wait_for("store: ")  # every worker stored: they are in the lookup phase now
+    bench.wait_for("store: ")  # every worker stored: on to the lookups
     helpers = bench.helpers()
     server.proc.kill()
     killed = time.monotonic()
