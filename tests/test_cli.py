@@ -176,7 +176,7 @@ def test_config_file(sock_path, tmp_path):
     ([], {"LMCACHE_MP_L1_SIZE": "lots"}, "LMCACHE_MP_L1_SIZE: l1_size: not a size: 'lots'"),
     (["--local-lane", "maybe"], {}, "unrecognized arguments: maybe"),  # a switch takes no value
     ([], {"LMCACHE_MP_LOCAL_LANE": "maybe"}, "LMCACHE_MP_LOCAL_LANE: local_lane must be on or off"),
-    (["--l1-size", "-5GiB"], {}, "l1_size: size must not be negative, got '-5GiB'"),  # (argparse: a flag?)
+    (["--l1-size", "-5GiB"], {}, "l1_size: size must not be negative, got '-5GiB'"),  # argparse took it for a flag
     (["--url", "tcp://127.0.0.1:99999"], {}, "port 99999 of 'tcp://127.0.0.1:99999' is out of range (0-65535; 0 "
                                              "picks a free one) (url from --url)"),
     (["--http-addr", "127.0.0.1:99999"], {}, "port 99999 of '127.0.0.1:99999' is out of range (0-65535; 0 picks a "

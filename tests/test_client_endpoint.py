@@ -29,8 +29,9 @@ def test_a_port_out_of_range_is_refused(port):
         Client(url, connect_timeout=0.1)
 
 
-@pytest.mark.parametrize("url", ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:65535", "tcp://[::1]:5555", "tcp://cache-node-3:5555",
-                                 "ipc:///run/lmcache-mp/server.sock", "ipc://@abstract", "inproc://x"])
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:65535", "tcp://[::1]:5555",
+                                 "tcp://cache-node-3:5555", "ipc:///run/lmcache-mp/server.sock", "ipc://@abstract",
+                                 "inproc://x"])
 def test_valid_urls_pass(url):
     assert check_url(url) == url
 

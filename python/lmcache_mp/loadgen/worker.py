@@ -366,6 +366,7 @@ def worker_main(cfg: dict, wid: int, barrier, q, body) -> None:
         with contextlib.suppress(Exception):
             barrier.abort()  # the others stop waiting at the next barrier
         after_another = isinstance(e, threading.BrokenBarrierError)
+        bug = not (after_another or isinstance(e, LMCacheMPError))
         q.put((wid, "fail", {"phase": reporter.phase, "error": f"{type(e).__name__}: {e}",
-                             "traceback": "" if after_another or isinstance(e, LMCacheMPError) else traceback.format_exc(),
-                             "after_another": after_another, "server_gone": isinstance(e, ServerUnavailable)}))
+                             "traceback": traceback.format_exc() if bug else "", "after_another": after_another,
+                             "server_gone": isinstance(e, ServerUnavailable)}))
