@@ -104,10 +104,12 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         self._closed = False
         self.started = time.time()
         self.gc_pauses = GCPauses()
+        cut = config.slab_cut_from
         logger.info(
-            "L1: %s of %s host memory (slabs of %s%s)",
-            format_size(self.arena.capacity), "pinned" if pin else "shared",
-            format_size(self.arena.slab_bytes), f", NUMA node {numa}" if numa >= 0 else "",
+            "L1: %s of %s host memory (slabs of %s%s%s)",
+            format_size(self.arena.capacity), "pinned" if pin else "shared", format_size(self.arena.slab_bytes),
+            f", not the {format_size(cut)} set: a slab is at most L1/16" if cut else "",
+            f", NUMA node {numa}" if numa >= 0 else "",
         )
 
     def _open_l2(self, config: ServerConfig) -> L2Tiers | None:
