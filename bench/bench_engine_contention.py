@@ -11,11 +11,14 @@ engine's load runs on its own stream from a background thread:
            back to back
 
 Transfer paths: server-staged and server-dma (the server copies with its own kernels / copy
-engines), engine (the copies run in this process: register_kv_cache(..., transfer="engine")), and
-the reference in-process (this process copies the same bytes per request, contiguous, device <->
-pinned host with copy_(non_blocking=True) on a side stream). For each path and layout (mha:
-Llama-3-8B, 32 layers, 8 KV heads x 128; mla: --mla-layers x 576; bf16, blocks of 16 tokens,
-256-token chunks, random block ids):
+engines), server-auto (when named: the mode the server chooses for the layout), engine (the
+copies run in this process: register_kv_cache(..., transfer="engine")), and the reference
+in-process (this process copies the same bytes per request, contiguous, device <-> pinned host
+with copy_(non_blocking=True) on a side stream). For each path and layout (mha: Llama-3-8B, 32
+layers, 8 KV heads x 128, flash-attention's per-layer [2, blocks, 16, 8, 128]; mla: --mla-layers x
+576; mha-packed and mla-packed: the same models in vLLM's block-outermost BLNHC layout, per-layer
+views into one [blocks, layers, 16, ...] buffer, which the server registers as one cache whose
+blocks move whole; bf16, blocks of 16 tokens, 256-token chunks, random block ids):
 
   1. the engine's rate (steps completed per second, from CUDA events) alone, then while requests
      of --chunks chunks (64) stream both ways (one thread stores fresh requests back to back, one
@@ -34,7 +37,8 @@ stored from), and so does each latency series: a wrong byte fails the run (exit 
 tiny sizes; the engine path copies with the CPU); its figures mean nothing.
 
     python bench/bench_engine_contention.py [--paths server-staged,server-dma,engine,in-process]
-        [--layouts mha,mla] [--loads gemm,decode] [--quick] [--json out.json] [--device cpu]
+        [--layouts mha,mla,mha-packed,mla-packed] [--loads gemm,decode] [--quick] [--json out.json]
+        [--device cpu]
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ BLOCK = 16
 BPC = CHUNK // BLOCK  # blocks per chunk
 POOL = 2  # stored requests the retrieving thread cycles through
 PATHS = {"cuda": ("server-staged", "server-dma", "engine", "in-process"), "cpu": ("server", "engine", "in-process")}
+OTHER_PATHS = {"cuda": ("server-auto",), "cpu": ()}  # run when named: the mode the server chooses itself
+LAYOUTS = ("mha", "mla", "mha-packed", "mla-packed")
 # Variants of the engine path, by the client's tuning knobs (client/engine_copy.py): its copy
 # streams at high priority, or its packing kernels on 16 CTAs instead of one per SM.
 ENGINE_VARIANTS = {"engine": {}, "engine-high": {"LMCACHE_MP_COPY_PRIORITY": "high"},
@@ -78,7 +84,9 @@ def server_mode(path: str, device: str) -> str | None:
         return None
     if device == "cpu":
         return "cpu"
-    return "dma" if path == "server-dma" else "staged"  # the engine path leaves the server's mode unused
+    if path.startswith("server-"):
+        return path.removeprefix("server-")
+    return "staged"  # the engine path leaves the server's mode unused
 
 
 class ServerProcess:
@@ -218,7 +226,7 @@ class CopyMover:
     """The reference path, and the ceiling: this process copies a request's bytes contiguously
     between device memory and pinned host memory, one buffer pair per direction."""
 
-    checked, transfer_mode = False, "in-process copy"
+    checked, transfer_mode, registered_layout = False, "in-process copy", "-"
 
     def __init__(self, nbytes: int, chunk_bytes: int, cuda: bool):
         dev = "cuda" if cuda else "cpu"
@@ -264,7 +272,7 @@ class ServerMover:
     def __init__(self, client: Client, kv: list, layout: str, path: str, cpu: bool):
         self.client, want = client, ("engine" if path.startswith("engine") else "server")
         kw = dict(model=f"contention-{path}-{layout}", world_size=1, rank=0,
-                  layout="mla" if layout == "mla" else "auto")
+                  layout="mla" if layout.startswith("mla") else "auto")
         knobs = ENGINE_VARIANTS.get(path, {})
         saved = {k: os.environ.get(k) for k in knobs}
         os.environ.update(knobs)  # read when the copier is made, at registration
@@ -279,7 +287,7 @@ class ServerMover:
         if (self.h.transfer_mode == "engine") != (want == "engine"):
             raise RuntimeError(f"asked for {want} copies, got transfer mode {self.h.transfer_mode}")
         client.pin_l1()  # the engine's page-locking of L1, before any timing
-        self.transfer_mode = self.h.transfer_mode
+        self.transfer_mode, self.registered_layout = self.h.transfer_mode, self.h.layout
 
     def store(self, hashes, block_ids, stream) -> int:
         return self.client.store(self.h, hashes, block_ids, stream=stream).result().chunks
@@ -299,17 +307,26 @@ class LayoutRun:
     def __init__(self, layout: str, args, failures: list):
         self.layout, self.big, self.cuda, self.failures = layout, args.chunks, args.device == "cuda", failures
         self.R = R = self.big * BPC
-        if layout == "mha":
-            shape, layers, width = (2, 2 * R, BLOCK, 8, 128), args.mha_layers, 2 * 8 * 128
-        else:
-            shape, layers, width = (2 * R, BLOCK, 576), args.mla_layers, 576
-        self.chunk_bytes = layers * CHUNK * width * 2
-        self.kv = []
-        for _ in range(layers):
+        mha = layout.startswith("mha")
+        layers = args.mha_layers if mha else args.mla_layers
+        page = (BLOCK, 8, 2 * 128) if mha else (BLOCK, 576)  # one layer's block: [tokens, heads, K+V] / [tokens, dim]
+        self.chunk_bytes = layers * CHUNK * math.prod(page[1:]) * 2
+
+        def alloc(shape):
             t = (torch.empty(shape, dtype=torch.bfloat16, device="cuda") if self.cuda
                  else shared_cpu_tensor(shape, torch.bfloat16, fill=None))
             t.view(torch.int16).random_(-(1 << 15), (1 << 15) - 1)
-            self.kv.append(t)
+            return t
+
+        if layout.endswith("-packed"):
+            # vLLM's BLNHC: one buffer, the layers of a block side by side; the per-layer views
+            # vLLM hands over ([blocks, heads, tokens, K+V] for MHA, [blocks, tokens, dim] for MLA)
+            self.whole = alloc((2 * R, layers, *page))
+            self.kv = [self.whole[:, i].permute(0, 2, 1, 3) if mha else self.whole[:, i] for i in range(layers)]
+        else:
+            self.whole = None
+            shape = (2, 2 * R, BLOCK, 8, 128) if mha else (2 * R, *page)  # flash-attention [2, B, N, H, D] / MLA
+            self.kv = [alloc(shape) for _ in range(layers)]
         rng = np.random.default_rng(0)
         self.src = [rng.permutation(R).astype(np.int64) for _ in range(POOL + 2)]
         self.dst = (R + rng.permutation(R)).astype(np.int64)
@@ -458,8 +475,9 @@ def run_path(path: str, lr: LayoutRun, server: ServerProcess | None, loads: dict
     """Appends one row for the idle GPU and one per load."""
     label = f"{path}/{lr.layout}"
     mover = lr.copy if server is None else ServerMover(server.client, lr.kv, lr.layout, path, not lr.cuda)
-    info = {"path": path, "layout": lr.layout, "transfer_mode": mover.transfer_mode}
-    if server is not None and not path.startswith("engine") and server.mode not in (mover.transfer_mode, "cpu"):
+    info = {"path": path, "layout": lr.layout, "transfer_mode": mover.transfer_mode,
+            "registered_layout": mover.registered_layout}
+    if server is not None and not path.startswith("engine") and server.mode not in (mover.transfer_mode, "cpu", "auto"):
         print(f"  {label}: WARNING: the server chose transfer mode {mover.transfer_mode!r}", flush=True)
     first = len(rows)
     try:
@@ -546,11 +564,12 @@ def main() -> int:
     paths = args.paths.split(",") if args.paths else list(PATHS[args.device])
     layouts = [x for x in args.layouts.split(",") if x]
     load_names = [x for x in args.loads.split(",") if x]
-    bad = ([p for p in paths if p not in PATHS[args.device] and p not in ENGINE_VARIANTS] + [x for x in layouts if x not in ("mha", "mla")]
+    bad = ([p for p in paths if p not in PATHS[args.device] + OTHER_PATHS[args.device] and p not in ENGINE_VARIANTS]
+           + [x for x in layouts if x not in LAYOUTS]
            + [x for x in load_names if x not in ("gemm", "decode")])
     if bad:
         ap.error(f"unknown for --device {args.device}: {bad} (paths: {', '.join(PATHS[args.device])}; "
-                 "layouts: mha, mla; loads: gemm, decode)")
+                 f"layouts: {', '.join(LAYOUTS)}; loads: gemm, decode)")
     if not cuda:
         torch.set_num_threads(1)  # a small load on a small machine
     env = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": args.device, "torch": torch.__version__,

@@ -8,6 +8,13 @@ gather into one device buffer, then one memcpy, chunks one after another; (e) lm
 0.5.3's MP-server transfer path (bench/peers/lmcache_peer.py; skipped when not installed);
 (f) ours: direct, staged, dma and auto.
 
+Layouts: per-layer caches (flash-attention's [2, blocks, 16, 8, 128] per layer for Llama-3-8B,
+MLA's [blocks, 16, 576]) and block-outermost ones (vLLM's BLNHC: per-layer views into one
+[blocks, layers, ...] buffer, registered as one packed cache whose blocks move whole). `pages-N`
+is a block-outermost cache of N Llama-3-8B layers (a copy of N x 64 KiB per block): a sweep over
+N measures the copy engines' rate by copy size, which sets the `auto` policy's threshold
+(server/policy.py).
+
 Every figure is host wall time from submission to completion, median of --repeat runs, shown
 as GB/s and as a ratio to (a) of the same direction. Destinations are checked byte-exact after
 timing. --gemm also measures each arm beside a bf16 GEMM loop on another stream: the GEMM's
@@ -30,7 +37,7 @@ import numpy as np
 import torch
 
 from lmcache_mp import _C
-from lmcache_mp.layout import infer_layout
+from lmcache_mp.layout import infer_layout, pack_layers
 from lmcache_mp.native import HostArena, build_info
 from lmcache_mp.server.policy import choose_transfer_mode
 
@@ -39,7 +46,16 @@ LAYOUTS = {
     "llama3-8b-bs64": dict(kind="mha", layers=32, heads=8, head_size=128, block_size=64),
     "mla-bs16": dict(kind="mla", layers=61, dim=576, block_size=16),
     "mla-bs64": dict(kind="mla", layers=61, dim=576, block_size=64),
+    # block-outermost (vLLM BLNHC): a block's page of each layer is [tokens, heads, K+V] / [tokens, dim]
+    "llama3-8b-packed": dict(kind="packed", layers=32, page=(16, 8, 256), block_size=16),
+    "mla-packed": dict(kind="packed", layers=61, page=(16, 576), block_size=16),
 }
+
+
+def layout_config(name: str) -> dict:
+    if name.startswith("pages-"):  # N Llama-3-8B layers per block
+        return dict(kind="packed", layers=int(name.removeprefix("pages-")), page=(16, 8, 256), block_size=16)
+    return LAYOUTS[name]
 OURS = ["direct", "staged", "dma"]
 REFERENCES = ["segment_loop", "batch_uncoalesced", "single_buffer"]
 CHUNK = 256
@@ -53,16 +69,24 @@ class Bench:
         self.bpc = CHUNK // bs
         nb = 2 * max_chunks * self.bpc + 8
         g = torch.Generator(device="cuda").manual_seed(1)
-        if cfg["kind"] == "mha":
-            shape = (2, nb, bs, cfg["heads"], cfg["head_size"])
+        self.whole = None
+        if cfg["kind"] == "packed":
+            self.whole = torch.empty((nb, cfg["layers"], *cfg["page"]), dtype=torch.bfloat16, device="cuda")
+            self.whole.view(torch.int16).random_(generator=g)
+            self.kv = [self.whole[:, i] for i in range(cfg["layers"])]
+            t = self.kv[0]
+            per_layer = infer_layout(t.shape, t.stride(), 2, "bfloat16", len(self.kv),
+                                     "mla" if t.dim() == 3 else "opaque", block_size=bs)
+            # one layer: its own block is the span
+            self.spec = pack_layers(per_layer, [v.data_ptr() - t.data_ptr() for v in self.kv]) or per_layer
         else:
-            shape = (nb, bs, cfg["dim"])
-        self.kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(cfg["layers"])]
-        for t in self.kv:
-            t.view(torch.int16).random_(generator=g)
-        t = self.kv[0]
-        self.spec = infer_layout(t.shape, t.stride(), 2, "bfloat16", len(self.kv), cfg["kind"])
-        self.native = self.spec.native([t.data_ptr() for t in self.kv])
+            shape = (2, nb, bs, cfg["heads"], cfg["head_size"]) if cfg["kind"] == "mha" else (nb, bs, cfg["dim"])
+            self.kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(cfg["layers"])]
+            for t in self.kv:
+                t.view(torch.int16).random_(generator=g)
+            t = self.kv[0]
+            self.spec = infer_layout(t.shape, t.stride(), 2, "bfloat16", len(self.kv), cfg["kind"])
+        self.native = self.spec.native([self.kv[i].data_ptr() for i in self.spec.addressed_layers()])
         self.obj_bytes = self.spec.object_bytes(CHUNK)
         self.cls = arena.size_class(self.obj_bytes)
         self.slot = arena.slot_bytes(self.cls)
@@ -97,6 +121,8 @@ class Bench:
     def expected_objects(self, ids: np.ndarray) -> torch.Tensor:
         idx = torch.from_numpy(ids).cuda()
         n = len(ids) // self.bpc
+        if self.whole is not None:  # packed: each block's span, one after the other
+            return self.whole[idx].contiguous().view(torch.uint8).reshape(n, -1)
         if self.cfg["kind"] == "mha":
             x = torch.stack([t[:, idx] for t in self.kv], dim=1)  # [2, L, n*bpc, BS, H, D]
             x = x.reshape(2, len(self.kv), n, -1).permute(2, 0, 1, 3)
@@ -116,6 +142,8 @@ class Bench:
     def check_blocks_equal(self, a: np.ndarray, b: np.ndarray) -> bool:
         ia, ib = torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda()
         bits = [t.view(torch.int16) for t in self.kv]  # random bits include NaNs: compare bit patterns
+        if self.whole is not None:
+            return torch.equal(self.whole.view(torch.int16)[ia], self.whole.view(torch.int16)[ib])
         if self.cfg["kind"] == "mha":
             return all(torch.equal(t[:, ia], t[:, ib]) for t in bits)
         return all(torch.equal(t[ia], t[ib]) for t in bits)
@@ -174,6 +202,8 @@ def submit_seconds(b: Bench, mode: str, direction: str, n: int, pattern: str) ->
 
 
 def make_peer(b: Bench):
+    if b.whole is not None:
+        return None, "LMCache has no block-outermost arm here"
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "peers"))
     try:
         import lmcache_peer
@@ -253,6 +283,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repeats, random ids only")
     ap.add_argument("--gemm", action="store_true", help="also measure beside a concurrent GEMM")
     ap.add_argument("--no-peer", action="store_true", help="skip LMCache's arm")
+    ap.add_argument("--arms", help="comma-separated subset of our modes and the references (default: all)")
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args()
@@ -268,21 +299,26 @@ def main() -> int:
     print(f"# {env['gpu']}, torch {env['torch']}, CUDA runtime {env['cuda_runtime']}, driver {env['driver']}")
     results, failures = [], []
     def chunk_bytes(cfg):
-        width = 2 * cfg["heads"] * cfg["head_size"] if cfg["kind"] == "mha" else cfg["dim"]
+        if cfg["kind"] == "packed":
+            width = int(np.prod(cfg["page"][1:]))
+        else:
+            width = 2 * cfg["heads"] * cfg["head_size"] if cfg["kind"] == "mha" else cfg["dim"]
         return cfg["layers"] * CHUNK * width * 2
 
-    max_bytes = max(chunk_bytes(LAYOUTS[n]) for n in args.layouts.split(",")) * max_chunks
+    max_bytes = max(chunk_bytes(layout_config(n)) for n in args.layouts.split(",")) * max_chunks
     mc = Memcpy(max_bytes)
+    picked = args.arms.split(",") if args.arms else OURS + REFERENCES + ["auto"]
 
     for name in args.layouts.split(","):
-        b = Bench(name, LAYOUTS[name], max_chunks, arena)
+        b = Bench(name, layout_config(name), max_chunks, arena)
         peer, why = (None, "--no-peer") if args.no_peer else make_peer(b)
         peer_state: dict = {}
         if peer is not None:  # objects holding the source blocks, for the peer's retrieves
             peer_state["src_objs"] = peer.store(b.src_ids.reshape(max_chunks, b.bpc).tolist())
             peer.synchronize()
-        print(f"\n## {name}: {b.spec.num_layers} layers, block {b.spec.block_size}, "
-              f"{b.obj_bytes / 2**20:.1f} MiB per chunk" + ("" if peer else f"  (lmcache arm skipped: {why})"))
+        print(f"\n## {name}: {b.spec.model_layers} layers, block {b.spec.block_size}, copies of "
+              f"{b.spec.segment_bytes / 2**10:.0f} KiB, {b.obj_bytes / 2**20:.1f} MiB per chunk"
+              + ("" if peer else f"  (lmcache arm skipped: {why})"))
         # fill the scatter sources with real chunks of side 0
         b.engine.wait(b.engine.submit("gather", "dma", b.src_ids, b.ptrs(b.offs_b, max_chunks), CHUNK, b.slot))
         if not b.check_gather(b.src_ids, b.offs_b):
@@ -294,9 +330,8 @@ def main() -> int:
                     ceil = median_wall(lambda: mc.run(direction, nbytes), repeat)
                     row = {"layout": name, "pattern": pattern, "chunks": n, "direction": direction,
                            "bytes": nbytes, "arms": {"memcpy": {"s": ceil, "gbps": nbytes / ceil / 1e9, "ratio": 1.0}}}
-                    arms = OURS + REFERENCES + ["auto"]
-                    for arm in arms:
-                        mode = choose_transfer_mode(b.spec, direction, n) if arm == "auto" else arm
+                    for arm in picked:
+                        mode = choose_transfer_mode(b.spec)[0] if arm == "auto" else arm
                         run_ours(b, mode, direction, n, pattern)
                         s = statistics.median(run_ours(b, mode, direction, n, pattern) for _ in range(repeat))
                         entry = {"s": s, "gbps": nbytes / s / 1e9, "ratio": ceil / s, "mode": mode,
@@ -333,7 +368,7 @@ def main() -> int:
             ceil = median_wall(lambda: mc.run("both", nbytes), repeat)
             row = {"layout": name, "pattern": pattern, "chunks": n, "direction": "both", "bytes": 2 * nbytes,
                    "arms": {"memcpy": {"s": ceil, "gbps": 2 * nbytes / ceil / 1e9, "ratio": 1.0}}}
-            for mode in OURS:
+            for mode in [a for a in OURS if a in picked]:
                 ga, gp = b.ids(n, pattern, 0), b.ptrs(b.offs_a, n)
                 sa, sp = b.ids(n, pattern, 1), b.ptrs(b.offs_b, n)
 
@@ -361,7 +396,7 @@ def main() -> int:
                     return nbytes
 
                 row["gemm"]["memcpy"] = gemm_interference(b, mem)
-                for arm in OURS + ["single_buffer"]:
+                for arm in [a for a in OURS + ["single_buffer"] if a in picked]:
                     def ours(arm=arm):
                         run_ours(b, arm, direction, n, "random")
                         return nbytes

@@ -11,7 +11,10 @@
 # Valkey (one server, and a cluster of 3 primaries) and Mooncake started on loopback; "l2tests" runs
 # the L2 tests, which start them too; "contention" for the engine's throughput and our transfers
 # while it computes, each transfer path ("contentionquick": shorter windows); "persist" for
-# 64-chunk stores with and without --l1-persist). TESTS_LIMIT bounds the gpu tests (seconds, default 600).
+# 64-chunk stores with and without --l1-persist; "segments" for the copy engines' rate by copy size,
+# which sets auto's threshold; "contentionpacked" for block-outermost caches next to per-layer ones
+# under auto). TESTS_LIMIT bounds the gpu tests (seconds, default 600). "install" instead of "build"
+# installs a wheel built elsewhere (.whl/lmcache_mp-*.whl, same Python) with this tree's Python files.
 set -uo pipefail
 LOG=${1:-${OUT:-$PWD/gpu-check-logs}}
 mkdir -p "$LOG"
@@ -34,6 +37,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pc
 for step in $STEPS; do
   case $step in
     build) run build 400 python3 -m pip install -v --no-build-isolation --no-deps . || break ;;
+    install)
+      run install 120 python3 -m pip install --no-deps --no-index --force-reinstall .whl/lmcache_mp-*.whl || break
+      site=$(python3 -c "import lmcache_mp, os; print(os.path.dirname(lmcache_mp.__file__))")
+      (cd python/lmcache_mp && find . -name '*.py' -exec cp --parents {} "$site" \;)
+      python3 -c "from lmcache_mp import _C; assert _C.build_info()['cuda']; _C.cuda.device_count()" \
+        || { echo "== the wheel does not run here: building"; run build 400 python3 -m pip install -v \
+             --no-build-isolation --no-deps . || break; } ;;
+    segments) run segments 300 python3 bench/bench_transfer.py --quick --no-peer --arms dma,staged,auto \
+        --chunks 1,64 --layouts pages-1,pages-2,pages-4,pages-8,pages-12,pages-16,pages-24,pages-32,mla-packed \
+        --json "$LOG/bench_transfer_segments.json" ;;
+    contentionpacked) run contentionpacked 560 python3 bench/bench_engine_contention.py --paths server-auto,in-process \
+        --layouts mha-packed,mla-packed,mha,mla --json "$LOG/bench_engine_contention_packed.json" ;;
     latency)  # small requests: 400 each (every other one traced), next to the raw copy and a bare round trip
       for spec in "llama1 --chunks 1 --trace" "llama1direct --chunks 1 --transfer-mode direct --trace" \
           "mla8 --layout mla --layers 8 --chunks 1 --trace" "llama4 --chunks 4 --requests 200"; do

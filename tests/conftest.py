@@ -32,13 +32,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _owner_gone(name: str) -> bool:
+    """Whether the process that made this shared-memory file (lmcache_mp_PID_...) has exited."""
+    pid = name[len("lmcache_mp_"):].split("_", 1)[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
 @pytest.fixture
 def shm_files():
-    """Fails a test that leaves lmcache-mp shared-memory files behind."""
+    """Fails a test that leaves lmcache-mp shared-memory files behind: its own process's, or
+    those of a process that exited meanwhile (one the test killed cannot remove its own)."""
     before = {f for f in os.listdir("/dev/shm") if f.startswith("lmcache_mp_")}
     yield
     import gc
 
     gc.collect()
-    after = {f for f in os.listdir("/dev/shm") if f.startswith("lmcache_mp_") and str(os.getpid()) in f}
+    after = {f for f in os.listdir("/dev/shm")
+             if f.startswith(f"lmcache_mp_{os.getpid()}_") or (f.startswith("lmcache_mp_") and _owner_gone(f))}
     assert not (after - before), f"leaked shared-memory files: {sorted(after - before)}"

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("scikit_build_core")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "backend"))
 import lmcache_mp_build as backend  # noqa: E402
 

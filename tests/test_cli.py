@@ -124,6 +124,22 @@ def test_serves_a_client_and_exits_cleanly_on_sigterm(sock_path, shm_files):
         srv.kill()
 
 
+def test_the_start_up_lines_say_the_device_chosen_and_why_the_slabs_are_smaller(sock_path):
+    from lmcache_mp.server.devices import resolve_device
+
+    srv = ServerProcess(["--url", f"ipc://{sock_path}", "--l1-size", "1GiB", "--slab-size", "3GiB", "--http-addr",
+                         "off"])  # --device auto, the default
+    try:
+        srv.wait_ready()
+        banner = "\n".join(srv.lines)
+        assert f"chunk 256 tokens, device {resolve_device('auto')} (auto), transfer mode auto" in banner
+        assert "slabs of 64.0 MiB, not the 3.0 GiB set: a slab is at most L1/16" in banner
+    finally:
+        srv.proc.terminate()
+        srv.proc.wait(20)
+        srv.kill()
+
+
 def test_sigint_also_stops_it(sock_path):
     srv = ServerProcess(["--url", f"ipc://{sock_path}", "--device", "cpu", "--l1-size", "16MiB"])
     try:
@@ -160,8 +176,14 @@ def test_config_file(sock_path, tmp_path):
     ([], {"LMCACHE_MP_L1_SIZE": "lots"}, "LMCACHE_MP_L1_SIZE: l1_size: not a size: 'lots'"),
     (["--local-lane", "maybe"], {}, "unrecognized arguments: maybe"),  # a switch takes no value
     ([], {"LMCACHE_MP_LOCAL_LANE": "maybe"}, "LMCACHE_MP_LOCAL_LANE: local_lane must be on or off"),
+    (["--l1-size", "-5GiB"], {}, "l1_size: size must not be negative, got '-5GiB'"),  # argparse took it for a flag
+    (["--url", "tcp://127.0.0.1:99999"], {}, "port 99999 of 'tcp://127.0.0.1:99999' is out of range (0-65535; 0 "
+                                             "picks a free one) (url from --url)"),
+    (["--http-addr", "127.0.0.1:99999"], {}, "port 99999 of '127.0.0.1:99999' is out of range (0-65535; 0 picks a "
+                                             "free one) (http_addr from --http-addr)"),
 ], ids=["unknown-flag", "bad-int", "bad-size", "bad-device", "bad-log-level", "missing-config", "bad-env",
-        "bad-env-size", "switch-with-a-value", "bad-env-switch"])
+        "bad-env-size", "switch-with-a-value", "bad-env-switch", "negative-size", "url-port-out-of-range",
+        "http-port-out-of-range"])
 def test_bad_settings_exit_2_with_a_message(args, env, message):
     out = subprocess.run(server_command() + args, env=dict(os.environ, **env), capture_output=True, text=True,
                          timeout=60)

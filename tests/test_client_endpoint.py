@@ -22,8 +22,16 @@ def test_a_url_the_client_cannot_use_says_what_a_valid_one_looks_like(url, says)
     assert repr(url) in str(info.value) and "use " in str(info.value)  # what to write instead
 
 
-@pytest.mark.parametrize("url", ["tcp://127.0.0.1:5555", "tcp://[::1]:5555", "tcp://cache-node-3:5555",
-                                 "ipc:///run/lmcache-mp/server.sock", "ipc://@abstract", "inproc://x"])
+@pytest.mark.parametrize("port", [0, 65536, 99999])
+def test_a_port_out_of_range_is_refused(port):
+    url = f"tcp://127.0.0.1:{port}"  # (ZeroMQ takes 99999 for 34463)
+    with pytest.raises(ValueError, match=rf"port {port} of '{url}' is out of range \(1-65535\)"):
+        Client(url, connect_timeout=0.1)
+
+
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:65535", "tcp://[::1]:5555",
+                                 "tcp://cache-node-3:5555", "ipc:///run/lmcache-mp/server.sock", "ipc://@abstract",
+                                 "inproc://x"])
 def test_valid_urls_pass(url):
     assert check_url(url) == url
 

@@ -57,6 +57,14 @@ def test_bad_settings_exit_2_before_any_check(capsys):
     assert cli_main(["doctor", "--device", "tpu"]) == 2
 
 
+@pytest.mark.parametrize("flag, value, setting", [("--url", "tcp://127.0.0.1:99999", "url"),
+                                                   ("--http-addr", "127.0.0.1:99999", "http_addr")])
+def test_a_port_out_of_range_is_refused_naming_the_setting(capsys, flag, value, setting):
+    assert cli_main(["doctor", "--device", "cpu", flag, value]) == 2  # (ZeroMQ would bind 99999 - 65536)
+    err = capsys.readouterr().err
+    assert f"port 99999 of '{value}' is out of range" in err and f"({setting} from {flag})" in err, err
+
+
 def test_a_disk_tier_larger_than_its_disk_is_a_warning(capsys, tmp_path):
     rc, out = doctor(capsys, "--device", "cpu", "--url", f"ipc://{tmp_path}/s.sock", "--http-addr", "off",
                      "--l1-size", "64MiB", "--l2-disk", str(tmp_path / "l2"), "--l2-disk-size", "100000TiB")

@@ -17,6 +17,7 @@ import pytest
 import cpu_workers as w
 from lmcache_mp import Client, RequestError, ServerUnavailable, chunk_hashes
 from lmcache_mp import protocol as p
+from lmcache_mp.shm import remove_shared_files
 from test_cli import ServerProcess
 from test_server_e2e import CHUNK, RawClient, blocks_of, clients, servers, stopped, wait_until  # noqa: F401
 
@@ -197,6 +198,8 @@ def test_a_client_killed_mid_copy_leaves_nothing_half_visible_and_its_slots_come
         c.close()
         if proc.is_alive():
             proc.kill()
+            proc.join(10)
+        remove_shared_files(proc.pid)  # its KV cache: a killed process cannot remove it
         srv.kill()
 
 

@@ -160,7 +160,7 @@ def test_an_engine_killed_with_its_copy_queued_leaves_nothing_and_its_slots_come
     try:
         status, info = q.get(timeout=120)
         assert status == "ok", info
-        assert c.status()["engine_copies"]["reservations"] >= 1
+        assert c.status()["engine_copies"]["reservations"] >= 1, (info, c.status()["engine_copies"])
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(30)
         deadline = time.time() + 30

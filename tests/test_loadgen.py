@@ -35,12 +35,21 @@ def test_two_workers_store_and_retrieve_every_byte(server, tmp_path, capsys):
     assert "the bare round trip's own p99" in printed.out
     assert "store GB/s" in printed.out and "x D2H" not in printed.out  # no ceiling, no ratio columns
     assert server.engine.status()["registrations"] == []  # the workers unregistered their caches
-    # progress while it runs: each phase once both workers finished it, with the counts of both
-    phases = [line.split(" s  ", 1)[1] for line in printed.out.splitlines() if line.startswith("  ") and " s  " in line]
-    assert phases == ["registered: 2 KV caches, 72 blocks", "store: 4 requests, 16 chunks",
-                      "lookup: 40 lookups, 40 bare round trips", "retrieve: 4 requests, 16 chunks",
-                      "verify: 16 chunks checked, 0 missing, 0 mismatching",
-                      "requests after idle gaps: 10 lookups, 10 retrieves"], printed.out
+    # progress while it runs: each phase once both workers finished it, with the counts of both,
+    # and what the slow ones wait for once the first worker begins them (its report may overtake
+    # another worker's of the phase before: each process sends its own)
+    lines = [line.split(" s  ", 1)[1] for line in printed.out.splitlines() if line.startswith("  ") and " s  " in line]
+    begun = [line for line in lines if line.startswith("(")]
+    assert [line for line in lines if line not in begun] == [
+        "registered: 2 KV caches, 72 blocks", "store: 4 requests, 16 chunks",
+        "lookup: 40 lookups, 40 bare round trips", "retrieve: 4 requests, 16 chunks",
+        "verify: 16 chunks checked, 0 missing, 0 mismatching",
+        "requests after idle gaps: 10 lookups, 10 retrieves"], printed.out
+    assert begun == ["(register: each worker fills its KV cache with random bytes and registers it with the server)",
+                     "(verify: each worker retrieves every request again and compares it with what it stored, "
+                     "bit for bit)"], printed.out
+    assert lines.index(begun[0]) < lines.index("registered: 2 KV caches, 72 blocks")
+    assert lines.index(begun[1]) < lines.index("verify: 16 chunks checked, 0 missing, 0 mismatching")
 
 
 def test_trace_times_every_other_request_and_the_others_give_the_latencies(server, tmp_path, capsys):
@@ -187,3 +196,19 @@ def test_the_stall_probe_sees_a_stop_of_its_process():
     with stall_probe(enabled=False) as off:
         pass
     assert off.stalls == [] and machine_stalls(off) == {}
+
+
+def test_a_failed_run_says_each_cause_once(capsys):
+    """A server gone is one cause however each worker met it; workers stopped at a barrier by
+    another's failure are no cause; a bug's traceback is shown."""
+    from lmcache_mp.loadgen.runs import failure, print_failures
+
+    print_failures({0: failure("store", "no reply from the server at tcp://x:1: it stopped", server_gone=True),
+                    1: failure("lookup", "ServerUnavailable: the Lookup was lost", server_gone=True),
+                    2: dict(failure("lookup", "BrokenBarrierError: "), after_another=True),
+                    3: dict(failure("verify", "KeyError: 'x'"), traceback="Traceback (most recent call last): ...")}, 4)
+    assert capsys.readouterr().err.splitlines() == [
+        "lmcache-mp-bench: workers 0, 1 of 4 failed in the store (worker 0) and lookup (worker 1) phases: no reply "
+        "from the server at tcp://x:1: it stopped",
+        "lmcache-mp-bench: worker 3 of 4 failed in the verify phase: KeyError: 'x'",
+        "--- worker 3:", "Traceback (most recent call last): ..."]

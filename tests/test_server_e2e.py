@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import cpu_workers as w
 from lmcache_mp import Client, RequestError, Server, ServerConfig, ServerUnavailable, chunk_hashes
 from lmcache_mp import protocol as p
+from lmcache_mp.shm import remove_shared_files
 
 CHUNK = w.CHUNK
 OBJECT_BYTES = 2 * w.LAYERS * CHUNK * w.TOKEN_BYTES  # one MHA chunk of one rank: [2, L, T, W]
@@ -284,8 +285,8 @@ def test_a_killed_client_loses_its_leases_after_the_heartbeat_timeout(servers, c
     finally:
         if proc.is_alive():
             proc.kill()
-        for f in Path("/dev/shm").glob(f"lmcache_mp_{proc.pid}_*"):  # a killed process cannot clean up
-            f.unlink(missing_ok=True)
+            proc.join(10)
+        remove_shared_files(proc.pid)  # a killed process cannot clean up
     # the server is fine
     kv, h = register_mha(watcher)
     assert watcher.store(h, chunk_hashes(w.prompt(9, 2), CHUNK), blocks_of(2)).result(10).stored == 2

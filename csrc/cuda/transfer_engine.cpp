@@ -26,6 +26,7 @@ TransferEngine::TransferEngine(int device, const KVLayout& layout, int64_t chunk
                 "threads per CTA must be a multiple of 32 in [32, 1024]");
   LMC_CHECK_ARG(opt_.direct_ctas > 0, "direct_ctas must be positive");
   DeviceGuard g(device_);
+  preload_kernels();  // now, not at the first copy: loading then may wait for the engine's queued work
   check(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_), "cudaDeviceGetAttribute");
   int host_ptr_ok = 0;
   check(cudaDeviceGetAttribute(&host_ptr_ok, cudaDevAttrCanUseHostPointerForRegisteredMem, device_),

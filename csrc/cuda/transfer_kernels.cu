@@ -71,6 +71,23 @@ void launch_width(int width, dim3 grid, dim3 block, cudaStream_t stream, const D
 
 }  // namespace
 
+void preload_kernels() {
+  cudaFuncAttributes attr;
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(kv_copy_kernel<true, uint4>),
+      reinterpret_cast<const void*>(kv_copy_kernel<true, uint2>),
+      reinterpret_cast<const void*>(kv_copy_kernel<true, uint32_t>),
+      reinterpret_cast<const void*>(kv_copy_kernel<true, uint16_t>),
+      reinterpret_cast<const void*>(kv_copy_kernel<true, uint8_t>),
+      reinterpret_cast<const void*>(kv_copy_kernel<false, uint4>),
+      reinterpret_cast<const void*>(kv_copy_kernel<false, uint2>),
+      reinterpret_cast<const void*>(kv_copy_kernel<false, uint32_t>),
+      reinterpret_cast<const void*>(kv_copy_kernel<false, uint16_t>),
+      reinterpret_cast<const void*>(kv_copy_kernel<false, uint8_t>),
+  };
+  for (const void* k : kernels) check(cudaFuncGetAttributes(&attr, k), "cudaFuncGetAttributes");
+}
+
 int access_width(const DeviceLayout& lay, const uint64_t* host_layer_ptrs, const LaunchTable& t) {
   uint64_t bits = static_cast<uint64_t>(lay.span_bytes) | static_cast<uint64_t>(lay.piece_bytes) |
                   static_cast<uint64_t>(lay.segment_stride) |

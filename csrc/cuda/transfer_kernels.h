@@ -41,6 +41,11 @@ struct DeviceLayout {
 // Largest power-of-two access width (16, 8, 4, 2 or 1 bytes) every address and size allows.
 int access_width(const DeviceLayout& layout, const uint64_t* host_layer_ptrs, const LaunchTable& t);
 
+// Loads every kernel of this file into the current device's context now. With lazy module
+// loading (CUDA's default) a kernel is loaded at its first launch, and loading may wait for
+// all work of the context: an engine's first copy would stall its thread until the GPU drained.
+void preload_kernels();
+
 // gather: cache -> objects; otherwise objects -> cache. grid_ctas CTAs of threads threads.
 void launch_kv_copy(bool gather, const DeviceLayout& layout, const LaunchTable& table, int width, int grid_ctas,
                     int threads, cudaStream_t stream);

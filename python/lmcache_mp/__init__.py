@@ -10,7 +10,7 @@ from lmcache_mp.errors import LMCacheMPError, ProtocolMismatch, RequestError, Se
 from lmcache_mp.keys import chunk_hashes
 from lmcache_mp.native import build_info
 from lmcache_mp.server import Server
-from lmcache_mp.shm import shared_cpu_tensor
+from lmcache_mp.shm import shared_cpu_array, shared_cpu_tensor
 
 __all__ = [
     "Client",
@@ -27,5 +27,6 @@ __all__ = [
     "__version__",
     "build_info",
     "chunk_hashes",
+    "shared_cpu_array",
     "shared_cpu_tensor",
 ]

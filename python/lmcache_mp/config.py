@@ -38,10 +38,12 @@ def parse_size(value: int | str) -> int:
         if value < 0:
             raise ValueError(f"size must not be negative, got {value}")
         return value
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
+    m = re.fullmatch(r"\s*(-?)([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(3).lower() not in _UNITS:
         raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 64GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if m.group(1):
+        raise ValueError(f"size must not be negative, got {value!r}")
+    return int(float(m.group(2)) * _UNITS[m.group(3).lower()])
 
 
 def format_size(n: int) -> str:
@@ -66,7 +68,8 @@ class ServerConfig:
     device: str = _setting(
         "auto", "cpu: KV caches in shared memory; cuda: GPU caches over CUDA IPC; auto: cuda when usable")
     transfer_mode: str = _setting(
-        "auto", "GPU copy path: direct (zero-copy kernel), staged (device ring + DMA), dma (copy engines only)")
+        "auto", "GPU copy path: direct (zero-copy kernel), staged (device ring + DMA), dma (copy engines only); "
+        "auto: dma for caches whose blocks are contiguous spans of 768 KiB or more, else staged")
     staging_size: int | str = _setting(
         "256MiB", "device staging ring per registration and direction (staged); deep enough to pack ahead")
     direct_ctas: int = _setting(4, "CTAs of the zero-copy kernel (direct): few, to leave SMs to the engine")
@@ -178,6 +181,9 @@ class ServerConfig:
             parse_addr(self.http_addr)
         if not re.match(r"^(tcp|ipc|inproc)://", self.url):
             raise ValueError(f"url must start with tcp://, ipc:// or inproc://, got {self.url!r}")
+        port = self.url.rsplit(":", 1)[1] if self.url.startswith("tcp://") else ""
+        if port.isdigit() and int(port) > 65535:  # ZeroMQ would wrap it round, to another port
+            raise ValueError(f"url: port {port} of {self.url!r} is out of range (0-65535; 0 picks a free one)")
         if not self.curve_secret_key and not is_loopback_url(self.url):
             raise ValueError(f"binding {self.url} lets other machines in: it needs authentication. Run "
                              "`lmcache-mp-server keygen DIR` and pass --curve-secret-key DIR/server.key_secret "
@@ -194,7 +200,9 @@ class ServerConfig:
             raise ValueError(f"slab_size must be a multiple of 4 KiB, got {self.slab_size}")
         # A small L1 gets small slabs: memory moves between object sizes a slab at a time, and
         # each size may keep up to a slab of free slots, so a slab should be a small part of L1.
-        self.slab_size = min(self.slab_size, max(4096, (self.l1_size // 16) // 4096 * 4096))
+        # (The start-up line says so when it cuts the slab size: slab_cut_from.)
+        asked, self.slab_size = self.slab_size, min(self.slab_size, max(4096, (self.l1_size // 16) // 4096 * 4096))
+        self.slab_cut_from = asked if asked != self.slab_size else 0
         if self.l1_size < self.slab_size:
             raise ValueError(f"l1_size ({format_size(self.l1_size)}) must hold at least one slab")
         if self.spin_us < 0:
@@ -274,6 +282,8 @@ def parse_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise ValueError(f"http_addr must be HOST:PORT (or off), got {addr!r}")
+    if int(port) > 65535:
+        raise ValueError(f"http_addr: port {port} of {addr!r} is out of range (0-65535; 0 picks a free one)")
     return host.strip("[]"), int(port)
 
 

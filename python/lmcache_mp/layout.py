@@ -9,18 +9,24 @@ Supported (shapes in elements, any dtype):
   vLLM's CPU cache ``[num_blocks, num_heads, block_size, 2 * head_size]``; copied whole. The
   dims of a block may lie in memory in any order that packs them densely: vLLM 0.32's CUDA
   caches are that same logical shape over blocks stored token-major (``[NB, BS, H, 2D]``).
+- ``packed`` (never asked for: found by `describe_layers`): per-layer views of any kind above
+  into one block-outermost buffer, where one block of every layer lies side by side (vLLM's
+  ``BLNHC``/``BLHNC`` layouts). The registration is then one cache whose block is one gap-free
+  span of all layers' pages, moved whole: a chunk is ``chunk_size / block_size`` copies.
 
 Token layouts may be strided (padding between tokens, blocks or K/V) as long as the bytes of one
-token of one layer are contiguous. Host objects are ``[S, L, T, W]`` bytes (DESIGN.md).
+token of one layer are contiguous. Host objects are ``[S, L, T, W]`` bytes (DESIGN.md); a packed
+cache's are its blocks' spans one after the other (``[1, 1, T, W]`` with W the span's bytes per
+token).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
-KINDS = ("mha", "block_major", "mla", "opaque")
+KINDS = ("mha", "block_major", "mla", "opaque")  # what a caller may name; "packed" is found, not named
 
 
 class LayoutError(ValueError):
@@ -45,6 +51,10 @@ class LayoutSpec:
     # opaque only: the block's dims in memory order, outermost first, as (dim, size); what the
     # bytes of a block mean, so it is part of the format key.
     block_order: tuple[tuple[int, int], ...] = ()
+    # packed only: one layer's spec (what each page of the span holds), and the registration
+    # index of the layer whose page comes k-th in the span.
+    layer: "LayoutSpec | None" = None
+    layer_order: tuple[int, ...] = ()
 
     @property
     def block_bytes(self) -> int:
@@ -55,6 +65,32 @@ class LayoutSpec:
     def token_bytes(self) -> int:
         """W: bytes of one token of one segment of one layer."""
         return self.block_bytes // self.block_size
+
+    @property
+    def model_layers(self) -> int:
+        """The model's layers this cache holds (a packed cache is one span of all of them)."""
+        return len(self.layer_order) if self.kind == "packed" else self.num_layers
+
+    @property
+    def page_bytes(self) -> int | None:
+        """Bytes of one block of one layer (every segment) when they are one gap-free run that
+        starts at the block's address; None otherwise."""
+        if self.rows_per_block > 1 and self.row_stride != self.row_bytes:
+            return None
+        if self.num_segments > 1 and self.segment_stride != self.block_bytes:
+            return None
+        return self.num_segments * self.block_bytes
+
+    @property
+    def segment_bytes(self) -> int:
+        """The contiguous bytes of one copy-engine copy: a block of one segment of one layer, or
+        a row where rows have gaps (adjacent blocks may merge into larger copies, not counted)."""
+        return self.block_bytes if self.rows_per_block == 1 or self.row_stride == self.row_bytes else self.row_bytes
+
+    def addressed_layers(self) -> list[int]:
+        """The registration's layers whose addresses the data plane takes: every layer, or for
+        a packed cache the one whose page starts the span."""
+        return [self.layer_order[0]] if self.kind == "packed" else list(range(self.num_layers))
 
     @property
     def layer_extent(self) -> int:
@@ -75,6 +111,10 @@ class LayoutSpec:
         strides; opaque blocks are only meaningful to the same block size and packing."""
         if self.kind == "opaque":
             return ("opaque", self.block_size, self.num_layers, self.token_bytes, self.dtype, self.block_order)
+        if self.kind == "packed":  # the span: pages in layer_order, each as its layer's layout packs it
+            page = self.layer
+            return ("packed", self.block_size, self.layer_order, page.num_segments, page.block_bytes, self.dtype,
+                    page.block_order)
         return ("tokens", self.num_segments, self.num_layers, self.token_bytes, self.dtype)
 
     def native(self, layer_ptrs: Sequence[int]):
@@ -217,3 +257,55 @@ def infer_layout(
         row_stride=block_bytes,
         block_order=order,
     )
+
+
+def describe_kind(spec: LayoutSpec) -> str:
+    """The layout's kind for people: a packed cache says what its pages are."""
+    if spec.kind == "packed":
+        return f"packed {spec.layer.kind} (block-outermost, {spec.row_bytes} bytes per block)"
+    return spec.kind
+
+
+def pack_layers(spec: LayoutSpec, offsets: Sequence[int]) -> LayoutSpec | None:
+    """`spec`'s layers, at these byte offsets of one allocation, as one packed cache, when they
+    are views into a block-outermost buffer: each layer's page of a block is one gap-free run,
+    the pages of one block lie side by side with no gap (in any order of the layers), and the
+    block stride leaves room for all of them. None when they are not (a per-layer cache)."""
+    n, page = len(offsets), spec.page_bytes
+    if n < 2 or page is None or spec.block_stride < n * page:
+        return None
+    order = tuple(sorted(range(n), key=lambda i: offsets[i]))
+    first = offsets[order[0]]
+    if any(offsets[i] != first + k * page for k, i in enumerate(order)):
+        return None
+    span = n * page
+    return LayoutSpec(kind="packed", dtype=spec.dtype, num_layers=1, num_blocks=spec.num_blocks,
+                      block_size=spec.block_size, num_segments=1, segment_stride=0, block_stride=spec.block_stride,
+                      rows_per_block=1, row_bytes=span, row_stride=span, layer=spec, layer_order=order)
+
+
+def describe_layers(layers: Sequence[Any], kind: str = "auto", block_size: int | None = None) -> LayoutSpec:
+    """The layout of a registration's layer tensors, as server and client both derive it. Each
+    layer has .shape, .strides (elements), .dtype, .element_size and .memory (.kind, .handle or
+    .name: the allocation; .offset: where the tensor starts in it). Every layer must share one
+    shape, strides and dtype; views into one block-outermost allocation become a packed cache."""
+    if not layers:
+        raise LayoutError("a KV cache needs at least one layer tensor")
+    first = layers[0]
+    for i, layer in enumerate(layers):
+        if (list(layer.shape), list(layer.strides), layer.dtype, layer.element_size) != (
+            list(first.shape), list(first.strides), first.dtype, first.element_size,
+        ):
+            raise LayoutError(f"layer {i} differs from layer 0 in shape, strides or dtype")
+    spec = infer_layout(first.shape, first.strides, first.element_size, first.dtype, len(layers), kind,
+                        block_size=block_size)
+
+    def allocation(m) -> tuple:
+        return (m.kind, m.handle if m.kind == "cuda_ipc" else m.name)
+
+    # memory the server cannot name (a client's private memory) has no offsets to compare
+    if any(layer.memory.kind not in ("shm", "cuda_ipc") for layer in layers):
+        return spec
+    if len({allocation(layer.memory) for layer in layers}) != 1:
+        return spec
+    return pack_layers(spec, [int(layer.memory.offset) for layer in layers]) or spec

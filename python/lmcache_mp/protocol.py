@@ -92,7 +92,7 @@ class MemoryRef(_Msg):
     """Where a layer tensor's bytes are. CPU: a shared-memory file name. CUDA: an IPC handle of
     the allocation. `offset` is the tensor's first byte inside it, `size` the bytes it holds."""
 
-    kind: str  # "shm" | "cuda_ipc"
+    kind: str  # "shm" | "cuda_ipc" | "private" (a CPU cache the client copies itself; never mapped)
     name: str = ""
     handle: bytes = b""
     offset: int = 0

@@ -204,6 +204,11 @@ def test_engines_share_prefixes_through_the_server(run, prompts, baseline, model
         assert b["outputs"] == baseline["outputs"]
         log = (workdir / "engine_B.log").read_text()
         assert "lmcache-mp connector (scheduler): server" in log and "lmcache-mp: first cache hit:" in log
+        # The CPU attention backend reads only LBHNC blocks: the connector says so and asks for
+        # nothing, and each layer's blocks are copied apart (in a block-outermost layout vLLM's
+        # views would make one packed cache: test_vllm_layouts.py)
+        assert "accepts only the KV-cache layouts LBHNC, none block-outermost" in log
+        assert "KV cache registered: opaque, cpu copies" in log
         # B stored what was new: the rest of each Q prompt.
         assert server.present_chunks(Q, model_dir) == [len(q) // CHUNK for q in Q]
 

@@ -299,7 +299,8 @@ class Client(RestartRecovery):
     def register_kv_cache(self, kv_caches: Sequence[Any] | dict, *, model: str, world_size: int = 1, rank: int = 0,
                           layout: str = "auto", block_size: int | None = None, transfer: str = "auto",
                           staging_bytes: int | None = None, pack_ctas: int = 0) -> KVCacheHandle:
-        """Register one tensor per layer (CPU tensors in shared memory, or CUDA tensors).
+        """Register one tensor per layer (CPU tensors in shared memory, or CUDA tensors; with
+        transfer="engine", CPU tensors anywhere in this process's memory).
 
         transfer: who moves the bytes. "server" (and "auto", for now): the server, with its
         kernels and copy engines (the only way from another machine or network namespace);
@@ -314,7 +315,8 @@ class Client(RestartRecovery):
         if transfer not in ("auto", "server", "engine"):
             raise ValueError(f"transfer must be 'auto', 'server' or 'engine', got {transfer!r}")
         tensors = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
-        handle = KVCacheHandle(tensors, model, world_size, rank, layout, block_size, describe_kv_caches(tensors),
+        described = describe_kv_caches(tensors, private_cpu=transfer == "engine")
+        handle = KVCacheHandle(tensors, model, world_size, rank, layout, block_size, described,
                                transfer, staging_bytes, pack_ctas)
         if handle.device == "cuda":
             handle.events = EventPool(handle.described.device_index)

@@ -24,6 +24,9 @@ def check_url(url: str) -> str:
     if scheme == "tcp":
         if not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}", rest):
             raise ValueError(f"not a server URL: {url!r}; use tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555")
+        port = int(rest.rsplit(":", 1)[1])
+        if not 0 < port < 65536:  # ZeroMQ would wrap it round, to another port
+            raise ValueError(f"port {port} of {url!r} is out of range (1-65535)")
     elif scheme == "ipc":
         if not rest:
             raise ValueError(f"not a server URL: {url!r} names no socket file; use ipc:///path/to/socket")

@@ -162,7 +162,7 @@ class EngineCopier:
         self.device_index = device_index
         self.object_bytes = object_bytes
         self.cuda = device_index >= 0
-        self.native = layout_spec.native([t.data_ptr() for t in tensors])
+        self.native = layout_spec.native([tensors[i].data_ptr() for i in layout_spec.addressed_layers()])
         self.engine = None
         self._waiters: dict[str, CompletionWaiter] = {}
         if not self.cuda:

@@ -28,7 +28,7 @@ from lmcache_mp import protocol as p
 from lmcache_mp.client.engine_copy import EngineCopier, MappedArena
 from lmcache_mp.client.results import RetrieveResult, StoreResult
 from lmcache_mp.errors import RequestError, ServerUnavailable
-from lmcache_mp.layout import infer_layout
+from lmcache_mp.layout import describe_layers
 
 logger = logging.getLogger(__name__)
 
@@ -113,12 +113,12 @@ class EngineTransfers:
         """Give a handle registered for engine-side copies its copier (after registering)."""
         c = self._client
         d = handle.described
-        first = d.layers[0]
-        spec = infer_layout(first.shape, first.strides, first.element_size, first.dtype, len(d.layers),
-                            handle.layout, block_size=handle.block_size or None)
-        if spec.object_bytes(c.chunk_size) != handle.object_bytes:
-            raise RequestError(int(p.ErrorCode.INTERNAL), f"the server's chunk objects are {handle.object_bytes} bytes, "
-                               f"this cache's {spec.object_bytes(c.chunk_size)}")
+        # The server derived its format from the same description: a packed cache here is one there
+        spec = describe_layers(d.layers, handle.requested_layout, handle.requested_block_size or None)
+        if spec.kind != handle.layout or spec.object_bytes(c.chunk_size) != handle.object_bytes:
+            raise RequestError(int(p.ErrorCode.INTERNAL), f"the server's chunk objects are {handle.layout}, "
+                               f"{handle.object_bytes} bytes; this cache's {spec.kind}, "
+                               f"{spec.object_bytes(c.chunk_size)} bytes")
         use = self.arena()
         old = handle.copier
         handle.copier = EngineCopier(spec, handle.tensors, c.chunk_size, d.device_index, handle.object_bytes,

@@ -30,8 +30,8 @@ RECOVERY_STOP_S = 1.0  # how long closing waits for a recovery to end (it ends o
 
 
 class RestartRecovery:
-    """Expects Client's url, name, timeout, client_id, session_id, chunk_size, _io, _lock,
-    _handles, _closed, _away, _restarting, _hello_msg, _connect_lane and _register."""
+    """Expects Client's url, name, timeout, client_id, session_id, chunk_size, server_info, _io,
+    _lock, _handles, _closed, _away, _restarting, _hello_msg, _connect_lane and _register."""
 
     @property
     def server_away(self) -> str:
@@ -100,6 +100,8 @@ class RestartRecovery:
                     self._io.fail_all(ServerUnavailable("the server restarted; the request was lost"))
                 self.session_id = hello.session_id
                 self.chunk_size = hello.chunk_size
+                # the new server's lane (engine-side copies map its L1 through it) and capabilities
+                self.server_info = {f: getattr(hello, f) for f in hello.__struct_fields__}
                 if self._io is not None and not self._io.has_lane:  # the same server closing it: stay off
                     self._connect_lane(hello.lane)
             status = self._recovery_call(p.Status(client_id=self.client_id), p.StatusReply, short).status

@@ -1,5 +1,7 @@
 """Describing a worker's KV-cache tensors for registration: shapes, strides and where the bytes
-are (a shared-memory file for CPU tensors, a CUDA IPC handle for GPU tensors)."""
+are (a shared-memory file for CPU tensors, a CUDA IPC handle for GPU tensors). A CPU cache that
+this process copies itself (transfer="engine") may live in its private memory: the server never
+maps it."""
 
 from __future__ import annotations
 
@@ -25,29 +27,57 @@ def _as_list(kv_caches: Sequence[Any] | Mapping[str, Any]) -> list:
     return tensors
 
 
-def _span_bytes(t) -> int:
-    """Bytes from the tensor's first element to one past its last."""
-    if t.numel() == 0:
+def _span_bytes(shape, strides, element_size: int) -> int:
+    """Bytes from a tensor's first element to one past its last."""
+    if any(size == 0 for size in shape):
         raise ValueError("KV-cache tensors must not be empty")
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return (last + 1) * t.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(shape, strides))
+    return (last + 1) * element_size
 
 
-def describe_kv_caches(kv_caches) -> DescribedCache:
-    import torch
+def _describe_arrays(arrays: list) -> DescribedCache:
+    """NumPy arrays in shared memory (shared_cpu_array): a CPU cache without torch."""
+    layers = []
+    for a in arrays:
+        if any(stride < 0 or stride % a.itemsize for stride in a.strides):
+            raise ValueError("KV-cache arrays must have non-negative strides of whole elements")
+        strides = [stride // a.itemsize for stride in a.strides]
+        ptr = a.__array_interface__["data"][0]
+        region = find_shared_region(ptr, _span_bytes(a.shape, strides, a.itemsize))
+        mem = p.MemoryRef(kind="shm", name=region.name, offset=region.offset, size=region.size)
+        layers.append(p.LayerRef(shape=list(a.shape), strides=strides, dtype=str(a.dtype), element_size=a.itemsize,
+                                 memory=mem))
+    return DescribedCache("cpu", -1, b"", layers)
+
+
+def describe_kv_caches(kv_caches, private_cpu: bool = False) -> DescribedCache:
+    """private_cpu: CPU tensors outside shared memory are allowed (described as "private"); only
+    for caches whose chunks this process copies itself."""
+    import numpy as np
 
     tensors = _as_list(kv_caches)
+    if all(isinstance(t, np.ndarray) for t in tensors):
+        return _describe_arrays(tensors)
+    import torch
+
     for t in tensors:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"KV caches must be torch tensors, got {type(t).__name__}")
+            raise TypeError(f"KV caches must be torch tensors or NumPy arrays, got {type(t).__name__}")
     device = tensors[0].device
     if any(t.device != device for t in tensors):
         raise ValueError("all layers of one KV cache must be on the same device")
     layers = []
     if device.type == "cpu":
         for t in tensors:
-            region = find_shared_region(t.data_ptr(), _span_bytes(t))
-            mem = p.MemoryRef(kind="shm", name=region.name, offset=region.offset, size=region.size)
+            span = _span_bytes(t.shape, t.stride(), t.element_size())
+            try:
+                region = find_shared_region(t.data_ptr(), span)
+            except ValueError:
+                if not private_cpu:
+                    raise
+                mem = p.MemoryRef(kind="private", size=span)
+            else:
+                mem = p.MemoryRef(kind="shm", name=region.name, offset=region.offset, size=region.size)
             layers.append(_layer(t, mem))
         return DescribedCache("cpu", -1, b"", layers)
     if device.type != "cuda":

@@ -93,6 +93,8 @@ def _log_through_vllm() -> None:
 
 _log_through_vllm()
 
+_LAYOUT_REASONS_LOGGED: set[str] = set()
+
 __all__ = ["LMCacheMPConnector", "LMCacheMPConnectorMetadata", "LMCacheMPWorkerMetadata"]
 
 
@@ -266,6 +268,18 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             return int(getattr(self._vllm_config.parallel_config, "rank", 0)) % (self._tp * self._pp)
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        """vLLM 0.32+: a block-outermost layout where the attention backends take one, so that
+        each block moves as one copy-engine copy (integration/vllm_layout.py)."""
+        from lmcache_mp.integration.vllm_layout import choose_kv_cache_layout
+
+        layout, why = choose_kv_cache_layout(vllm_config)
+        if why not in _LAYOUT_REASONS_LOGGED:  # vLLM asks more than once
+            _LAYOUT_REASONS_LOGGED.add(why)
+            logger.info("lmcache-mp: %s", why)
+        return layout
+
+    @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         """vLLM 0.33+: sleep mode unmaps and remaps the KV cache the server has mapped (CUDA
         IPC); vLLM refuses the combination at start-up instead."""
@@ -280,7 +294,9 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         # vLLM 0.32 hands every backend's cache over as one [blocks, heads, tokens, K+V] view per
         # layer; blocks are copied whole ("opaque", what "auto" picks for 4-D). MLA caches have
-        # one head: drop that dim to get the token layout [blocks, tokens, dim].
+        # one head: drop that dim to get the token layout [blocks, tokens, dim]. In a
+        # block-outermost layout the views of a group are one buffer: the server finds that and
+        # moves each block of all the group's layers as one span ("packed").
         assert self._worker is not None
         if self._disabled:
             return

@@ -124,6 +124,8 @@ class WorkerCore:
                 self._register_failure_logged = True
             raise
         self._handles, self._handle_client, self._blocks_per_block = handles, client, per_block
+        logger.info("lmcache-mp: rank %d's KV cache registered: %s", self.rank,
+                    "; ".join(f"{h.layout}, {h.transfer_mode} copies" for h in handles))
 
     def _kernel_blocks_per_block(self, kernel: int, block_size: int) -> int:
         """vLLM splits each block of its block table into several kernel blocks when the

@@ -21,7 +21,9 @@ import json
 import os
 import platform
 import secrets
+import signal
 import sys
+import threading
 import time
 
 from lmcache_mp.config import format_size
@@ -75,6 +77,16 @@ def add_tail_args(ap: argparse.ArgumentParser) -> None:
                          "requests against its stalls (it takes a CPU core of its own)")
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, taken as Ctrl-C: the bench unwinds, ending its workers and helpers on the way."""
+
+
+def _stop(signum, frame):
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)  # the clean-up on the way out runs once, uninterrupted
+    raise Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
@@ -92,7 +104,29 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if args.prompts < 1 or args.skew < 0:
         ap.error("--prompts must be positive and --skew not negative")
+    from lmcache_mp.client.endpoint import check_url
 
+    try:
+        check_url(args.url)
+    except ValueError as e:
+        print(f"lmcache-mp-bench: --url: {e}", file=sys.stderr)
+        return 2
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # (main() called from a thread: no signals)
+        handlers = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _connect_and_run(args, lay, mix)
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if isinstance(e, Stopped) else signal.SIGINT
+        print(f"lmcache-mp-bench: stopped by {signal.Signals(signum).name}; its workers and helpers have ended",
+              file=sys.stderr)
+        return 128 + signum
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
+def _connect_and_run(args, lay: dict, mix: dict | None) -> int:
     from lmcache_mp import Client, ProtocolMismatch, ServerUnavailable
 
     try:
@@ -151,10 +185,11 @@ def _bench(args, lay: dict, client) -> int:
     with echo_peer() as args.echo_url:
         settings = worker_settings(args, args.url, lay, model, run=0)
         row, record, clean = run_once(client, settings, args.workers, uuids, chunk, own_l1=False)
+    if "error" in row:  # run_once said why
+        return 1
     print()
     print_table([row], TABLE_NOTE)
-    if "error" not in row:
-        print(f"transfer mode (server status): {row['transfer_mode']}")
+    print(f"transfer mode (server status): {row['transfer_mode']}")
     if args.json:
         result = {
             "bench": "lmcache-mp-bench",

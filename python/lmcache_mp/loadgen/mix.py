@@ -13,29 +13,25 @@ with the prompt number, so a chunk of another prompt or position never passes th
 
 from __future__ import annotations
 
-import contextlib
 import json
-import multiprocessing as mp
 import secrets
 import sys
 import time
-import traceback
 from collections import OrderedDict
 
 import numpy as np
 
 from lmcache_mp.config import format_size
-from lmcache_mp.loadgen.runs import Progress, collect
-from lmcache_mp.loadgen.worker import count_mismatches, object_bytes, random_kv, request_ids, request_tokens
+from lmcache_mp.loadgen.runs import print_failures, run_processes
+from lmcache_mp.loadgen.worker import (Reporter, bits, count_mismatches, object_bytes, random_kv, request_ids,
+                                       request_tokens)
 
 
 def _stamp(kv: list, kind: str, block_ids: np.ndarray, prompt: int) -> None:
     """Write the prompt number into the first element of every block (K of the first token)."""
-    import torch
-
-    ids = torch.as_tensor(block_ids, device=kv[0].device)
     for t in kv:
-        b = t.view(torch.int16)
+        b, on_device = bits(t)
+        ids = on_device(block_ids)
         if kind == "mha":
             b[0, ids, 0, 0, 0] = prompt
         else:
@@ -48,14 +44,15 @@ def popularity(prompts: int, skew: float, requests: int, seed: int) -> np.ndarra
     return np.random.default_rng(seed).choice(prompts, size=requests, p=w / w.sum())
 
 
-def _mix_worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: None) -> dict:
-    import torch
-
+def mix_worker(cfg: dict, wid: int, barrier, reporter: Reporter) -> dict:
     from lmcache_mp import Client, chunk_hashes
 
     lay = cfg["geometry"]
     cuda = cfg["device"] == "cuda"
+    reporter.begin("register")
     if cuda:
+        import torch
+
         torch.cuda.set_device(0)
     client = Client(cfg["url"], timeout=cfg["timeout"], name=f"bench-mix-w{wid}")
     chunk = client.chunk_size
@@ -67,6 +64,7 @@ def _mix_worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: Non
     model = f"{cfg['model']}-w{wid}"
     handle = client.register_kv_cache(kv, model=model, world_size=1, rank=0, layout=lay["kind"])
     order = popularity(cfg["prompts"], cfg["skew"], cfg["requests"], seed)
+    reporter.begin("requests")
     hashes = [chunk_hashes(request_tokens((cfg["run"], wid, k), n * chunk), chunk) for k in range(cfg["prompts"])]
     requests, hits, loaded_total, missing, mismatches = [], 0, 0, 0, 0
     barrier.wait(cfg["timeout"])
@@ -90,24 +88,13 @@ def _mix_worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: Non
         hits += h
         loaded_total += loaded
         if i + 1 in quarters:
-            report(f"{25 * quarters[i + 1]}% of the requests", requests=i + 1, hits=hits, mismatching=mismatches)
+            reporter.done(f"{25 * quarters[i + 1]}% of the requests", requests=i + 1, hits=hits, mismatching=mismatches)
+    reporter.begin("unregister")
     barrier.wait(cfg["timeout"])
     client.unregister_kv_cache(handle)
     client.close()
     return {"wid": wid, "model": model, "requests": requests, "chunks_per_request": n, "hits": hits,
             "loaded": loaded_total, "missing": missing, "mismatches": mismatches, "chunks": n * len(order)}
-
-
-def _mix_worker_main(cfg: dict, wid: int, barrier, q) -> None:
-    try:
-        def report(phase: str, **counts) -> None:
-            q.put((wid, "progress", (phase, counts)))
-
-        q.put((wid, "ok", _mix_worker(cfg, wid, barrier, report)))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            barrier.abort()
-        q.put((wid, "fail", traceback.format_exc()))
 
 
 def ideal_lru_hits(trace: list[tuple], capacity: int) -> dict:
@@ -133,29 +120,16 @@ def ideal_lru_hits(trace: list[tuple], capacity: int) -> dict:
     return hits
 
 
-def run_mix(groups: list[dict], workers: int, timeout: float) -> list[dict]:
+def run_mix(groups: list[dict], workers: int, timeout: float) -> list[list[dict]] | None:
     """Run `workers` workers of every group (a worker config each) at once; returns, per group,
-    the workers' results. Raises RuntimeError with the workers' tracebacks on failure."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    barrier = ctx.Barrier(workers * len(groups))
-    procs = []
-    for g, cfg in enumerate(groups):
-        for w in range(workers):
-            p = ctx.Process(target=_mix_worker_main, args=(cfg, g * workers + w, barrier, q), name=f"bench-mix-{g}-{w}")
-            p.start()
-            procs.append(p)
-    print(f"{len(procs)} worker(s) started, serving prompts; shown once every worker got there:", flush=True)
-    try:
-        results = collect(procs, q, timeout + 300, Progress(len(procs)))
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    failed = {w: msg for w, (status, msg) in results.items() if status != "ok"}
+    the workers' results, or None once it has printed why a worker failed."""
+    cfgs = [cfg for cfg in groups for _ in range(workers)]
+    results = run_processes(mix_worker, cfgs, [{}] * len(cfgs), timeout,
+                            f"{len(cfgs)} worker(s) started, serving prompts; shown once every worker got there:")
+    failed = {w: f for w, (status, f) in results.items() if status != "ok"}
     if failed:
-        raise RuntimeError("\n".join(f"--- worker {w}:\n{msg}" for w, msg in sorted(failed.items())))
+        print_failures(failed, len(cfgs))
+        return None
     return [[results[g * workers + w][1] for w in range(workers)] for g in range(len(groups))]
 
 
@@ -213,10 +187,8 @@ def bench_mix(args, lay: dict, mix: dict, client) -> int:
     evicted_by_size = lambda st: {s["object_bytes"]: s["evicted"] for s in st["l1"]["sizes"]}  # noqa: E731
     before = evicted_by_size(status)
     t0 = time.monotonic()
-    try:
-        results = run_mix(groups, args.workers, args.timeout)
-    except RuntimeError as e:
-        print(f"lmcache-mp-bench --mix: a worker failed:\n{e}", file=sys.stderr)
+    results = run_mix(groups, args.workers, args.timeout)
+    if results is None:
         return 1
     after = evicted_by_size(client.status())
     evicted = [after.get(n, 0) - before.get(n, 0) for n in sizes]

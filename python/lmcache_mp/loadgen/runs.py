@@ -13,11 +13,13 @@ import time
 import numpy as np
 
 from lmcache_mp.config import format_size
+from lmcache_mp.loadgen.processes import deaf_to_ctrl_c, end_processes
 from lmcache_mp.loadgen.tails import LONG_STALL_NS, attribute, machine_stalls, print_tails, stall_probe
 from lmcache_mp.loadgen.trace import print_idle, print_traces
 from lmcache_mp.loadgen.trace import slowest as slowest_traces
 from lmcache_mp.loadgen.trace import summarize as summarize_traces
-from lmcache_mp.loadgen.worker import DTYPE_BYTES, LAYOUTS, kv_shape, worker_main
+from lmcache_mp.loadgen.watch import ServerWatch
+from lmcache_mp.loadgen.worker import LAYOUTS, bench_worker, worker_main
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
 TABLE_NOTE = "GB/s = 1e9 bytes/s, bytes of all workers / slowest worker's phase wall time"
@@ -50,7 +52,10 @@ def worker_env_defaults() -> None:
 
 def gpu_uuids(gpus: int) -> tuple[list[str], list[str]]:
     """UUIDs and names of the first `gpus` CUDA devices; RuntimeError if there are fewer."""
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise RuntimeError("--device cuda needs torch for the workers' GPU caches: pip install torch") from None
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -90,15 +95,32 @@ def patched_env(values: dict):
                 os.environ[k] = v
 
 
+# What a worker does in a phase that takes a while before it reports anything: said when the
+# first worker begins it, so that a run of many seconds is never silent.
+SLOW_PHASES = {
+    "register": "each worker fills its KV cache with random bytes and registers it with the server",
+    "verify": "each worker retrieves every request again and compares it with what it stored, bit for bit",
+}
+AFTER_FAILURE_S = 10.0  # how long the others may take to stop once one worker failed
+FAILED_GRACE_S = 3.0  # how long workers may take to exit after a failure or a Ctrl-C: then they are killed
+
+
 class Progress:
     """Prints a phase of the workers once every one of them has finished it (they report
     (phase, {count: n}) on the result queue), with the counts summed and the time since the
-    start: a run of many seconds says what it is doing."""
+    start, and what a slow phase waits for when the first worker begins it: a run of many
+    seconds says what it is doing."""
 
     def __init__(self, workers: int):
         self.workers = workers
         self.t0 = time.monotonic()
         self._reports: dict[str, dict] = {}
+        self._begun: set[str] = set()
+
+    def begun(self, phase: str) -> None:
+        if phase in SLOW_PHASES and phase not in self._begun:
+            self._begun.add(phase)
+            print(f"  {time.monotonic() - self.t0:6.1f} s  ({phase}: {SLOW_PHASES[phase]})", flush=True)
 
     def __call__(self, wid: int, report: tuple[str, dict]) -> None:
         phase, counts = report
@@ -109,34 +131,77 @@ class Progress:
             print(f"  {time.monotonic() - self.t0:6.1f} s  {phase}: {total}", flush=True)
 
 
-def collect(procs, q, timeout: float, progress: Progress | None = None) -> dict:
-    """Results by worker id; a worker that died without one is reported after a grace period.
+def failure(phase: str, error: str, server_gone: bool = False) -> dict:
+    """A worker's failure as the parent notes it (worker_main sends the same fields)."""
+    return {"phase": phase, "error": error, "traceback": "", "after_another": False, "server_gone": server_gone}
+
+
+def collect(procs, q, timeout: float, progress: Progress | None = None, watch: ServerWatch | None = None) -> dict:
+    """Results by worker id: ("ok", result) or ("fail", failure). A worker that died without a
+    result is reported after a grace period; once one failed, the others get AFTER_FAILURE_S to
+    stop; once the server is gone (`watch`), every worker without a result has failed with it.
     The workers' progress reports go to `progress`."""
     results: dict = {}
+    phases: dict = {}  # the phase each worker is in
     dead_since: dict = {}
     deadline = time.monotonic() + timeout
+    late = f"no result within {timeout:.0f} s"
     while len(results) < len(procs):
         try:
             wid, status, payload = q.get(timeout=0.5)
-            if status == "progress":
+            if status == "phase":
+                phases[wid] = payload
+                if progress is not None:
+                    progress.begun(payload)
+            elif status == "progress":
                 if progress is not None:
                     progress(wid, payload)
-                continue
-            results[wid] = (status, payload)
-            continue
+            else:
+                results[wid] = (status, payload)
+                if status != "ok" and time.monotonic() + AFTER_FAILURE_S < deadline:
+                    deadline = time.monotonic() + AFTER_FAILURE_S
+                    late = f"it did not stop within {AFTER_FAILURE_S:.0f} s of another worker's failure"
         except queue.Empty:
             pass
         now = time.monotonic()
+        gone = watch.gone() if watch is not None else None
         for wid, p in enumerate(procs):
-            if wid in results or p.is_alive():
+            if wid in results:
                 continue
-            first = dead_since.setdefault(wid, now)
-            if now - first > 5:
-                results[wid] = ("fail", f"worker {wid} exited with code {p.exitcode} without a result")
-        if now > deadline:
-            for wid in range(len(procs)):
-                results.setdefault(wid, ("fail", f"worker {wid}: no result within {timeout:.0f} s"))
+            if gone:
+                results[wid] = ("fail", failure(phases.get(wid, "start-up"),
+                                                f"no reply from the server at {watch.url}: {gone}", True))
+            elif not p.is_alive() and now - dead_since.setdefault(wid, now) > 5:
+                results[wid] = ("fail", failure(phases.get(wid, "start-up"),
+                                                f"the worker process exited with code {p.exitcode} without a result"))
+            elif now > deadline:
+                results[wid] = ("fail", failure(phases.get(wid, "start-up"), late))
     return results
+
+
+def print_failures(failures: dict, workers: int) -> None:
+    """One line per cause, naming the workers and the phases they were in (workers that stopped at
+    a barrier because another failed are no cause; a server gone is one cause, however each worker
+    met it: the first one's words tell it), then the tracebacks of errors that are no server's or
+    connection's (bugs)."""
+    causes = {w: f for w, f in failures.items() if not f["after_another"]} or failures
+    by_cause: dict = {}
+    for w, f in sorted(causes.items()):
+        cause = by_cause.setdefault("server gone" if f.get("server_gone") else f["error"], [f["error"], {}])
+        cause[1].setdefault(f["phase"], []).append(w)
+    for error, phases in by_cause.values():
+        ws = sorted(w for in_phase in phases.values() for w in in_phase)
+        who = f"worker {ws[0]}" if len(ws) == 1 else f"workers {', '.join(map(str, ws))}"
+        if len(phases) == 1:
+            where = f"the {next(iter(phases))} phase"
+        else:
+            where = "the " + " and ".join(f"{phase} ({'worker' if len(w) == 1 else 'workers'} {', '.join(map(str, w))})"
+                                          for phase, w in phases.items()) + " phases"
+        print(f"lmcache-mp-bench: {who}{f' of {workers}' if workers > 1 else ''} failed in {where}: {error}",
+              file=sys.stderr)
+    for w, f in sorted(causes.items()):
+        if f["traceback"]:
+            print(f"--- worker {w}:\n{f['traceback']}", file=sys.stderr)
 
 
 def percentiles(values: list[float], scale: float) -> tuple[float, float]:
@@ -148,36 +213,45 @@ def percentiles(values: list[float], scale: float) -> tuple[float, float]:
 
 def run_workers(settings: dict, workers: int, uuids: list[str]) -> dict:
     """Spawn `workers` workers (on cuda, worker w sees only GPU uuids[w % len(uuids)]) and wait
-    for them: {"workers", "infos": [per worker]} or {"workers", "error": {wid: traceback}}."""
+    for them: {"workers", "infos": [per worker]} or {"workers", "error": {wid: failure}}."""
+    cuda = settings["device"] == "cuda"
+    worker_uuids = [uuids[w % len(uuids)] for w in range(workers)] if cuda else []
+    cfg = dict(settings, workers=workers, gpu_uuids=worker_uuids)
+    envs = [{"CUDA_VISIBLE_DEVICES": worker_uuids[w]} if cuda else {} for w in range(workers)]
+    results = run_processes(bench_worker, [cfg] * workers, envs, settings["timeout"],
+                            f"{workers} worker(s) started; each phase is shown once every worker has finished it:")
+    failures = {w: f for w, (st, f) in results.items() if st != "ok"}
+    if failures:
+        return {"workers": workers, "error": failures}
+    return {"workers": workers, "infos": [results[w][1] for w in range(workers)]}
+
+
+def run_processes(body, cfgs: list[dict], envs: list[dict], timeout: float, intro: str) -> dict:
+    """One worker process per cfg, running worker_main(cfg, wid, barrier, q, body) with envs[wid]
+    added to its environment, watched until each has a result (see collect); they are ended,
+    whatever happens meanwhile (a Ctrl-C too), before this returns."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    barrier = ctx.Barrier(workers)
-    cuda = settings["device"] == "cuda"
-    worker_uuids = [uuids[w % len(uuids)] for w in range(workers)] if cuda else []
-    cfg = dict(settings, workers=workers, gpu_uuids=worker_uuids)
+    barrier = ctx.Barrier(len(cfgs))
+    watch = ServerWatch(cfgs[0]["url"])
     procs = []
-    for w in range(workers):
-        env = {"CUDA_VISIBLE_DEVICES": worker_uuids[w]} if cuda else {}
-        with patched_env(env):  # a spawned child starts with this process's environment
-            p = ctx.Process(target=worker_main, args=(cfg, w, barrier, q), name=f"bench-worker-{w}")
-            p.start()
-        procs.append(p)
-    print(f"{workers} worker(s) started; each phase is shown once every worker has finished it:", flush=True)
+    results: dict = {}
     try:
-        results = collect(procs, q, settings["timeout"] + 300, Progress(workers))
+        for wid, (cfg, env) in enumerate(zip(cfgs, envs)):
+            with patched_env(env), deaf_to_ctrl_c():  # a spawned child starts with this process's environment
+                proc = ctx.Process(target=worker_main, args=(cfg, wid, barrier, q, body), name=f"bench-worker-{wid}")
+                proc.start()
+            procs.append(proc)
+        print(intro, flush=True)
+        results = collect(procs, q, timeout + 300, Progress(len(cfgs)), watch)
     finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    failures = {w: msg for w, (st, msg) in results.items() if st != "ok"}
-    if failures:
-        return {"workers": workers, "error": failures}
-    infos = [results[w][1] for w in range(workers)]
-    return {"workers": workers, "infos": infos}
+        # a worker with its result is exiting; one without (failed run, Ctrl-C) is waited for only briefly
+        done = all(st == "ok" for st, _ in results.values()) and len(results) == len(procs)
+        end_processes(procs, 30 if done else FAILED_GRACE_S)
+        watch.close()
+    return results
 
 
 def summarize(infos: list[dict], workers: int, gpus_used: int, ceilings: dict | None = None) -> dict:
@@ -216,19 +290,9 @@ def summarize(infos: list[dict], workers: int, gpus_used: int, ceilings: dict | 
     }
 
 
-def transfer_mode_label(lay: dict, chunk: int, chunks: int, regs: list[dict]) -> str:
-    modes = sorted({str(r.get("transfer_mode")) for r in regs}) or ["?"]
-    label = ",".join(modes)
-    if modes == ["auto"]:
-        from lmcache_mp.layout import infer_layout
-        from lmcache_mp.server.policy import choose_transfer_mode
-
-        shape = kv_shape(lay, 2 * chunks * (chunk // lay["block_size"]))
-        strides = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
-        spec = infer_layout(shape, strides, DTYPE_BYTES, "bfloat16", lay["layers"], lay["kind"])
-        label += (f" (policy: store {choose_transfer_mode(spec, 'gather', chunks)}, "
-                  f"retrieve {choose_transfer_mode(spec, 'scatter', chunks)})")
-    return label
+def transfer_mode_label(regs: list[dict]) -> str:
+    """The modes the server gave the run's caches (it decides at registration)."""
+    return ",".join(sorted({str(r.get("transfer_mode")) for r in regs})) or "?"
 
 
 def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
@@ -244,18 +308,17 @@ def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
     evicted_before = client.status()["l1"].get("evicted", 0)
     with stall_probe(enabled=bool(settings.get("stall_probe"))) as probe:
         res = run_workers(settings, workers, uuids)
-    status_after = client.status()
-    after = status_after["l1"]
-    if "error" in res:
-        for wid, msg in sorted(res["error"].items()):
-            print(f"--- worker {wid} of the {workers}-worker run failed:\n{msg}", file=sys.stderr)
+    if "error" in res:  # (before asking the server anything: it may be gone)
+        print_failures(res["error"], workers)
         failed = {"workers": workers, "error": res["error"]}
         return failed, dict(failed), False
+    status_after = client.status()
+    after = status_after["l1"]
     infos = res["infos"]
     row = summarize(infos, workers, gpus_used, ceilings)
     row["evicted"] = after.get("evicted", 0) - evicted_before
     regs = next((i["status_registrations"] for i in infos if "status_registrations" in i), [])
-    row["transfer_mode"] = modes = transfer_mode_label(lay, chunk, chunks, regs)
+    row["transfer_mode"] = modes = transfer_mode_label(regs)
     traces = {k: [t for i in infos for t in i.get("traces", {}).get(k, [])] for k in ("store", "lookup", "retrieve")}
     if any(traces.values()):
         print_traces(traces)

@@ -23,6 +23,8 @@ from typing import Iterator
 
 import numpy as np
 
+from lmcache_mp.loadgen.processes import deaf_to_ctrl_c
+
 STALL_NS = 20_000  # the probe records gaps longer than this
 LONG_STALL_NS = 50_000  # the gaps reported (and kept in the JSON record)
 
@@ -61,7 +63,8 @@ def stall_probe(enabled: bool = True, threshold_ns: int = STALL_NS) -> Iterator[
     if not enabled:
         yield probe
         return
-    proc = subprocess.Popen([sys.executable, "-c", PROBE, str(threshold_ns)], stdout=subprocess.PIPE, text=True)
+    with deaf_to_ctrl_c():
+        proc = subprocess.Popen([sys.executable, "-c", PROBE, str(threshold_ns)], stdout=subprocess.PIPE, text=True)
     probe.pid = proc.pid
     proc.stdout.readline()  # "ready" (or nothing, if it failed to start: it then reports no stalls)
     t0 = time.monotonic()

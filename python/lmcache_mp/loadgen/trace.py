@@ -17,6 +17,8 @@ import sys
 import tempfile
 from typing import Iterator
 
+from lmcache_mp.loadgen.processes import deaf_to_ctrl_c
+
 ECHO = """
 import sys, zmq
 ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.bind(sys.argv[1])
@@ -30,7 +32,8 @@ def echo_peer() -> Iterator[str]:
     """A bare pyzmq ROUTER echo in its own process (the ceiling of a lookup); yields its URL."""
     with tempfile.TemporaryDirectory(prefix="lmcache-echo-") as tmp:
         url = f"ipc://{os.path.join(tmp, 'echo')}"
-        proc = subprocess.Popen([sys.executable, "-c", ECHO, url])
+        with deaf_to_ctrl_c():
+            proc = subprocess.Popen([sys.executable, "-c", ECHO, url])
         try:
             yield url
         finally:

@@ -1,9 +1,10 @@
 """One load-generator worker process: a synthetic KV cache, timed store / lookup / retrieve
 phases against a running server, and a bit-for-bit check of everything retrieved.
 
-Spawned by `lmcache_mp.loadgen.runs.run_workers` (so torch is imported here only inside functions:
-the package must stay importable without it). Each worker fills its KV cache with random bits
-and then, phases separated by barriers, each begun by WARM_UP untimed requests:
+Spawned by `lmcache_mp.loadgen.runs.run_workers`. A CPU cache is NumPy arrays in shared memory, so
+the bench needs no torch there; torch is imported only for a CUDA cache (inside functions: the
+package must stay importable without it). Each worker fills its KV cache with random bits and
+then, phases separated by barriers, each begun by WARM_UP untimed requests:
 
   store     `requests` requests of `chunks` chunks each (distinct tokens -> distinct chunk
             hashes), one at a time, each from a different permutation of the first half of
@@ -23,11 +24,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 import time
 import traceback
 
 import numpy as np
 
+from lmcache_mp.errors import LMCacheMPError, ServerUnavailable
 from lmcache_mp.server.gc_pauses import GCPauses
 
 DTYPE_BYTES = 2  # bfloat16
@@ -54,23 +57,35 @@ def object_bytes(lay: dict, chunk: int) -> int:
 
 
 def random_kv(lay: dict, num_blocks: int, cuda: bool, seed: int) -> list:
-    """One bfloat16 KV tensor per layer (CUDA, or CPU shared memory) full of random bits."""
+    """One KV tensor per layer full of random bits: bfloat16 on CUDA, or 16-bit integers in CPU
+    shared memory (NumPy: only the bytes matter to the server)."""
+    shape = kv_shape(lay, num_blocks)
+    if not cuda:
+        from lmcache_mp import shared_cpu_array
+
+        rng = np.random.default_rng(seed)
+        kv = [shared_cpu_array(shape, np.int16, fill=None) for _ in range(lay["layers"])]
+        for a in kv:
+            a[...] = rng.integers(-(1 << 15), 1 << 15, size=shape, dtype=np.int16)
+        return kv
     import torch
 
-    from lmcache_mp import shared_cpu_tensor
-
-    shape = kv_shape(lay, num_blocks)
-    if cuda:
-        kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(lay["layers"])]
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-    else:
-        kv = [shared_cpu_tensor(shape, torch.bfloat16, fill=None) for _ in range(lay["layers"])]
-        gen = torch.Generator().manual_seed(seed)
+    kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(lay["layers"])]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     for t in kv:
         t.view(torch.uint8).random_(0, 256, generator=gen)
-    if cuda:
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     return kv
+
+
+def bits(t):
+    """A layer as 16-bit integers (random bits include NaNs, which never equal themselves: compare
+    bit patterns), and how to index it with a NumPy array of block ids (on its device)."""
+    if isinstance(t, np.ndarray):
+        return t, np.asarray
+    import torch
+
+    return t.view(torch.int16), lambda ids: torch.as_tensor(ids, device=t.device)
 
 
 def request_ids(seed: tuple, half: int, offset: int) -> np.ndarray:
@@ -86,25 +101,21 @@ def request_tokens(seed: tuple, n_tokens: int) -> np.ndarray:
 
 def count_mismatches(kv: list, kind: str, src: np.ndarray, dst: np.ndarray, n: int, loaded: int) -> int:
     """How many of the first `loaded` of n chunks (src and dst: their n * blocks-per-chunk block
-    ids) differ from their source blocks in any bit (random bits include NaNs, which never equal
-    themselves: compare bit patterns). Chunks not loaded are missing, counted apart: a miss is not
-    corruption."""
-    import torch
-
+    ids) differ from their source blocks in any bit. Chunks not loaded are missing, counted apart:
+    a miss is not corruption. (Works on NumPy arrays and torch tensors alike.)"""
     if loaded == 0:
         return 0
     per = len(src) // n
-    dev = kv[0].device
-    s = torch.as_tensor(src[: loaded * per], device=dev)
-    d = torch.as_tensor(dst[: loaded * per], device=dev)
-    bad = torch.zeros(loaded, dtype=torch.bool, device=dev)
+    bad = None
     for t in kv:
-        b = t.view(torch.int16)
+        b, ids = bits(t)
+        s, d = ids(src[: loaded * per]), ids(dst[: loaded * per])
         if kind == "mha":
-            bad |= (b[:, s] != b[:, d]).reshape(2, loaded, -1).any(dim=2).any(dim=0)
+            differ = (b[:, s] != b[:, d]).reshape(2, loaded, -1).any(2).any(0)
         else:
-            bad |= (b[s] != b[d]).reshape(loaded, -1).any(dim=1)
-    return int(bad.sum().item())
+            differ = (b[s] != b[d]).reshape(loaded, -1).any(1)
+        bad = differ if bad is None else bad | differ
+    return int(bad.sum())
 
 
 def busy(seconds: float) -> None:
@@ -119,18 +130,34 @@ def waited(fut):
     return fut
 
 
-def _worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: None) -> dict:
-    """cfg: url, device, geometry (a LAYOUTS entry), model (name prefix), chunks, requests,
-    lookups, tp, workers, run, timeout, gpu_uuids (one per worker on cuda). report(phase,
-    **counts) says that this worker finished a phase (the parent prints it once all have)."""
-    import torch
+class Reporter:
+    """What a worker tells the bench: the phase it begins (a failure names it) and the counts of
+    each phase it finished (the bench prints them once every worker has)."""
 
+    def __init__(self, wid: int, q):
+        self.wid, self._q = wid, q
+        self.phase = "start-up"
+
+    def begin(self, phase: str) -> None:
+        self.phase = phase
+        self._q.put((self.wid, "phase", phase))
+
+    def done(self, phase: str, **counts) -> None:
+        self._q.put((self.wid, "progress", (phase, counts)))
+
+
+def bench_worker(cfg: dict, wid: int, barrier, reporter: Reporter) -> dict:
+    """cfg: url, device, geometry (a LAYOUTS entry), model (name prefix), chunks, requests,
+    lookups, tp, workers, run, timeout, gpu_uuids (one per worker on cuda)."""
     from lmcache_mp import Client, chunk_hashes
 
     lay = cfg["geometry"]
     cuda = cfg["device"] == "cuda"
     info: dict = {"wid": wid, "pid": os.getpid()}
+    reporter.begin("register")
     if cuda:
+        import torch
+
         if torch.cuda.device_count() != 1:
             raise RuntimeError(f"worker {wid} sees {torch.cuda.device_count()} GPUs, expected exactly 1 "
                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
@@ -179,7 +206,7 @@ def _worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: None) -
 
     kv = random_kv(lay, nb, cuda, data_seed)
     handle = client.register_kv_cache(kv, model=model, world_size=world, rank=rank, layout=lay["kind"])
-    report("registered", **{"KV caches": 1, "blocks": nb})
+    reporter.done("registered", **{"KV caches": 1, "blocks": nb})
     info.update(model=model, rank=rank, world_size=world, layout=handle.layout, shared=handle.shared,
                 object_bytes=handle.object_bytes, transfer_mode=handle.transfer_mode)
     obj = handle.object_bytes
@@ -203,6 +230,7 @@ def _worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: None) -
 
     # (a) store
     gc_pauses = GCPauses(keep=None)  # the tails are checked against them
+    reporter.begin("store")
     barrier.wait(timeout)
     if any(client.store(handle, h, warm_ids).result().chunks != 1 for h in warm):
         raise RuntimeError("warm-up store failed")
@@ -213,7 +241,7 @@ def _worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: None) -
                     lambda fut: fut.trace).result()
         stored, present, skipped = stored + res.stored, present + res.present, skipped + res.skipped
     store_wall = time.perf_counter() - t_phase
-    report("store", requests=R, chunks=stored + present)
+    reporter.done("store", requests=R, chunks=stored + present)
     barrier.wait(timeout)
     if wid == 0:  # every worker is registered now: the server says which transfer mode each uses
         info["status_registrations"] = [
@@ -223,6 +251,7 @@ def _worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: None) -
         ]
 
     # (b) lookup (a shared MLA chunk may be another rank's: every rank stored its own by now)
+    reporter.begin("lookup")
     barrier.wait(timeout)
     for h in warm:  # (in a run that overflows L1 they may be gone: that is counted below, not here)
         client.lookup(h, model=model, world_size=world)
@@ -236,9 +265,10 @@ def _worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: None) -
         lookup_short += hits != n
     if bare is not None:
         bare.close()
-    report("lookup", lookups=cfg["lookups"], **({"bare round trips": len(lat_bare)} if bare is not None else {}))
+    reporter.done("lookup", lookups=cfg["lookups"], **({"bare round trips": len(lat_bare)} if bare is not None else {}))
 
     # (c) retrieve
+    reporter.begin("retrieve")
     barrier.wait(timeout)
     for h in warm:
         client.retrieve(handle, h, warm_ids).result()
@@ -250,23 +280,25 @@ def _worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: None) -
                     lambda fut: fut.trace).result()
         loaded_per_request.append(res.loaded)
     retrieve_wall = time.perf_counter() - t_phase
-    report("retrieve", requests=R, chunks=int(sum(loaded_per_request)))
+    reporter.done("retrieve", requests=R, chunks=int(sum(loaded_per_request)))
     gc_pauses.close()
     pauses = list(gc_pauses.recent)
     barrier.wait(timeout)  # nobody verifies while another worker is still timing
 
     # verification: the last timed retrieve in place, every other request retrieved again
+    reporter.begin("verify")
     mismatches = count_mismatches(kv, lay["kind"], src[R - 1], dst[R - 1], n, loaded_per_request[R - 1])
     missing = n - loaded_per_request[R - 1]
     for r in range(R - 1):
         res = client.retrieve(handle, hashes[r], dst[r]).result()
         missing += n - res.loaded
         mismatches += count_mismatches(kv, lay["kind"], src[r], dst[r], n, res.loaded)
-    report("verify", **{"chunks checked": R * n - missing, "missing": missing, "mismatching": mismatches})
+    reporter.done("verify", **{"chunks checked": R * n - missing, "missing": missing, "mismatching": mismatches})
 
     # after a quiet gap, as an engine's requests come (one per step, not back to back), traced;
     # the engine computes meanwhile, so this thread stays busy (a sleeping one would add its
     # own wake-up to the request)
+    reporter.begin("requests after idle gaps")
     idle: dict[str, list] = {"lookup": [], "retrieve": []}
     client.trace = True
     for k in range(IDLE_REQUESTS):
@@ -277,8 +309,9 @@ def _worker(cfg: dict, wid: int, barrier, report=lambda phase, **counts: None) -
         fut = waited(client.retrieve(handle, hashes[k % R], dst[k % R], wait="host"))
         idle["retrieve"].append(fut.trace + [("returned", time.monotonic_ns())])
     client.trace = False
-    report("requests after idle gaps", lookups=IDLE_REQUESTS, retrieves=IDLE_REQUESTS)
+    reporter.done("requests after idle gaps", lookups=IDLE_REQUESTS, retrieves=IDLE_REQUESTS)
 
+    reporter.begin("unregister")
     barrier.wait(timeout)
     client.unregister_kv_cache(handle)
     client.close()
@@ -322,13 +355,18 @@ class BareRoundTrip:
         self._ctx.term()
 
 
-def worker_main(cfg: dict, wid: int, barrier, q) -> None:
+def worker_main(cfg: dict, wid: int, barrier, q, body) -> None:
+    """A worker process: body(cfg, wid, barrier, reporter)'s result on q as (wid, "ok", result),
+    or (wid, "fail", {phase, error, traceback, after_another, server_gone}); the traceback only for
+    an error that is not the server's or the connection's (a bug)."""
+    reporter = Reporter(wid, q)
     try:
-        def report(phase: str, **counts) -> None:
-            q.put((wid, "progress", (phase, counts)))
-
-        q.put((wid, "ok", _worker(cfg, wid, barrier, report)))
-    except BaseException:
+        q.put((wid, "ok", body(cfg, wid, barrier, reporter)))
+    except BaseException as e:
         with contextlib.suppress(Exception):
             barrier.abort()  # the others stop waiting at the next barrier
-        q.put((wid, "fail", traceback.format_exc()))
+        after_another = isinstance(e, threading.BrokenBarrierError)
+        bug = not (after_another or isinstance(e, LMCacheMPError))
+        q.put((wid, "fail", {"phase": reporter.phase, "error": f"{type(e).__name__}: {e}",
+                             "traceback": traceback.format_exc() if bug else "", "after_another": after_another,
+                             "server_gone": isinstance(e, ServerUnavailable)}))

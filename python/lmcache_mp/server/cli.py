@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import gc
 import logging
+import re
 import sys
 
 from lmcache_mp._version import __version__
@@ -80,6 +81,19 @@ def _keygen_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _negative_values_attached(argv: list[str]) -> list[str]:
+    """argparse takes a value such as -5GiB for a flag of its own ("expected one argument"):
+    attached to its flag (--l1-size=-5GiB) it reaches the setting's check, which says what is
+    wrong with it."""
+    out: list[str] = []
+    for arg in argv:
+        if out and re.match(r"-[0-9.]", arg) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def parse_command(argv: list[str]) -> tuple[str, object]:
     """What a command line asks for, checked but not done: ("keygen", DIR), ("doctor", config)
     or ("serve", config). Bad flags exit like argparse (status 2); bad settings raise ValueError
@@ -88,7 +102,7 @@ def parse_command(argv: list[str]) -> tuple[str, object]:
         return "keygen", _keygen_parser().parse_args(argv[1:]).dir
     doctor = argv[:1] == ["doctor"]
     parser = _parser("lmcache-mp-server doctor", DOCTOR_HELP) if doctor else _parser()
-    args = vars(parser.parse_args(argv[1:] if doctor else argv))
+    args = vars(parser.parse_args(_negative_values_attached(argv[1:] if doctor else argv)))
     config_file = args.pop("config")
     try:
         config = ServerConfig.from_sources(cli=args, config_file=config_file)
@@ -120,15 +134,18 @@ def main(argv: list[str] | None = None) -> int:
         return run_doctor(config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from lmcache_mp.native import build_info
+    from lmcache_mp.server.devices import resolve_device
     from lmcache_mp.server.server import run_cache_server
 
     info = build_info()
     cuda = f"CUDA {info['cuda_compiler']} sm {info['cuda_architectures']}" if info["cuda"] else "no CUDA"
     logger.info("lmcache-mp %s (%s, %d GPU(s) visible)", __version__, cuda, info["cuda_devices"])
-    logger.info("endpoint %s, L1 %s, chunk %d tokens, device %s, transfer mode %s", config.url,
-                format_size(config.l1_size), config.chunk_size, config.device, config.transfer_mode)
     tune_process()
     try:
+        device = resolve_device(config.device)
+        logger.info("endpoint %s, L1 %s, chunk %d tokens, device %s, transfer mode %s", config.url,
+                    format_size(config.l1_size), config.chunk_size,
+                    f"{device} (auto)" if config.device == "auto" else device, config.transfer_mode)
         run_cache_server(config)
     except Exception as e:
         logger.error("cannot start: %s", e)

@@ -19,7 +19,8 @@ from typing import Callable
 import numpy as np
 
 from lmcache_mp import protocol as p
-from lmcache_mp.layout import LayoutError, LayoutSpec, infer_layout
+from lmcache_mp.layout import LayoutError, LayoutSpec
+from lmcache_mp.layout import describe_layers as layout_of_layers
 from lmcache_mp.native import cpu_gather, cpu_scatter
 from lmcache_mp.server.shared_memory import SharedMapping
 
@@ -33,22 +34,11 @@ class RegistrationError(ValueError):
 
 
 def describe_layers(req: p.RegisterKVCache) -> LayoutSpec:
-    """The layout shared by every layer tensor of the request."""
-    if not req.layers:
-        raise RegistrationError("a KV cache needs at least one layer tensor")
+    """The layout shared by every layer tensor of the request (layout.describe_layers)."""
     if len(req.layers) > MAX_LAYERS:
         raise RegistrationError(f"too many layers ({len(req.layers)} > {MAX_LAYERS})")
-    first = req.layers[0]
-    for i, layer in enumerate(req.layers):
-        if (layer.shape, layer.strides, layer.dtype, layer.element_size) != (
-            first.shape, first.strides, first.dtype, first.element_size,
-        ):
-            raise RegistrationError(f"layer {i} differs from layer 0 in shape, strides or dtype")
     try:
-        return infer_layout(
-            first.shape, first.strides, first.element_size, first.dtype, len(req.layers), req.layout,
-            block_size=req.block_size or None,
-        )
+        return layout_of_layers(req.layers, req.layout, req.block_size or None)
     except LayoutError as e:
         raise RegistrationError(str(e)) from None
 
@@ -69,7 +59,8 @@ class Registration:
     @functools.cached_property
     def shared(self) -> bool:
         """MLA caches hold the same bytes on every rank: one object serves all of them."""
-        return self.spec.kind == "mla"
+        spec = self.spec.layer if self.spec.kind == "packed" else self.spec
+        return spec.kind == "mla"
 
     @functools.cached_property
     def object_bytes(self) -> int:
@@ -97,6 +88,7 @@ class EngineCopyContext:
     the server knows its layout, never its memory."""
 
     transfer_mode = "engine"
+    mode_reason = "the engine copies in its own CUDA context (transfer='engine')"
 
     def __init__(self, reg: Registration, req: p.RegisterKVCache):
         self.reg = reg
@@ -109,14 +101,15 @@ class EngineCopyContext:
 class CPUCacheContext:
     device = "cpu"
     transfer_mode = "cpu"
+    mode_reason = "a CPU cache: the server's copy threads"
 
     def __init__(self, reg: Registration, req: p.RegisterKVCache):
         self.reg = reg
         self._maps: dict[str, SharedMapping] = {}
         try:
             ptrs = []
-            for i, layer in enumerate(req.layers):
-                m = layer.memory
+            for i in reg.spec.addressed_layers():
+                m = req.layers[i].memory
                 if m.kind != "shm":
                     raise RegistrationError(f"layer {i}: a CPU cache needs shared memory, got {m.kind!r}")
                 mapping = self._maps.get(m.name)
@@ -202,7 +195,7 @@ class IpcEventCache:
             self._events.clear()
 
 
-ModePolicy = Callable[[LayoutSpec, str, int], str]
+ModePolicy = Callable[[LayoutSpec], tuple[str, str]]
 
 
 class GPUCacheContext:
@@ -226,15 +219,16 @@ class GPUCacheContext:
 
         self.reg = reg
         self.device_index = device_index
-        self.transfer_mode = transfer_mode
-        self._choose_mode = choose_mode
+        # The mode of every transfer of this cache, and why (log line, /status)
+        self.transfer_mode, self.mode_reason = (
+            choose_mode(reg.spec) if transfer_mode == "auto" else (transfer_mode, "--transfer-mode"))
         self._ipc = ipc
         self._events = events
         self._handles: list[bytes] = []
         try:
             ptrs = []
-            for i, layer in enumerate(req.layers):
-                m = layer.memory
+            for i in reg.spec.addressed_layers():
+                m = req.layers[i].memory
                 if m.kind != "cuda_ipc":
                     raise RegistrationError(f"layer {i}: a CUDA cache needs a CUDA IPC handle, got {m.kind!r}")
                 base = ipc.acquire(device_index, m.handle)
@@ -250,17 +244,11 @@ class GPUCacheContext:
             self.close()
             raise RegistrationError(str(e)) from None
 
-    def mode_for(self, direction: str, num_chunks: int) -> str:
-        if self.transfer_mode != "auto":
-            return self.transfer_mode
-        return self._choose_mode(self.reg.spec, direction, num_chunks)
-
     def submit(self, direction: str, block_ids: np.ndarray, object_ptrs: np.ndarray, capacity: int,
                wait_event: bytes, with_handle: bool = False):
         """The transfer's ticket; with_handle: (ticket, its completion event's IPC handle)."""
         ev = self._events.get(self.device_index, wait_event) if wait_event else 0
-        mode = self.mode_for(direction, len(object_ptrs))
-        return self.engine.submit(direction, mode, block_ids, object_ptrs, self.reg.chunk_size, capacity, ev,
+        return self.engine.submit(direction, self.transfer_mode, block_ids, object_ptrs, self.reg.chunk_size, capacity, ev,
                                   with_handle)
 
     def close(self) -> None:

@@ -190,13 +190,18 @@ def check_endpoint(r: Report, config: ServerConfig) -> None:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        if config.url.startswith("ipc://") and os.path.exists(config.url[6:]):
-            r.line(WARN, f"endpoint {config.url}: the socket file exists (a server running, or left by one "
-                   "that was killed; a new server replaces it)")
+        if config.url.startswith("ipc://") and os.path.lexists(config.url[6:]):
+            from lmcache_mp.server.socket_files import server_answers
+
+            if server_answers(config.url[6:], socket.SOCK_STREAM, "the endpoint"):
+                r.line(FAIL, f"endpoint {config.url}: another server answers there", "stop it, or pick another --url")
+            else:
+                r.line(OK, f"endpoint {config.url}: a socket file nothing answers on (a killed server's): a new "
+                       "server takes it over")
         else:
             sock.bind(config.url)
             r.line(OK, f"endpoint {config.url}: can be bound")
-    except zmq.ZMQError as e:
+    except (zmq.ZMQError, OSError) as e:
         r.line(FAIL, f"endpoint {config.url}: {e}", "another server may be running there; pick another --url")
     finally:
         sock.close(0)

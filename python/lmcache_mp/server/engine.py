@@ -104,10 +104,12 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         self._closed = False
         self.started = time.time()
         self.gc_pauses = GCPauses()
+        cut = config.slab_cut_from
         logger.info(
-            "L1: %s of %s host memory (slabs of %s%s)",
-            format_size(self.arena.capacity), "pinned" if pin else "shared",
-            format_size(self.arena.slab_bytes), f", NUMA node {numa}" if numa >= 0 else "",
+            "L1: %s of %s host memory (slabs of %s%s%s)",
+            format_size(self.arena.capacity), "pinned" if pin else "shared", format_size(self.arena.slab_bytes),
+            f", not the {format_size(cut)} set: a slab is at most L1/16" if cut else "",
+            f", NUMA node {numa}" if numa >= 0 else "",
         )
 
     def _open_l2(self, config: ServerConfig) -> L2Tiers | None:
@@ -255,7 +257,9 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
             regs = [
                 {"id": f"{kv & 0xFFFF:04x}",  # a tag (as in thread names): the kv_id is the client's secret
                  "model": e.ctx.reg.model, "rank": e.ctx.reg.rank, "world_size": e.ctx.reg.world_size,
-                 "layout": e.ctx.reg.spec.kind, "device": e.ctx.device, "transfer_mode": e.ctx.transfer_mode,
+                 "layout": e.ctx.reg.spec.kind, "layers": e.ctx.reg.spec.model_layers,
+                 "copy_bytes": e.ctx.reg.spec.segment_bytes, "device": e.ctx.device,
+                 "transfer_mode": e.ctx.transfer_mode, "transfer_mode_reason": e.ctx.mode_reason,
                  "object_bytes": e.ctx.reg.object_bytes}
                 for kv, e in self._entries.items()
             ]

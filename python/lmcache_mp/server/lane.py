@@ -72,15 +72,15 @@ class LaneConn:
                 self.sock.close()
 
 
+def lane_path(zmq_url: str) -> str | None:
+    """The lane's socket file: beside an ipc:// endpoint's (None: an abstract address)."""
+    return zmq_url[len("ipc://"):] + ".lane" if zmq_url.startswith("ipc://") else None
+
+
 class Lane:
     def __init__(self, zmq_url: str, ipc_group: str = ""):
-        self._path = None
-        if zmq_url.startswith("ipc://"):
-            self._path = zmq_url[len("ipc://"):] + ".lane"
-            try:
-                os.unlink(self._path)  # a previous server's
-            except FileNotFoundError:
-                pass
+        self._path = lane_path(zmq_url)
+        if self._path:  # (claimed with the endpoint's before either is bound: Transport)
             bind_to = self._path
             self.address = self._path
         else:

@@ -24,6 +24,7 @@ from lmcache_mp.server.contexts import (
     RegistrationError,
     describe_layers,
 )
+from lmcache_mp.layout import describe_kind
 from lmcache_mp.server.gc_pauses import settle
 from lmcache_mp.server.policy import choose_transfer_mode
 from lmcache_mp.server.replies import Reply
@@ -159,9 +160,9 @@ class RegistrationHandling:
             settle()  # the registration's objects live until it ends
             spec = reg.spec
             logger.info("registered %s KV cache: model %s rank %d/%d, %d layers x %d blocks of %d tokens, "
-                        "%s, %s per chunk, transfer mode %s", spec.kind, reg.model, reg.rank, reg.world_size,
-                        spec.num_layers, spec.num_blocks, spec.block_size, spec.dtype,
-                        format_size(reg.object_bytes), ctx.transfer_mode)
+                        "%s, %s per chunk, transfer mode %s (%s)", describe_kind(spec), reg.model, reg.rank,
+                        reg.world_size, spec.model_layers, spec.num_blocks, spec.block_size, spec.dtype,
+                        format_size(reg.object_bytes), ctx.transfer_mode, ctx.mode_reason)
             reply(p.RegisterReply(kv_id=kv_id, layout=spec.kind, object_bytes=reg.object_bytes,
                                   transfer_mode=ctx.transfer_mode, shared=reg.shared, block_size=spec.block_size,
                                   num_blocks=spec.num_blocks))

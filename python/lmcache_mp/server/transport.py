@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -18,9 +19,9 @@ import zmq
 
 from lmcache_mp import protocol as p
 from lmcache_mp.native import spin_poll
-from lmcache_mp.server.lane import Lane, LaneConn
+from lmcache_mp.server.lane import Lane, LaneConn, lane_path
 from lmcache_mp.server.request_stats import RequestStats
-from lmcache_mp.server.socket_files import share_with_group, socket_files_private
+from lmcache_mp.server.socket_files import claim_socket_file, share_with_group, socket_files_private
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,11 @@ class Transport:
         self.engine = engine
         self.stats = RequestStats()
         self._spin = spin_us / 1e6
+        lane = lane and curve is None  # the lane has no authentication: only ZeroMQ with CURVE
+        if url.startswith("ipc://"):  # both files before anything is made: a refusal leaves nothing to undo
+            claim_socket_file(url[len("ipc://"):], socket.SOCK_STREAM, "the endpoint")
+            if lane:
+                claim_socket_file(lane_path(url), socket.SOCK_SEQPACKET, "the local lane")
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -90,9 +96,8 @@ class Transport:
         self._sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
-        if curve is not None:  # the lane has no authentication: only ZeroMQ with CURVE then
+        if curve is not None:
             curve.apply(self._sock)
-            lane = False
         with socket_files_private():
             self._sock.bind(url)
         self.url = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
