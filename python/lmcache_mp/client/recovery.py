@@ -64,14 +64,15 @@ class RestartRecovery:
             if self._closed or self._away:
                 return
             self._away = why
-        logger.warning("lmcache-mp client %s: server %s is away (%s); requests fail at once until it is back",
-                       self.name, self.url, why)
+        # (debug: the caller hears of it from its requests, and says what it means for it)
+        logger.debug("lmcache-mp client %s: server %s is away (%s); requests fail at once until it is back",
+                     self.name, self.url, why)
 
     def _came_back(self) -> None:
         with self._lock:
             was, self._away = self._away, ""
         if was:
-            logger.info("lmcache-mp client %s: server %s is back", self.name, self.url)
+            logger.debug("lmcache-mp client %s: server %s is back", self.name, self.url)
 
     def _suspect_restart(self) -> None:
         if self._closed or not self._restarting.acquire(blocking=False):

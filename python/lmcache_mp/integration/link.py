@@ -74,6 +74,7 @@ class ClientLink:
         self._stop = threading.Event()
         self._paused_until = 0.0
         self._slow_logged = False  # a slow server has been logged and has not answered since
+        self._away_logged = False  # an outage has been logged and not yet its end
         self._closed = False
         _live_links.add(self)
 
@@ -107,14 +108,29 @@ class ClientLink:
             return None
         if self._closed:
             return None
-        if getattr(client, "server_away", ""):
+        away = getattr(client, "server_away", "")
+        if away:
             # The heartbeat says when it is back; a pause for a request that failed as it left
             # would only hold the client back longer.
             self._paused_until = 0.0
+            self._log_outage(away)
             return None
+        if self._away_logged:
+            self._log_outage("")
         if self._clock() < self._paused_until:
             return None
         return client
+
+    def _log_outage(self, away: str) -> None:
+        """Once when the engine first meets an outage, once when it first finds it over."""
+        with self._lock:
+            changed = self._away_logged != bool(away)
+            self._away_logged = bool(away)
+        if changed and away:
+            logger.warning("%s: server %s is away (%s); treating it as a cache miss until it is back", self.name,
+                           self.url, away)
+        elif changed:
+            logger.info("%s: server %s is back", self.name, self.url)
 
     def report_failure(self, exc: BaseException) -> None:
         """A request failed (timed out, or found no server): unless the client already knows its
