@@ -26,6 +26,9 @@ MODULES = {
     "vllm/v1/metrics/cache_hit_source.py": [],
     "vllm/distributed/parallel_state.py": [],
     "vllm/v1/core/block_pool.py": ["BlockPool"],
+    "vllm/v1/kv_cache_layout.py": ["KVCacheLayout"],
+    "vllm/distributed/kv_transfer/kv_connector/utils.py": [],
+    "vllm/v1/attention/backends/utils.py": [],
 }
 
 
