@@ -109,28 +109,29 @@ def time_connects() -> list[float]:
     return waits
 
 
-def connector_stats() -> dict:
-    """Sum of the counters of the connector cores in this process (workers of other processes,
-    as with tensor parallelism, are not seen); maxima (*_max) are the largest."""
-    try:
-        from lmcache_mp.integration.connector_core import SchedulerCore, WorkerCore
-    except ImportError:
-        return {}
+def connector_cores() -> list:
+    """The connector cores in this process (workers of other processes, as with tensor
+    parallelism, are not seen). Looked for once: a look at every object takes a while."""
+    from lmcache_mp.integration.connector_core import SchedulerCore, WorkerCore
+
+    return of_type((SchedulerCore, WorkerCore))
+
+
+def connector_stats(cores: list) -> dict:
+    """Sum of the cores' counters; maxima (*_max) are the largest."""
     total: dict = {}
-    for core in of_type((SchedulerCore, WorkerCore)):
+    for core in cores:
         for k, v in core.stats.items():
             total[k] = max(total.get(k, 0), v) if k.endswith("_max") else total.get(k, 0) + v
     return total
 
 
-def batch_stats(before: dict) -> dict:
-    """The connector's counters over one batch (from `before`, the totals at its start); its
-    maxima are the batch's own (they start again from 0 for the next)."""
-    from lmcache_mp.integration.connector_core import SchedulerCore
-
-    now = connector_stats()
+def batch_stats(cores: list, before: dict) -> dict:
+    """The cores' counters over one batch (from `before`, the totals at its start); its maxima
+    are the batch's own (they start again from 0 for the next)."""
+    now = connector_stats(cores)
     out = {k: v if k.endswith("_max") else v - before.get(k, 0) for k, v in now.items()}
-    for core in of_type(SchedulerCore):
+    for core in cores:
         core.stats.update({k: 0 for k in core.stats if k.endswith("_max")})
     return out
 
@@ -240,22 +241,23 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
     else:
         batches = [[p] for p in prompts] if sequential else [prompts]
     outs, per_batch = [], []
+    cores = connector_cores() if connector_url else []
     for i, batch in enumerate(batches):
         waited = wait_for_connector(wait_for_resume(pause_dir, i)) if pause_dir and i else 0.0
-        before = connector_stats() if connector_url else {}
+        before = connector_stats(cores)
         if batch:
             prompts_, params_, adapters = zip(*(request(p, params, loras or {}) for p in batch))
             outs += llm.generate(list(prompts_), list(params_), lora_request=list(adapters), use_tqdm=False)
         if kv_events:
             publish_events(llm, params)
-        per_batch.append({"waited_s": waited, "connector": batch_stats(before) if connector_url else {}})
+        per_batch.append({"waited_s": waited, "connector": batch_stats(cores, before)})
     t2 = time.perf_counter()
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
         "engine_start_s": t1 - t0,
         "generate_s": t2 - t1,
-        "connector": whole_run(connector_stats(), per_batch) if connector_url else {},
+        "connector": whole_run(connector_stats(cores), per_batch) if connector_url else {},
         "connect_s": connect_waits,
         "batches": per_batch,
     }
