@@ -234,6 +234,7 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         disable_log_stats=not log_stats,
         **kwargs,
     )
+    cores = connector_cores() if connector_url else []  # (a look at every object: not timed as generation)
     t1 = time.perf_counter()
     params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
     if pause_dir:
@@ -241,7 +242,6 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
     else:
         batches = [[p] for p in prompts] if sequential else [prompts]
     outs, per_batch = [], []
-    cores = connector_cores() if connector_url else []
     for i, batch in enumerate(batches):
         waited = wait_for_connector(wait_for_resume(pause_dir, i)) if pause_dir and i else 0.0
         before = connector_stats(cores)
