@@ -137,13 +137,19 @@ class LayoutSpec:
         return n
 
 
-def _check_contiguous(shape: Sequence[int], strides: Sequence[int], what: str) -> None:
-    """Raise unless the (element) dims are C-contiguous, ignoring dims of size 1."""
+def is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether the (element) dims are C-contiguous, ignoring dims of size 1."""
     expected = 1
     for size, stride in zip(reversed(shape), reversed(strides)):
         if size != 1 and stride != expected:
-            raise LayoutError(f"{what} must be contiguous (shape {list(shape)}, strides {list(strides)})")
+            return False
         expected *= size
+    return True
+
+
+def _check_contiguous(shape: Sequence[int], strides: Sequence[int], what: str) -> None:
+    if not is_contiguous(shape, strides):
+        raise LayoutError(f"{what} must be contiguous (shape {list(shape)}, strides {list(strides)})")
 
 
 def _dense_order(shape: Sequence[int], strides: Sequence[int], what: str) -> tuple[tuple[int, int], ...]:

@@ -159,7 +159,7 @@ def _remove_names() -> None:
         _remove_name(name)
 
 
-def _new_shared_file(nbytes: int) -> tuple[str, str]:
+def new_shared_file(nbytes: int) -> tuple[str, str]:
     """A fresh shared-memory file of nbytes (at least 1): (name, path)."""
     name = new_shared_name()
     path = shm_path(name)
@@ -191,7 +191,7 @@ def shared_cpu_tensor(shape, dtype, *, fill: float | None = 0):
     for s in shape:
         numel *= s
     itemsize = torch.empty((), dtype=dtype).element_size()
-    name, path = _new_shared_file(numel * itemsize)
+    name, path = new_shared_file(numel * itemsize)
     flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
     tensor = flat.view(shape)
     if fill is not None:
@@ -213,7 +213,7 @@ def shared_cpu_array(shape, dtype, *, fill: float | None = 0):
     shape = tuple(int(s) for s in shape)
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    name, path = _new_shared_file(nbytes)
+    name, path = new_shared_file(nbytes)
     fd = os.open(path, os.O_RDWR)
     try:
         buf = mmap.mmap(fd, max(nbytes, 1))

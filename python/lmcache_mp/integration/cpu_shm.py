@@ -68,13 +68,7 @@ def _new_file(nbytes: int) -> tuple[SharedBuffer, str]:
     except OSError as exc:
         logger.warning("cannot make an unnamed file in %s (%s): the CPU KV cache's file keeps its name, and a "
                        "killed worker leaves it behind", shm.SHM_DIR, exc)
-    name = shm.new_shared_name()
-    path = shm_path(name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
+    name, path = shm.new_shared_file(nbytes)
     buf = SharedBuffer(name=name, nbytes=nbytes, base=0, unnamed=False)
     with _lock:
         _named[name] = buf

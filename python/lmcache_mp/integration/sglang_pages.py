@@ -22,9 +22,11 @@ No SGLang import here: the pool's tensor, layout and geometry are passed in.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
+from lmcache_mp.layout import is_contiguous
 from lmcache_mp.protocol import MAX_LAYERS
 
 # (attention kind, layout) -> (axis of the buffer that indexes tokens or pages, which of the two)
@@ -97,12 +99,12 @@ def plan_pages(kv_buffer, *, kind: str, layout: str, page_size: int, chunk_size:
     num_pages = buf.shape[axis]
     inner = buf.shape[axis + 1:]
     run_elems = math.prod(inner)
-    if not _dense(buf.shape[axis + 1:], buf.stride()[axis + 1:]):
+    if not is_contiguous(buf.shape[axis + 1:], buf.stride()[axis + 1:]):
         raise UnsupportedPool(f"a page of this {layout} buffer (shape {list(kv_buffer.shape)}, strides "
                               f"{list(kv_buffer.stride())}) is not made of contiguous runs")
     outer = buf.shape[:axis]
     runs = []
-    for index in _indices(outer):
+    for index in itertools.product(*(range(size) for size in outer)):
         run = buf[index] if index else buf
         runs.append(run.view(num_pages, run_elems))  # a view: the checks above make this possible
     if len(runs) > MAX_LAYERS:
@@ -116,18 +118,3 @@ def plan_pages(kv_buffer, *, kind: str, layout: str, page_size: int, chunk_size:
     return PagePlan(kind=kind, layout=layout, page_size=page_size, num_pages=num_pages, runs=tuple(runs),
                     run_bytes=run_bytes, dtype=str(kv_buffer.dtype).removeprefix("torch."))
 
-
-def _dense(shape, strides) -> bool:
-    expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides)):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _indices(shape) -> list[tuple]:
-    out = [()]
-    for size in shape:
-        out = [index + (i,) for index in out for i in range(size)]
-    return out

@@ -248,8 +248,8 @@ class GPUCacheContext:
                wait_event: bytes, with_handle: bool = False):
         """The transfer's ticket; with_handle: (ticket, its completion event's IPC handle)."""
         ev = self._events.get(self.device_index, wait_event) if wait_event else 0
-        return self.engine.submit(direction, self.transfer_mode, block_ids, object_ptrs, self.reg.chunk_size, capacity, ev,
-                                  with_handle)
+        return self.engine.submit(direction, self.transfer_mode, block_ids, object_ptrs, self.reg.chunk_size,
+                                  capacity, ev, with_handle)
 
     def close(self) -> None:
         self.engine = None  # the engine synchronises its streams when destroyed
