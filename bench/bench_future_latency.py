@@ -15,6 +15,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,7 +72,8 @@ def main() -> None:
     ap.add_argument("--heartbeat", type=float, default=1.0, help="the clients' heartbeat interval (s)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    sock = os.path.join(tempfile.mkdtemp(prefix="lmc-futures-"), "srv.sock")
+    folder = tempfile.mkdtemp(prefix="lmc-futures-")
+    sock = os.path.join(folder, "srv.sock")
     server = start_server(sock)
     rows = []
     try:
@@ -87,6 +89,7 @@ def main() -> None:
     finally:
         server.kill()
         server.wait(10)
+        shutil.rmtree(folder, ignore_errors=True)  # a killed server leaves its socket files
     print(f"futures nobody reads for: reply sent -> future resolved (heartbeat {args.heartbeat} s)")
     print(f"{'transport':>9} {'call before':>17} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'> 5 ms':>7}")
     for r in rows:

@@ -1,6 +1,14 @@
+import glob
 import os
+import shutil
+import tempfile
 
 import pytest
+
+# Socket files need short paths (at most ~107 bytes; pytest's tmp_path can be longer): tests make
+# them in folders of this prefix, each removed with everything a killed server left in it (its
+# local lane's socket file beside the endpoint's).
+SOCKET_DIR_PREFIX = f"lmc-test-{os.getpid()}-"
 
 
 def _gpu_available() -> tuple[bool, str]:
@@ -58,3 +66,22 @@ def shm_files():
     after = {f for f in os.listdir("/dev/shm")
              if f.startswith(f"lmcache_mp_{os.getpid()}_") or (f.startswith("lmcache_mp_") and _owner_gone(f))}
     assert not (after - before), f"leaked shared-memory files: {sorted(after - before)}"
+
+
+@pytest.fixture
+def socket_dir():
+    """A short folder in /tmp for socket files, removed with whatever is left in it."""
+    path = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX, dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run that leaves socket folders of this process in /tmp fails."""
+    left = glob.glob(f"/tmp/{SOCKET_DIR_PREFIX}*")
+    if left:
+        for path in left:
+            shutil.rmtree(path, ignore_errors=True)
+        print(f"\nleft behind in /tmp: {left}")
+        if exitstatus == 0:
+            session.exitstatus = 1

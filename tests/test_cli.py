@@ -72,11 +72,8 @@ class ServerProcess:
 
 
 @pytest.fixture
-def sock_path(tmp_path):
-    # ipc paths are limited to ~107 bytes; pytest's tmp_path can be long
-    path = Path(f"/tmp/lmcache-mp-cli-{os.getpid()}-{time.monotonic_ns()}.sock")
-    yield path
-    path.unlink(missing_ok=True)
+def sock_path(socket_dir):
+    return Path(socket_dir) / "srv.sock"
 
 
 def test_serves_a_client_and_exits_cleanly_on_sigterm(sock_path, shm_files):

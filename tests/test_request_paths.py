@@ -240,10 +240,13 @@ def test_the_local_lane_is_used_when_reachable_and_comes_back_after_a_restart(sh
             c.lookup(hashes, model="m", timeout=0.5)
         srv = ServerProcess(args)
         srv.wait_ready()
+        # Back means: the lane reconnected and the KV cache registered again. Until the client has
+        # registered it, it still takes the server to be away (its requests would find no KV cache).
         deadline = time.monotonic() + 20
-        while not (c._io.has_lane and h.kv_id in c.status()["mine"]):
-            assert time.monotonic() < deadline, "the client did not come back on the lane"
-            time.sleep(0.1)
+        while c.server_away or not c._io.has_lane:
+            assert time.monotonic() < deadline, f"the client did not come back on the lane ({c.server_away})"
+            time.sleep(0.05)
+        assert h.kv_id in c.status()["mine"]
         assert c.lookup(hashes, model="m") == 0  # a new server: an empty cache
         assert c.store(h, hashes, blocks_of(2)).result(10).chunks == 2
         dst = blocks_of(2, start=len(blocks_of(2)))

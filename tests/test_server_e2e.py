@@ -74,10 +74,8 @@ def no_internal_errors(caplog):
 
 
 @pytest.fixture
-def ipc_url():
-    path = Path(f"/tmp/lmcache-mp-e2e-{os.getpid()}-{time.monotonic_ns()}.sock")
-    yield f"ipc://{path}"
-    path.unlink(missing_ok=True)
+def ipc_url(socket_dir):
+    return f"ipc://{socket_dir}/srv.sock"
 
 
 def run_workers(targets, timeout: float = 120) -> list:
