@@ -72,3 +72,37 @@ def test_requests_fail_at_once_while_the_server_is_away_and_work_when_it_is_back
     finally:
         client.close()
         server.stop()
+
+
+@pytest.mark.parametrize("transport", ["ipc_lane", "tcp_lane", "tcp_zeromq"])
+def test_the_first_requests_after_the_server_was_killed_fail_at_once(shm_files, socket_dir, transport):
+    """A request made just after the server's process died, which found its way to ZeroMQ's queue
+    (the lane's send failed, ZeroMQ has no connection to send on), fails once the client takes the
+    server to be away (nothing listens at its address), not at its timeout."""
+    from test_cli import ServerProcess
+
+    url = f"ipc://{socket_dir}/s.sock" if transport == "ipc_lane" else f"tcp://127.0.0.1:{free_port()}"
+    srv = ServerProcess(["--url", url, "--device", "cpu", "--l1-size", "16MiB", "--chunk-size", str(CHUNK),
+                         "--http-addr", "off"])
+    try:
+        srv.wait_ready()
+        timeout = 8.0
+        client = Client(url, timeout=timeout, local_lane=transport != "tcp_zeromq", heartbeat_interval=0.5)
+        try:
+            hashes = chunk_hashes(list(range(2 * CHUNK)), CHUNK)
+            assert client.lookup(hashes, model="m") == 0
+            srv.kill()
+            waits = []
+            for _ in range(20):  # 0 to ~0.2 s after the kill, and later
+                t0 = time.monotonic()
+                with pytest.raises(ServerUnavailable):
+                    client.lookup(hashes, model="m")
+                waits.append(time.monotonic() - t0)
+                time.sleep(0.01)
+            # (the heartbeat alone would find it away within about two intervals: 1 s)
+            assert max(waits) < timeout / 2, [round(w, 3) for w in waits]
+            assert client.server_away
+        finally:
+            client.close()
+    finally:
+        srv.kill()

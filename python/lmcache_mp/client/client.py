@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 
 
+# A synchronous call waiting for a connection or a reply looks this often whether the client has
+# found the server away (unsent requests fail then) or gone (then waiting for a reply ends too).
+AWAY_CHECK_S = 0.05
 # Synchronous calls that take the local lane when there is one (small replies, quick on the server).
 _LANE_CALLS = (p.Lookup, p.Release, p.Ping, p.UnregisterKVCache, p.Clear)
 
@@ -85,6 +88,7 @@ class Client(RestartRecovery):
         self._opened = OpenedEvents()
         self._closed = False
         self._away = ""  # why the server is taken to be away (recovery.py)
+        self._gone = False  # and nothing listens at its address: no request it took will be answered
         self._restarting = threading.Lock()
         self._io: IOThread | None = None
         self._engine = EngineTransfers(self)
@@ -129,7 +133,6 @@ class Client(RestartRecovery):
             sock.connect(self.url)
             self._local.sock = sock
             self._local.fds = [sock.get(zmq.FD)]
-            self._local.timeout_ms = None
             with self._lock:
                 self._sync_sockets[sock] = threading.current_thread()
         return sock
@@ -158,21 +161,16 @@ class Client(RestartRecovery):
                     self._local.trace = stamps
         sock = self._socket()
         rid = next(self._ids)
-        ms = max(1, int(timeout * 1000))
-        if self._local.timeout_ms != ms:  # a blocking send with a timeout: no extra poll per call
-            sock.setsockopt(zmq.SNDTIMEO, ms)
-            self._local.timeout_ms = ms
         deadline = time.monotonic() + timeout
         stamps = [("call", time.monotonic_ns())] if self.trace else None
         body = p.encode(msg)
         if len(body) > p.MAX_MESSAGE_BYTES:
             raise p.too_large(msg, len(body))
+        frames = (p.pack_request_id(rid), body) if stamps is None else (p.pack_request_id(rid), body, p.TRACE_FRAME)
         try:
-            sock.send_multipart((p.pack_request_id(rid), body) if stamps is None
-                                else (p.pack_request_id(rid), body, p.TRACE_FRAME))
-        except zmq.Again:
-            hint = " (with CURVE: are the server key and this client's key the right ones?)" if self.curve else ""
-            raise ServerUnavailable(f"no server reachable at {self.url} within {timeout:.3g} s{hint}") from None
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:  # no connection (yet)
+            self._send_once_connected(sock, frames, deadline, timeout)
         if stamps is not None:
             stamps.append(("client sent", time.monotonic_ns()))
         spin_until = time.monotonic() + self._spin
@@ -180,8 +178,11 @@ class Client(RestartRecovery):
             now = time.monotonic()
             if now > deadline:
                 raise ServerUnavailable(f"no reply to {type(msg).__name__} from {self.url} within {timeout:.3g} s")
+            if self._gone:  # its process is gone: no reply will come
+                raise self._away_error(self._away)
             if not sock.get(ZMQ_EVENTS) & ZMQ_POLLIN:  # poll for the reply a while before sleeping
-                spin_poll(self._local.fds, int(max(0.0, spin_until - now) * 1e6), int((deadline - now) * 1000) + 1)
+                spin_poll(self._local.fds, int(max(0.0, spin_until - now) * 1e6),
+                          int(min(deadline - now, AWAY_CHECK_S) * 1000) + 1)
                 continue
             frames = sock.recv_multipart(zmq.NOBLOCK)
             if self._io is not None:
@@ -192,6 +193,23 @@ class Client(RestartRecovery):
                     self._local.trace = stamps
                 return _check(p.decode_reply(frames[1]), expected)
             # a late reply to a request that timed out earlier: skip it
+
+    def _send_once_connected(self, sock: zmq.Socket, frames: tuple, deadline: float, timeout: float) -> None:
+        """A synchronous request ZeroMQ could not send at once (no connection): sent once it
+        can be, unless the deadline passes or the client finds the server away meanwhile."""
+        while True:
+            if self._away:
+                raise self._away_error(self._away)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                hint = " (with CURVE: are the server key and this client's key the right ones?)" if self.curve else ""
+                raise ServerUnavailable(f"no server reachable at {self.url} within {timeout:.3g} s{hint}")
+            if sock.poll(int(min(left, AWAY_CHECK_S) * 1000) + 1, zmq.POLLOUT):
+                try:
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    pass
 
     def last_trace(self) -> list[tuple[str, int]] | None:
         """The stages of this thread's last synchronous call (lookup, ...) when tracing."""

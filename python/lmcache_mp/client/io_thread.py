@@ -75,10 +75,11 @@ class Heartbeat(NamedTuple):
 
 
 class _Pending:
-    __slots__ = ("future", "convert", "deadline", "what", "on_settled", "expires", "stamps", "lane", "settled")
+    __slots__ = ("future", "convert", "deadline", "what", "on_settled", "expires", "stamps", "lane", "settled",
+                 "while_away")
 
     def __init__(self, future: Future, convert: Converter, deadline: float, what: str, on_settled, expires: bool,
-                 stamps: list | None = None):
+                 stamps: list | None = None, while_away: bool = False):
         self.future = future
         self.convert = convert
         self.deadline = deadline  # to be sent by then; once sent, answered by then if `expires`
@@ -88,6 +89,7 @@ class _Pending:
         self.stamps = stamps  # a traced request's timestamps (also future.trace)
         self.lane = None  # the local-lane socket it went out on, if it did
         self.settled = False
+        self.while_away = while_away  # may wait to be sent while the server is away (heartbeats, recovery)
 
 
 class _Waker:
@@ -156,7 +158,10 @@ class IOThread:
         # mailbox eventfd, which then aborts the process): close and write under one lock.
         self._wake_lock = threading.Lock()
         self._wake_open = True
-        self._inbox: collections.deque = collections.deque()  # for the I/O thread: unsent requests, fail_all
+        self._inbox: collections.deque = collections.deque()  # for the I/O thread: unsent requests, failures
+        # While set (the server is away), requests that could not be sent at once fail with it
+        # instead of waiting to be sent (see set_away).
+        self._away: BaseException | None = None
         self._unsent: collections.deque = collections.deque()  # I/O thread: queued until the socket connects
         self._local = threading.local()
         self._ids = itertools.count(1 << 62)  # apart from the sync sockets' ids
@@ -169,12 +174,14 @@ class IOThread:
 
     def request(self, msg: p._Msg, timeout: float, convert: Converter,
                 on_settled: Callable[[], None] | None = None, expires: bool = True,
-                stamps: list | None = None) -> Future:
+                stamps: list | None = None, while_away: bool = False) -> Future:
         """Send msg; the future gets convert(reply), or an error. on_settled runs once the
         request is answered, failed or timed out (e.g. to return a pooled event). expires=False:
         once sent, the request waits for its reply however long it takes (it still fails when
         it cannot be sent within `timeout`, when the client closes, or on fail_all). stamps: a
-        list to trace the request in (the server's stages included), also set as future.trace."""
+        list to trace the request in (the server's stages included), also set as future.trace.
+        while_away: it may wait to be sent while the server is away (set_away), as the requests
+        that find out whether it is back do."""
         fut = ReplyFuture(self)
         fut.trace = stamps
         if self._stop:
@@ -185,7 +192,8 @@ class IOThread:
             fut.set_exception(p.too_large(msg, len(body)))
             return fut
         rid = next(self._ids)
-        pend = _Pending(fut, convert, time.monotonic() + timeout, type(msg).__name__, on_settled, expires, stamps)
+        pend = _Pending(fut, convert, time.monotonic() + timeout, type(msg).__name__, on_settled, expires, stamps,
+                        while_away)
         if (self._lane is not None and len(body) <= p.LANE_MAX_BYTES - 64 and not isinstance(msg, p.Status)
                 and self._send_lane(rid, body, pend)):
             return fut
@@ -307,6 +315,16 @@ class IOThread:
         """Fail every request in flight (e.g. the server restarted and will never answer)."""
         self._inbox.append((None, None, error))
         self._wakeup()
+
+    def set_away(self, error: BaseException | None, in_flight: bool = False) -> None:
+        """The server is away (error) or back (None). While it is away, requests waiting to be
+        sent fail with error at once, as do those that cannot be sent later (but for while_away
+        ones); in_flight: the server's process is gone, so those sent to it fail too (no reply
+        will ever come)."""
+        self._away = error
+        if error is not None:
+            self._inbox.append((None, in_flight, error))
+            self._wakeup()
 
     def _wakeup(self) -> None:
         with self._wake_lock:
@@ -472,15 +490,25 @@ class IOThread:
     def _send_queued(self) -> None:
         while self._inbox:
             item = self._inbox.popleft()
-            if item[0] is None:  # fail_all marker
-                error = item[2]
+            if item[0] is None:  # a failure: (None, None, error) of fail_all, (None, in_flight, error) of set_away
+                _, in_flight, error = item
+                everything = in_flight is None
                 with self._lock:
-                    failed = list(self._pending.values())
-                    self._pending.clear()
+                    gone = [rid for rid, pd in self._pending.items()
+                            if everything or (in_flight and not pd.while_away)]
+                    failed = [self._pending.pop(rid) for rid in gone]
+                unsent, self._unsent = self._unsent, collections.deque()
+                for it in unsent:
+                    if everything or not it[2].while_away:
+                        failed.append(it[2])
+                    else:
+                        self._unsent.append(it)
                 for pd in failed:
                     self._settle(pd, error=error)
-                while self._unsent:
-                    self._settle(self._unsent.popleft()[2], error=error)
+                continue
+            away = self._away
+            if away is not None and not item[2].while_away:  # it could not be sent at once: it never will
+                self._settle(item[2], error=away)
                 continue
             self._unsent.append(item)
         while self._unsent:
@@ -548,7 +576,8 @@ class IOThread:
                 next_beat = now + self._interval
                 beat = self._heartbeat()
                 if beat is not None:
-                    self.request(beat.msg, self._interval * 2, beat.convert).add_done_callback(beat.settled)
+                    self.request(beat.msg, self._interval * 2, beat.convert,
+                                 while_away=True).add_done_callback(beat.settled)
         err = ServerUnavailable("the client is closed")
         with self._lock:
             self._open = False

@@ -39,11 +39,13 @@ class RestartRecovery:
         with ServerUnavailable. Its heartbeat notices when the server is back, within a second."""
         return self._away
 
+    def _away_error(self, why: str) -> ServerUnavailable:
+        return ServerUnavailable(f"the server at {self.url} is away ({why}); requests fail at once until it is back")
+
     def _check_reachable(self) -> None:
         away = self._away
         if away:
-            raise ServerUnavailable(f"the server at {self.url} is away ({away}); requests fail at once "
-                                    "until it is back")
+            raise self._away_error(away)
 
     def _heartbeat_msg(self) -> Heartbeat:
         sent = time.monotonic()
@@ -56,21 +58,30 @@ class RestartRecovery:
             if self._io is not None and self._io.last_heard > sent:
                 return  # the server answered something else meanwhile: only this beat was slow
             self._went_away(f"no reply to its heartbeat: {error}")
+            self._suspect_restart()  # (which also finds out whether its process is gone)
 
         return Heartbeat(p.Ping(client_id=self.client_id), convert, failed)
 
-    def _went_away(self, why: str) -> None:
+    def _went_away(self, why: str, gone: bool = False) -> None:
+        """gone: nothing listens at its address any more: its process is gone, and no request it
+        took will be answered (those fail now; otherwise they keep their timeouts: a store or
+        retrieve may still be copying). Requests not sent yet fail now either way."""
         with self._lock:
-            if self._closed or self._away:
+            if self._closed or (self._away and not gone):
                 return
-            self._away = why
-        # (debug: the caller hears of it from its requests, and says what it means for it)
-        logger.debug("lmcache-mp client %s: server %s is away (%s); requests fail at once until it is back",
-                     self.name, self.url, why)
+            was, self._away = self._away, self._away or why
+            self._gone = self._gone or gone
+        if self._io is not None:
+            self._io.set_away(self._away_error(self._away), in_flight=gone)
+        if not was:  # (debug: the caller hears of it from its requests, and says what it means for it)
+            logger.debug("lmcache-mp client %s: server %s is away (%s); requests fail at once until it is back",
+                         self.name, self.url, why)
 
     def _came_back(self) -> None:
         with self._lock:
-            was, self._away = self._away, ""
+            was, self._away, self._gone = self._away, "", False
+        if self._io is not None:
+            self._io.set_away(None)
         if was:
             logger.debug("lmcache-mp client %s: server %s is back", self.name, self.url)
 
@@ -85,7 +96,7 @@ class RestartRecovery:
         from this client."""
         short = min(self.timeout, RECOVERY_CALL_S)
         if nothing_listens(self.url):  # (its process is gone: a closed lane is the first sign of that)
-            self._went_away("nothing listens at its address")
+            self._went_away("nothing listens at its address", gone=True)
         try:
             # A look at _closed between calls; a call in flight fails once the I/O thread stops.
             hello = self._recovery_call(self._hello_msg(), p.HelloReply, short)
@@ -132,5 +143,5 @@ class RestartRecovery:
         """A call of the recovery: sent by the I/O thread's socket and read by that thread, so the
         recovery owns no socket that closing the client could pull from under it (that aborts
         libzmq), and stopping the I/O thread fails the call at once."""
-        fut = self._io.request(msg, timeout, lambda r: check_reply(r, expected))
+        fut = self._io.request(msg, timeout, lambda r: check_reply(r, expected), while_away=True)
         return Future.result(fut, timeout + 1.0)  # the plain wait: this thread does not read the socket
