@@ -382,10 +382,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("spin_poll", &spin_poll, py::arg("fds"), py::arg("spin_us"), py::arg("timeout_ms"),
         py::call_guard<py::gil_scoped_release>(),
         "Indices of the readable fds: spin for spin_us, then sleep up to timeout_ms (< 0: no limit); [] on timeout");
-  // Without releasing the GIL: one quick system call, and a release would invite a hand-off.
-  m.def("timer_fd", &timer_fd, "A one-shot timerfd (CLOCK_MONOTONIC, non-blocking, close-on-exec)");
-  m.def("arm_timer_fd", &arm_timer_fd, py::arg("fd"), py::arg("ns"),
-        "Make the timer fire once in ns nanoseconds (0: disarm it, and clear a firing not read)");
 
 #ifdef LMC_WITH_CUDA
   init_cuda_bindings(m);

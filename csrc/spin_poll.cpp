@@ -1,7 +1,6 @@
 #include "spin_poll.h"
 
 #include <poll.h>
-#include <sys/timerfd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -36,20 +35,6 @@ std::vector<int> spin_poll(const std::vector<int>& fds, int64_t spin_us, int tim
     if (n >= 0) return ready(p);
     if (errno != EINTR) throw std::system_error(errno, std::generic_category(), "poll");
   }
-}
-
-int timer_fd() {
-  const int fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
-  if (fd < 0) throw std::system_error(errno, std::generic_category(), "timerfd_create");
-  return fd;
-}
-
-void arm_timer_fd(int fd, int64_t ns) {
-  itimerspec t{};
-  t.it_value.tv_sec = static_cast<time_t>(ns / 1000000000);
-  t.it_value.tv_nsec = static_cast<long>(ns % 1000000000);
-  if (timerfd_settime(fd, 0, &t, nullptr) < 0)
-    throw std::system_error(errno, std::generic_category(), "timerfd_settime");
 }
 
 }  // namespace lmc

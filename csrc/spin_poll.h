@@ -23,11 +23,4 @@ inline void cpu_relax() {
 // to spin_us, then sleeps in poll(2) for up to timeout_ms more (negative: no limit). Empty on timeout.
 std::vector<int> spin_poll(const std::vector<int>& fds, int64_t spin_us, int timeout_ms);
 
-// A one-shot timer to sleep on beside other fds (timerfd: CLOCK_MONOTONIC, non-blocking,
-// close-on-exec). Arming it does not wake the thread that sleeps on it: it becomes readable later.
-int timer_fd();
-
-// Makes the timer fire once, `ns` nanoseconds from now; 0 disarms it (and clears a firing not read).
-void arm_timer_fd(int fd, int64_t ns);
-
 }  // namespace lmc

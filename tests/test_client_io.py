@@ -18,11 +18,11 @@ import pytest
 import cpu_workers as w
 from lmcache_mp import Client, Server, ServerConfig, chunk_hashes
 from test_cli import ServerProcess
-from test_server_e2e import CHUNK, stopped, wait_until
+from test_server_e2e import CHUNK, blocks_of, register_mha, stopped, wait_until
 
-# A future counts as late when it resolves this long after its request (here a reply, and the
-# I/O thread's grace for a caller to read it, take about a millisecond). Late ones used to wait for
-# the next heartbeat (30 s in these tests) or for their own deadline.
+# A future counts as late when it resolves this long after its request (here a reply takes well
+# under a millisecond). Late ones used to wait for the next heartbeat (30 s in these tests) or for
+# their own deadline.
 LATE_S = 0.5
 
 
@@ -74,6 +74,43 @@ def test_futures_nobody_reads_for_resolve_when_their_reply_comes(server, lane):
         assert not late, f"futures resolved late (iteration, seconds): {late}"
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+@pytest.mark.parametrize("before", ["lookup", "store"])
+def test_a_future_nobody_reads_resolves_about_when_its_reply_comes(socket_dir, shm_files, lane, before):
+    """From the server's send of the reply to the future's resolution (one clock: the traces),
+    a future nobody reads takes about what one whose caller reads it with result() takes: the I/O
+    thread watches the sockets from the request's send on, unless a caller reads them. (It used to
+    wait a grace of a millisecond first, in case the caller came to read.)"""
+    import statistics
+
+    url = f"ipc://{socket_dir}/s.sock"
+    srv = ServerProcess(["--url", url, "--device", "cpu", "--l1-size", "16MiB", "--chunk-size", str(CHUNK),
+                         "--http-addr", "off"])
+    try:
+        srv.wait_ready()
+        with Client(url, trace=True, local_lane=lane) as c:
+            kv, h = register_mha(c)
+            unread, read = [], []
+            for i in range(120):
+                hashes = chunk_hashes(w.prompt(i, 1), CHUNK)
+                if before == "lookup":
+                    c.lookup(hashes, model="m")
+                else:
+                    c.store(h, hashes, blocks_of(1)).result(10)
+                fut = c.lookup_async(hashes, model="m")
+                if i % 2:
+                    fut.result(10)
+                else:
+                    assert _resolved_within(fut, i % 3, limit=10) < 10
+                stamps = dict(fut.trace)
+                (read if i % 2 else unread).append((stamps["client resolved"] - stamps["sent"]) / 1e6)
+            c.unregister_kv_cache(h)
+        nobody, reader = statistics.median(unread), statistics.median(read)
+        assert nobody <= 3 * reader + 0.3, f"median ms after the reply: nobody reads {nobody:.3f}, result() {reader:.3f}"
+    finally:
+        srv.kill()
 
 
 def test_synchronous_calls_leave_the_io_thread_asleep(server):

@@ -50,24 +50,6 @@ def test_spin_poll_returns_the_ready_fd_or_times_out():
             os.close(fd)
 
 
-def test_a_timer_fd_fires_once_when_armed_and_never_when_disarmed():
-    from lmcache_mp.native import arm_timer_fd, timer_fd
-
-    fd = timer_fd()
-    try:
-        assert spin_poll([fd], 0, 50) == []  # not armed
-        arm_timer_fd(fd, 20_000_000)
-        assert spin_poll([fd], 0, 0) == []
-        assert spin_poll([fd], 0, 5000) == [0]
-        assert int.from_bytes(os.read(fd, 8), "little") == 1
-        assert spin_poll([fd], 0, 100) == []  # once
-        arm_timer_fd(fd, 20_000_000)
-        arm_timer_fd(fd, 0)
-        assert spin_poll([fd], 0, 100) == []
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("spin_us,lane", [(0, True), (2000, True), (2000, False)])
 def test_every_way_of_waiting_gets_the_bytes_back(shm_files, server, spin_us, lane):  # noqa: F811
     c = Client(server.url, spin_us=spin_us, local_lane=lane)

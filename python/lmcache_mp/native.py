@@ -13,8 +13,6 @@ from lmcache_mp import _C
 HostArena = _C.HostArena
 request_block_ids = _C.request_block_ids  # (packed int32, chunks, per chunk, num_blocks, distinct) -> int64 ids
 spin_poll = _C.spin_poll  # (fds, spin_us, timeout_ms) -> indices of the readable fds ([] on timeout)
-timer_fd = _C.timer_fd  # () -> a one-shot timerfd to sleep on beside other fds
-arm_timer_fd = _C.arm_timer_fd  # (fd, ns): fire once in ns nanoseconds; 0 disarms
 
 
 def default_spin_us() -> int:

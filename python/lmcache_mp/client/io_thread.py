@@ -11,13 +11,12 @@ socket before it sleeps.
 The I/O thread sleeps in an epoll set, and watches the sockets only while no other thread reads
 them: a thread that reads for its own reply takes them out of the set (the I/O thread would only
 wake up to hand the reply over, and take the GIL from the reader), and the last one to leave puts
-them back if requests are in flight. A request sent while nobody reads or watches arms a timer
-instead: its caller usually reads the reply itself at once (result()), and a reply that came
-before that would wake the I/O thread for nothing. When the timer fires and nobody reads, the I/O
-thread watches until a reader comes. So a future nobody reads for resolves at most GRACE_S after
-it was sent or when its reply comes, whichever is later, and synchronous calls, which read from
-before their send (call()), touch neither. epoll and the timer apply these changes to the thread
-sleeping on them: none costs a wake-up.
+them back if requests are in flight. A request sent while nobody reads puts them in: a caller
+that waits with result() takes them out again within microseconds of its send, before any reply
+can come (tens of microseconds at the earliest), so a future nobody reads for resolves when its
+reply comes, and one that is waited for wakes the I/O thread for nothing. Synchronous calls, which
+read from before their send (call()), touch neither. epoll applies these changes to the thread
+sleeping on it: none costs a wake-up.
 """
 
 from __future__ import annotations
@@ -39,16 +38,13 @@ import zmq
 
 from lmcache_mp import protocol as p
 from lmcache_mp.errors import ServerUnavailable
-from lmcache_mp.native import arm_timer_fd, spin_poll, timer_fd
+from lmcache_mp.native import spin_poll
 
 logger = logging.getLogger(__name__)
 
 # Called with the decoded reply; returns the future's result or raises.
 Converter = Callable[[Any], Any]
 WAITER_BACKOFF = 0.001  # while a caller reads the socket, queued requests are retried this often
-# A request sent while nobody reads or watches is read by the I/O thread after GRACE_S/2 to GRACE_S
-# (the timer is armed again only once half of its grace has passed: arming costs a system call).
-GRACE_S = 0.001
 # plain ints: pyzmq's enum flags cost a microsecond a test
 ZMQ_EVENTS, ZMQ_POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
@@ -135,7 +131,7 @@ class IOThread:
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a server that is not there
         self._sock.connect(url)
         self._fd = self._sock.get(zmq.FD)
-        # The socket, _pending, _deadlines, _waiters, _watching, _grace_until and _wake_at: under
+        # The socket, _pending, _deadlines, _waiters, _watching and _wake_at: under
         # _lock, from any thread.
         self._lock = threading.Lock()
         self._open = True
@@ -148,20 +144,17 @@ class IOThread:
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._sockets = select.epoll()  # the ZeroMQ socket's fd and the lane's
         self._sockets.register(self._fd, select.EPOLLIN)
-        self._grace = timer_fd()  # armed by a request sent while nobody reads or watches
-        self._grace_until = 0.0  # when it fires, if that is in the future
-        self._poller = select.epoll()  # what the I/O thread sleeps on: _wake, _grace, and _sockets while watched
+        self._poller = select.epoll()  # what the I/O thread sleeps on: _wake, and _sockets while watched
         self._poller.register(self._wake, select.EPOLLIN)
-        self._poller.register(self._grace, select.EPOLLIN)
         self._watching = False  # _sockets is in _poller (never while a thread reads)
         # Writes after the fd is closed would land in whatever reuses its number (e.g. a ZMQ
         # mailbox eventfd, which then aborts the process): close and write under one lock.
         self._wake_lock = threading.Lock()
         self._wake_open = True
         self._inbox: collections.deque = collections.deque()  # for the I/O thread: unsent requests, failures
-        # While set (the server is away), requests that could not be sent at once fail with it
+        # While set (the server is away, and why), requests that could not be sent at once fail
         # instead of waiting to be sent (see set_away).
-        self._away: BaseException | None = None
+        self._away = ""
         self._unsent: collections.deque = collections.deque()  # I/O thread: queued until the socket connects
         self._local = threading.local()
         self._ids = itertools.count(1 << 62)  # apart from the sync sockets' ids
@@ -238,13 +231,11 @@ class IOThread:
         return True
 
     def _track(self, rid: int, pend: _Pending) -> bool:
-        """After a send, under the lock: stamp it, see that its reply will be read, and arm its
-        deadline; True when the I/O thread must wake up earlier than it planned to expire it."""
-        if not self._waiters and not self._watching:
-            now = time.monotonic()
-            if self._grace_until < now + GRACE_S / 2:
-                arm_timer_fd(self._grace, int(GRACE_S * 1e9))
-                self._grace_until = now + GRACE_S
+        """After a send, under the lock: stamp it, see that its reply will be read (by the I/O
+        thread while nobody reads), and arm its deadline; True when the I/O thread must wake up
+        earlier than it planned to expire it."""
+        if not self._waiters:
+            self._watch(True)
         if pend.stamps is not None:
             pend.stamps.append(("client sent", time.monotonic_ns()))
         if not pend.expires:
@@ -311,19 +302,20 @@ class IOThread:
         if why != "replaced" and self.on_lane_lost is not None:
             self.on_lane_lost()
 
-    def fail_all(self, error: BaseException) -> None:
-        """Fail every request in flight (e.g. the server restarted and will never answer)."""
-        self._inbox.append((None, None, error))
+    def fail_all(self, why: str) -> None:
+        """Fail every request in flight with ServerUnavailable(why) (e.g. the server restarted
+        and will never answer)."""
+        self._inbox.append((None, None, why))
         self._wakeup()
 
-    def set_away(self, error: BaseException | None, in_flight: bool = False) -> None:
-        """The server is away (error) or back (None). While it is away, requests waiting to be
-        sent fail with error at once, as do those that cannot be sent later (but for while_away
-        ones); in_flight: the server's process is gone, so those sent to it fail too (no reply
-        will ever come)."""
-        self._away = error
-        if error is not None:
-            self._inbox.append((None, in_flight, error))
+    def set_away(self, why: str, in_flight: bool = False) -> None:
+        """The server is away (why it is said to be) or back (""). While it is away, requests
+        waiting to be sent fail with ServerUnavailable(why) at once, as do those that cannot be
+        sent later (but for while_away ones); in_flight: the server's process is gone, so those
+        sent to it fail too (no reply will ever come)."""
+        self._away = why
+        if why:
+            self._inbox.append((None, in_flight, why))
             self._wakeup()
 
     def _wakeup(self) -> None:
@@ -490,8 +482,8 @@ class IOThread:
     def _send_queued(self) -> None:
         while self._inbox:
             item = self._inbox.popleft()
-            if item[0] is None:  # a failure: (None, None, error) of fail_all, (None, in_flight, error) of set_away
-                _, in_flight, error = item
+            if item[0] is None:  # a failure: (None, None, why) of fail_all, (None, in_flight, why) of set_away
+                _, in_flight, why = item
                 everything = in_flight is None
                 with self._lock:
                     gone = [rid for rid, pd in self._pending.items()
@@ -503,12 +495,12 @@ class IOThread:
                         failed.append(it[2])
                     else:
                         self._unsent.append(it)
-                for pd in failed:
-                    self._settle(pd, error=error)
+                for pd in failed:  # (an exception each: a raised one keeps its traceback's frames)
+                    self._settle(pd, error=ServerUnavailable(why))
                 continue
             away = self._away
-            if away is not None and not item[2].while_away:  # it could not be sent at once: it never will
-                self._settle(item[2], error=away)
+            if away and not item[2].while_away:  # it could not be sent at once: it never will
+                self._settle(item[2], error=ServerUnavailable(away))
                 continue
             self._unsent.append(item)
         while self._unsent:
@@ -554,15 +546,8 @@ class IOThread:
                 wake_at = min(wake_at, now + WAITER_BACKOFF)
             elif events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):
                 wake_at = now
-            if wake_at > now and any(fd == self._grace for fd, _ in self._poller.poll(wake_at - now)):
-                try:
-                    os.read(self._grace, 8)
-                except BlockingIOError:  # armed again meanwhile
-                    pass
-                else:
-                    with self._lock:  # a request's caller did not come to read: watch until one does
-                        if not self._waiters and self._pending:
-                            self._watch(True)
+            if wake_at > now:
+                self._poller.poll(wake_at - now)
             try:
                 os.eventfd_read(self._wake)
             except BlockingIOError:
@@ -585,7 +570,6 @@ class IOThread:
             self._pending.clear()
             self._poller.close()
             self._sockets.close()
-            os.close(self._grace)
             self._sock.close(linger=0)
             if self._lane is not None:
                 self._lane.close()

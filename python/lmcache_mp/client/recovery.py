@@ -3,8 +3,9 @@
 A heartbeat that gets no reply (while nothing else was heard from the server either), or nobody
 listening at the server's address when something (its local lane closing) made the client look,
 means the server is away: until it is back, requests fail at once with ServerUnavailable instead
-of each waiting for its timeout (requests in flight keep theirs: a store or retrieve may still
-be copying). A heartbeat reply then (or a new session id, or an unknown registration) makes a
+of each waiting for its timeout, and so do those waiting to be sent; requests in flight keep
+theirs (a store or retrieve may still be copying) unless nothing listens at the server's address
+any more (its process is gone: no reply will come). A heartbeat reply then (or a new session id, or an unknown registration) makes a
 thread of its own handshake again, fail what was in flight to a restarted server and register
 again every KV cache the server no longer knows; only then do requests go out again, so the
 first one finds its KV caches registered."""
@@ -39,8 +40,11 @@ class RestartRecovery:
         with ServerUnavailable. Its heartbeat notices when the server is back, within a second."""
         return self._away
 
+    def _away_message(self, why: str) -> str:
+        return f"the server at {self.url} is away ({why}); requests fail at once until it is back"
+
     def _away_error(self, why: str) -> ServerUnavailable:
-        return ServerUnavailable(f"the server at {self.url} is away ({why}); requests fail at once until it is back")
+        return ServerUnavailable(self._away_message(why))
 
     def _check_reachable(self) -> None:
         away = self._away
@@ -72,7 +76,7 @@ class RestartRecovery:
             was, self._away = self._away, self._away or why
             self._gone = self._gone or gone
         if self._io is not None:
-            self._io.set_away(self._away_error(self._away), in_flight=gone)
+            self._io.set_away(self._away_message(self._away), in_flight=gone)
         if not was:  # (debug: the caller hears of it from its requests, and says what it means for it)
             logger.debug("lmcache-mp client %s: server %s is away (%s); requests fail at once until it is back",
                          self.name, self.url, why)
@@ -81,7 +85,7 @@ class RestartRecovery:
         with self._lock:
             was, self._away, self._gone = self._away, "", False
         if self._io is not None:
-            self._io.set_away(None)
+            self._io.set_away("")
         if was:
             logger.debug("lmcache-mp client %s: server %s is back", self.name, self.url)
 
@@ -109,7 +113,7 @@ class RestartRecovery:
                 else:
                     logger.warning("lmcache-mp server at %s restarted", self.url)
                 if self._io is not None:
-                    self._io.fail_all(ServerUnavailable("the server restarted; the request was lost"))
+                    self._io.fail_all("the server restarted; the request was lost")
                 self.session_id = hello.session_id
                 self.chunk_size = hello.chunk_size
                 # the new server's lane (engine-side copies map its L1 through it) and capabilities
