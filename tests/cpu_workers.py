@@ -197,12 +197,18 @@ def _engine_instance(url, name, layout, block_size, my_seed, other_seed, barrier
 # ---- a client that dies -------------------------------------------------------------------------
 
 
-def lease_holder(q, url: str) -> None:
-    """Store, lease what it stored, say so, then keep stores in flight until it is killed."""
+def lease_holder(q, url: str, seen: bool = True) -> None:
+    """Store, lease what it stored, say so, then keep stores in flight until it is killed. seen:
+    the server may watch its process; else it is as a client in a pid namespace the server does
+    not see (its HELLO names no namespace, and it keeps off the local lane)."""
     try:
         from lmcache_mp import Client, chunk_hashes
 
-        client = Client(url, heartbeat_interval=0.25)
+        if not seen:
+            import lmcache_mp.client.client as client_module
+
+            client_module.own_pid_namespace = lambda: 0
+        client = Client(url, heartbeat_interval=0.25, local_lane=seen)
         kv = make_kv("mha", 64, 8)
         handle = client.register_kv_cache(kv, model="doomed")
         hashes = chunk_hashes(prompt(1, 4), client.chunk_size)
@@ -218,6 +224,15 @@ def lease_holder(q, url: str) -> None:
                 f.result(30)
     except BaseException:
         q.put(("error", traceback.format_exc()))
+
+
+def lane_only_lease_holder(q, url: str) -> None:
+    """lease_holder whose HELLO names no pid namespace, on the local lane (as a client of another
+    pid namespace whose lane connection the kernel names to the server)."""
+    import lmcache_mp.client.client as client_module
+
+    client_module.own_pid_namespace = lambda: 0
+    lease_holder(q, url)
 
 
 # ---- a client that keeps working ----------------------------------------------------------------

@@ -254,11 +254,12 @@ def test_close_drops_the_clients_leases(shm_files, servers, clients):
 
 
 def test_a_killed_client_loses_its_leases_after_the_heartbeat_timeout(servers, clients, no_internal_errors):
+    """A client whose process the server cannot see (another pid namespace, off the lane)."""
     srv = servers(heartbeat_timeout=1.0, lease_ttl=600)  # only the heartbeat can free these leases
     watcher = clients(srv.url, heartbeat_interval=0.2)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=w.lease_holder, args=(q, srv.url), daemon=True)
+    proc = ctx.Process(target=w.lease_holder, args=(q, srv.url, False), daemon=True)
     proc.start()
     try:
         status, info = q.get(timeout=60)
@@ -288,6 +289,43 @@ def test_a_killed_client_loses_its_leases_after_the_heartbeat_timeout(servers, c
     # the server is fine
     kv, h = register_mha(watcher)
     assert watcher.store(h, chunk_hashes(w.prompt(9, 2), CHUNK), blocks_of(2)).result(10).stored == 2
+
+
+@pytest.mark.parametrize("how", ["hello", "lane"])
+def test_a_killed_client_whose_process_the_server_sees_is_forgotten_at_once(servers, clients, no_internal_errors,
+                                                                            how):
+    """Its registrations (the server's mappings of its memory: on the GPU, its KV cache's memory
+    stays allocated while they are open) and leases go as soon as its process exits, not after
+    the heartbeat timeout. The server sees the process when the client's HELLO names the server's
+    own pid namespace, or, from another namespace, through the local lane's peer credentials."""
+    srv = servers(heartbeat_timeout=60.0, lease_ttl=600)  # neither would free them within the test
+    watcher = clients(srv.url, heartbeat_interval=0.2)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    if how == "lane":  # a HELLO that names no namespace: only the lane's credentials tell the pid
+        target, args = w.lane_only_lease_holder, (q, srv.url)
+    else:
+        target, args = w.lease_holder, (q, srv.url)
+    proc = ctx.Process(target=target, args=args, daemon=True)
+    proc.start()
+    try:
+        status, info = q.get(timeout=60)
+        assert status == "ok", info
+        assert watcher.status()["l1"]["leased_objects"] == 4
+        assert len(watcher.status()["registrations"]) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(lambda: not watcher.status()["registrations"] and not watcher.status()["l1"]["leased_objects"],
+                   30, "the dead client's registration and leases to go")
+        gone = time.monotonic() - killed
+        assert gone < 5, gone  # about the time its process takes to exit (the heartbeat timeout is 60 s)
+        proc.join(10)
+        assert watcher.lookup(chunk_hashes(w.prompt(1, 4), CHUNK), model="doomed") == 4  # its chunks stay
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        remove_shared_files(proc.pid)
 
 
 # ---- clients that misbehave -----------------------------------------------------------------------

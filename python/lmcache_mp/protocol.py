@@ -116,6 +116,10 @@ class Hello(_Msg, tag=int(Op.HELLO)):
     client_name: str = ""
     pid: int = 0
     capabilities: list[str] = []
+    # With pid, they name the client's process: the server watches it when it is in the server's
+    # pid namespace (and forgets the client as soon as it exits).
+    pid_namespace: int = 0  # the inode of /proc/self/ns/pid (0: unknown)
+    start_time: int = 0  # the process's start, in clock ticks since boot (/proc/self/stat)
 
 
 class RegisterKVCache(_Msg, tag=int(Op.REGISTER_KV_CACHE)):

@@ -40,6 +40,7 @@ from lmcache_mp.client.tensors import describe_kv_caches
 from lmcache_mp.errors import RequestError, ServerUnavailable
 from lmcache_mp.keys import DIGEST_BYTES, pack_hashes, unpack_hashes
 from lmcache_mp.native import default_spin_us, request_block_ids, spin_poll
+from lmcache_mp.processes import own_pid_namespace, process_start
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +218,8 @@ class Client(RestartRecovery):
 
     def _hello_msg(self) -> p.Hello:
         return p.Hello(version=p.PROTOCOL_VERSION, client_id=self.client_id, client_name=self.name, pid=os.getpid(),
-                       capabilities=["reply_on_submit"])
+                       capabilities=["reply_on_submit"], pid_namespace=own_pid_namespace(),
+                       start_time=process_start(os.getpid()) or 0)
 
     def _hello(self, timeout: float) -> p.HelloReply:
         try:

@@ -40,6 +40,8 @@ from lmcache_mp.server import validation as check
 from lmcache_mp.server.validation import RequestFailure
 from lmcache_mp.server.engine_copies import EngineCopies
 from lmcache_mp.server.lookups import LookupHandling
+from lmcache_mp.server.process_watch import ProcessWatch
+from lmcache_mp.processes import own_pid_namespace
 from lmcache_mp.server.server_copies import ServerCopies
 from lmcache_mp.server.registrations import Entry, RegistrationHandling
 from lmcache_mp.server.replies import Reply
@@ -82,6 +84,8 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         self._lock = threading.Lock()
         self._entries: dict[int, Entry] = {}
         self._clients: dict[bytes, float] = {}  # client id -> last time heard from
+        self._pid_namespace = own_pid_namespace()
+        self._processes = ProcessWatch(self._process_exited)  # clients whose process this server sees
         self._ipc = IpcMemoryCache() if self.device == "cuda" else None
         self._events = IpcEventCache() if self.device == "cuda" else None
         self._uuids: dict[bytes, int] = {}
@@ -185,7 +189,10 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
                 f"client speaks protocol {msg.version}, server {p.PROTOCOL_VERSION}: upgrade the older side",
             )
         self._touch(check.client_id(msg.client_id))
-        logger.debug("hello from %s (pid %d)", msg.client_name or msg.client_id.hex(), msg.pid)
+        watched = (msg.pid > 0 and msg.pid_namespace == self._pid_namespace != 0
+                   and self._processes.watch(msg.client_id, msg.pid, msg.start_time or None))
+        logger.debug("hello from %s (pid %d%s)", msg.client_name or msg.client_id.hex(), msg.pid,
+                     ", watched" if watched else "")
         reply(p.HelloReply(protocol_version=p.PROTOCOL_VERSION, server_version=__version__,
                            session_id=self.session_id, chunk_size=self.config.chunk_size, device=self.device,
                            capabilities=["lookup_lock", "reply_on_submit", "named_leases", "deadlines",
@@ -193,7 +200,11 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
                            lease_ttl=self.config.lease_ttl, lane=self.lane))
 
     def _ping(self, msg: p.Ping, reply: Reply) -> None:
-        self._touch(check.client_id(msg.client_id, required=False))
+        client = check.client_id(msg.client_id, required=False)
+        self._touch(client)
+        conn = getattr(reply, "conn", None)  # on the local lane: the kernel says which process it is
+        if client and conn is not None and not self._processes.watching(client):
+            self._processes.watch(client, conn.peer[0])
         reply(p.PingReply(session_id=self.session_id))
 
     def _status(self, msg: p.Status, reply: Reply) -> None:
@@ -214,6 +225,7 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
 
     def _forget_client(self, client: bytes) -> tuple[int, int]:
         """Drop a client's leases and registrations; returns how many of each."""
+        self._processes.forget(client)
         with self._lock:
             self._clients.pop(client, None)
             owned = [kv for kv, e in self._entries.items() if e.ctx.reg.client_id == client]
@@ -231,6 +243,21 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
             reply(p.ByeReply(leases=leases, registrations=regs))
 
         self._bulk.submit(self._job(reply, run))
+
+    def _process_exited(self, clients: list[bytes], pid: int) -> None:
+        """A watched process exited: forget its clients now, not after their heartbeat timeout
+        (each registration closes after the copies it has queued)."""
+
+        def run() -> None:
+            dropped = owned = 0
+            for client in clients:
+                leases, regs = self._forget_client(client)
+                dropped, owned = dropped + leases, owned + regs
+            if dropped or owned:
+                logger.info("the process %d of %d client(s) exited: dropped %d leases and %d registrations", pid,
+                            len(clients), dropped, owned)
+
+        self._bulk.submit(run)
 
     def tick(self) -> None:
         """Expire leases; forget clients that stopped sending heartbeats, with their leases and
@@ -324,6 +351,7 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         deadline = time.monotonic() + self.config.drain_timeout
         for worker in workers:  # those unregistered before may still be closing their context
             worker.stop(timeout=max(0.0, deadline - time.monotonic()))
+        self._processes.close()
         self._bulk.stop(timeout=max(0.0, deadline - time.monotonic()))
         late = sum(w.alive() for w in workers)
         if late:

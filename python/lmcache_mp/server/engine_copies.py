@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from lmcache_mp import protocol as p
 from lmcache_mp.keys import DIGEST_BYTES
+from lmcache_mp.processes import process_start
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.replies import Reply, mark
 from lmcache_mp.server.server_copies import INLINE_CHUNKS
@@ -43,16 +44,6 @@ logger = logging.getLogger(__name__)
 
 ORPHAN_HOLD_S = 60.0  # reservations of a client gone from view, whose process cannot be watched
 MAX_HELD = 8192  # reservations and reads one client may hold at once
-
-
-def process_start(pid: int) -> int | None:
-    """The start time of a live (not zombie) process, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 @dataclass
