@@ -193,3 +193,35 @@ def store_and_die(url: str, q):
         time.sleep(120)
     except BaseException:
         q.put(("fail", traceback.format_exc()))
+
+
+def hold_a_large_cache(url: str, q, gib: int, storing: bool):
+    """Registers one KV cache of `gib` GiB (vLLM's way: one allocation, per-layer views), then idles
+    or keeps stores in flight until it is killed."""
+    try:
+        import time
+
+        import torch
+
+        from lmcache_mp import Client, chunk_hashes
+
+        client = Client(url, timeout=60)
+        layers, heads, head_size = 8, 8, 128
+        block_bytes = 2 * BLOCK * heads * head_size * 2  # K and V of one layer's block, bf16
+        blocks = (gib << 30) // (layers * block_bytes)
+        buf = torch.zeros((layers, 2, blocks, BLOCK, heads, head_size), dtype=torch.bfloat16, device="cuda")
+        kv = [buf[i] for i in range(layers)]
+        handle = client.register_kv_cache(kv, model="held")
+        torch.cuda.synchronize()
+        q.put(("ok", f"{buf.numel() * 2 / 2**30:.1f} GiB registered"))
+        i = 0
+        while True:
+            if storing:
+                hashes = chunk_hashes(np.arange(i * 4 * CHUNK, (i + 1) * 4 * CHUNK), client.chunk_size)
+                client.store(handle, hashes, np.arange(4 * BPC) + (i % 8) * 4 * BPC)
+                i += 1
+                time.sleep(0.001)
+            else:
+                time.sleep(1)
+    except BaseException:
+        q.put(("fail", traceback.format_exc()))

@@ -176,6 +176,43 @@ def test_an_engine_killed_with_its_copy_queued_leaves_nothing_and_its_slots_come
             proc.kill()
 
 
+@pytest.mark.parametrize("storing", [False, True], ids=["idle", "mid_stores"])
+def test_a_killed_engines_gpu_memory_is_free_again_within_a_second(cuda_server, storing):
+    """The server's CUDA IPC mappings keep a dead engine's KV cache allocated; it watches the
+    engine's process and closes them as soon as the process exits (after the copies queued on
+    them), so the memory is free again about when the process is gone, not after the heartbeat
+    timeout (10 s). Seen from another process (this one), as a restarted vLLM would size its cache."""
+    import signal
+
+    import gpu_workers
+    import torch
+
+    gib = 8
+    free_before, _ = torch.cuda.mem_get_info()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=gpu_workers.hold_a_large_cache, args=(cuda_server, q, gib, storing))
+    proc.start()
+    try:
+        status, info = q.get(timeout=120)
+        assert status == "ok", info
+        time.sleep(0.5)
+        held, _ = torch.cuda.mem_get_info()
+        assert free_before - held >= (gib - 1) << 30, (free_before, held)
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while torch.cuda.mem_get_info()[0] < free_before - (1 << 30):
+            assert time.monotonic() - killed < 30, "the killed engine's memory was not freed"
+            time.sleep(0.02)
+        freed = time.monotonic() - killed
+        proc.join(30)
+        print(f"\n{'idle' if not storing else 'mid-stores'}: {gib} GiB free again {freed:.2f} s after SIGKILL")
+        assert freed < 2.0, freed
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
 def test_lookup_counts_a_chunk_only_when_every_rank_stored_it(cuda_server):
     import gpu_workers
 
