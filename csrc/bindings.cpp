@@ -244,6 +244,8 @@ PYBIND11_MODULE(_C, m) {
              d["bytes_total"] = p.bytes_total;
              d["seconds"] = p.seconds;
              d["error"] = p.error;
+             d["bytes_faulted"] = p.bytes_faulted;
+             d["faulting_done"] = p.faulting_done;
              return d;
            })
       .def("pause_pinning", &HostArena::pause_pinning)

@@ -12,7 +12,9 @@
 //
 // The memory is a memfd that other processes can map through /proc/<pid>/fd/<fd>. When pinning
 // is asked for, a background thread page-locks the slabs one by one and only then makes each
-// available, so start-up never waits for pinning.
+// available, so start-up never waits for pinning. Without pinning the slabs are available at once
+// and the same thread faults them in, in the order they are handed out (a first touch of a page
+// costs its allocation and zeroing: a store into memory never used ran at 1/30 of its speed).
 #pragma once
 
 #include <atomic>
@@ -53,6 +55,8 @@ struct PinStatus {
   uint64_t bytes_total = 0;
   double seconds = 0;
   std::string error;  // first pinning error, if any
+  uint64_t bytes_faulted = 0;  // faulted in ahead of use (pinned memory is, once pinned)
+  bool faulting_done = false;
 };
 
 class HostArena {
@@ -127,6 +131,8 @@ class HostArena {
   };
 
   void pin_loop();
+  void fault_in_loop();
+  bool wait_unpaused();  // (pinning thread) false once stopping
   void check_class(int cls) const;
   void check_slab(int slab) const;
   int64_t slot_at(int64_t offset, int* slab) const;  // validates an allocated object's offset
@@ -157,6 +163,8 @@ class HostArena {
   bool pin_done_ = false;
   double pin_seconds_ = 0;
   std::string pin_error_;
+  int64_t slabs_faulted_ = 0;
+  bool faulting_done_ = false;
 };
 
 }  // namespace lmc

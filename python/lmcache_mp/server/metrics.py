@@ -48,6 +48,9 @@ class StatusCollector:
         yield GaugeMetricFamily("lmcache_mp_l1_leases", "live lookup leases", value=l1["leases"])
         yield GaugeMetricFamily("lmcache_mp_l1_pinned_bytes", "page-locked bytes",
                                 value=l1["pinning"]["bytes_pinned"])
+        yield GaugeMetricFamily("lmcache_mp_l1_faulted_bytes", "bytes of L1 in memory ahead of use (faulted in, "
+                                "or page-locked, in the background after the start)",
+                                value=l1["pinning"]["bytes_faulted"])
         yield GaugeMetricFamily("lmcache_mp_l1_journal_backlog", "committed chunks not yet recorded in the L1 "
                                 "journal (--l1-persist; a crash now would not re-attach them)",
                                 value=l1["journal_backlog"])
