@@ -151,6 +151,7 @@ py::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   using namespace lmc;
   m.doc() = "lmcache-mp data plane (torch-free): host arena, KV layouts, CPU and CUDA transfers";
+  m.attr("ARENA_SLOT_ALIGN") = kSlotAlign;
   // Translate our exceptions here, before any translator another extension (e.g. torch) put in
   // pybind11's shared registry can see them: ValueError for bad arguments, RuntimeError else.
   py::register_local_exception_translator([](std::exception_ptr p) {

@@ -18,7 +18,6 @@
 namespace lmc {
 
 namespace {
-constexpr uint64_t kSlotAlign = 256;  // keeps every object 16-byte (vector) and cache-line aligned
 constexpr uint64_t kPage = 4096;
 
 std::string errno_text(const char* what) { return concat(what, ": ", std::strerror(errno)); }

@@ -28,6 +28,8 @@
 
 namespace lmc {
 
+constexpr uint64_t kSlotAlign = 256;  // slots are multiples of it: every object 16-byte (vector), line aligned
+
 struct ArenaStats {
   uint64_t capacity = 0;
   uint64_t slab_bytes = 0;

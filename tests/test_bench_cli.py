@@ -222,3 +222,29 @@ def test_a_bad_url_is_one_line(url, message):
     out = subprocess.run(bench_command() + ["--url", url], capture_output=True, text=True, timeout=WAIT_S)
     assert out.returncode == 2
     assert one_line(out.stderr).startswith(message), out.stderr
+
+
+@pytest.mark.parametrize("l1, requests, said", [("1472KiB", 2, ""), ("1088KiB", 2, "note:"),
+                                                ("1088KiB", 3, "warning:")],
+                         ids=["fits", "warm-up-chunks-evicted", "checked-chunks-evicted"])
+def test_what_the_bench_says_of_l1_before_it_runs(l1, requests, said, benches):
+    """The SMALL run checks 16 chunks of 64 KiB (24 with 3 requests) and stores 6 warm-up chunks
+    first; 1088 KiB of L1 hold 17. Said only what will happen: a warning that chunks will be
+    missing when the checked ones do not fit, a note when only warm-up chunks will be evicted (as
+    in the quickstart's run against a default server)."""
+    srv = ServerProcess(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", l1, "--slab-size", "64KiB",
+                         "--chunk-size", "64", "--http-addr", "off"])
+    try:
+        url = srv.wait_ready()
+        rc, err = benches(["--url", url, *SMALL, "--lookups", "10", "--requests", str(requests)]).finish()
+        said_lines = [line for line in err.splitlines() if "the server's L1" in line]
+        if not said:
+            assert not said_lines, err
+        else:
+            assert len(said_lines) == 1 and said_lines[0].startswith(said), err
+        if said == "warning:":
+            assert "holds (17)" in said_lines[0] and rc == 1, err  # missing chunks fail the run
+        else:
+            assert rc == 0, err  # nothing missing
+    finally:
+        srv.kill()

@@ -12,6 +12,7 @@ from lmcache_mp import _C
 
 HostArena = _C.HostArena
 request_block_ids = _C.request_block_ids  # (packed int32, chunks, per chunk, num_blocks, distinct) -> int64 ids
+ARENA_SLOT_ALIGN = _C.ARENA_SLOT_ALIGN  # an arena slot is the object's size rounded up to this
 spin_poll = _C.spin_poll  # (fds, spin_us, timeout_ms) -> indices of the readable fds ([] on timeout)
 
 

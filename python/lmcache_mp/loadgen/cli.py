@@ -32,6 +32,7 @@ from lmcache_mp.loadgen.runs import (DEFAULT_URL, TABLE_NOTE, banner, geometry, 
                                      worker_env_defaults, worker_settings)
 from lmcache_mp.loadgen.trace import echo_peer
 from lmcache_mp.loadgen.worker import LAYOUTS, WARM_UP, object_bytes
+from lmcache_mp.native import ARENA_SLOT_ALIGN
 
 # ---- lmcache-mp-bench -------------------------------------------------------------------------
 
@@ -146,6 +147,13 @@ def _connect_and_run(args, lay: dict, mix: dict | None) -> int:
         client.close()
 
 
+def l1_holds(l1: dict, object_bytes: int) -> int:
+    """How many chunk objects of this size the server's L1 holds (in whole slabs of slots)."""
+    slab = l1["arena"]["slab_bytes"]
+    slot = -(-object_bytes // ARENA_SLOT_ALIGN) * ARENA_SLOT_ALIGN
+    return l1["capacity"] // slab * (slab // slot) if slot <= slab else 0
+
+
 def _bench(args, lay: dict, client) -> int:
     status = client.status()
     server_device = status["device"]
@@ -161,11 +169,18 @@ def _bench(args, lay: dict, client) -> int:
         return 2
     obj = object_bytes(lay, chunk)
     req_bytes = args.chunks * obj
-    need = args.workers * (args.requests * args.chunks + WARM_UP) * obj  # + the warm-up chunks
     capacity = status["l1"].get("capacity", 0)
-    if need > capacity:
-        print(f"warning: this run stores {format_size(need)}, more than the server's L1 of {format_size(capacity)}: "
-              "evictions will show up as missing chunks", file=sys.stderr)
+    fits = l1_holds(status["l1"], obj)
+    checked = args.workers * args.requests * args.chunks
+    warm = args.workers * WARM_UP  # stored before the checked ones: the first to be evicted
+    if checked > fits:
+        print(f"warning: this run stores {checked} chunks of {format_size(obj)} and checks them all, more than the "
+              f"server's L1 of {format_size(capacity)} holds ({fits}): evictions will show up as missing chunks",
+              file=sys.stderr)
+    elif checked + warm > fits:
+        print(f"note: the server's L1 holds {fits} chunks of {format_size(obj)}: beside the {checked} this run checks, "
+              f"{checked + warm - fits} of its {warm} warm-up chunks will be evicted (they are stored first)",
+              file=sys.stderr)
     uuids: list[str] = []
     gpu_names: list[str] = []
     if args.device == "cuda":
