@@ -166,8 +166,13 @@ def test_config_file(sock_path, tmp_path):
     (["--bogus"], {}, "unrecognized arguments: --bogus"),
     (["--chunk-size", "many"], {}, "argument --chunk-size: invalid int value"),
     (["--l1-size", "lots"], {}, "not a size"),
-    (["--device", "tpu"], {}, "device must be one of"),
-    (["--log-level", "verbose"], {}, "log_level must be one of"),
+    (["--device", "tpu"], {}, "argument --device: invalid choice: 'tpu' (choose from 'auto', 'cpu', 'cuda')"),
+    (["--log-level", "verbose"], {}, "argument --log-level: invalid choice: 'VERBOSE'"),
+    ([], {"LMCACHE_MP_DEVICE": "tpu"}, "device must be one of"),
+    ([], {"LMCACHE_MP_L1_SIZ": "1GiB"}, "environment variable LMCACHE_MP_L1_SIZ: no such setting (did you mean "
+                                        "LMCACHE_MP_L1_SIZE?)"),
+    (["--url", "tcp://127.0.0.1"], {}, "url 'tcp://127.0.0.1' is not tcp://HOST:PORT (a port is needed"),
+    (["--url", "tcp://::1:5555"], {}, "an IPv6 address goes in brackets: tcp://[::1]:5555"),
     (["--config", "/nonexistent/lmcache.toml"], {}, "config file /nonexistent/lmcache.toml: no such file"),
     ([], {"LMCACHE_MP_CHUNK_SIZE": "abc"}, "LMCACHE_MP_CHUNK_SIZE: chunk_size must be an integer"),
     ([], {"LMCACHE_MP_L1_SIZE": "lots"}, "LMCACHE_MP_L1_SIZE: l1_size: not a size: 'lots'"),
@@ -178,7 +183,8 @@ def test_config_file(sock_path, tmp_path):
                                              "picks a free one) (url from --url)"),
     (["--http-addr", "127.0.0.1:99999"], {}, "port 99999 of '127.0.0.1:99999' is out of range (0-65535; 0 picks a "
                                              "free one) (http_addr from --http-addr)"),
-], ids=["unknown-flag", "bad-int", "bad-size", "bad-device", "bad-log-level", "missing-config", "bad-env",
+], ids=["unknown-flag", "bad-int", "bad-size", "bad-device", "bad-log-level", "bad-env-device", "env-typo",
+        "url-without-port", "ipv6-without-brackets", "missing-config", "bad-env",
         "bad-env-size", "switch-with-a-value", "bad-env-switch", "negative-size", "url-port-out-of-range",
         "http-port-out-of-range"])
 def test_bad_settings_exit_2_with_a_message(args, env, message):
@@ -188,6 +194,7 @@ def test_bad_settings_exit_2_with_a_message(args, env, message):
     assert message in out.stderr
     assert "Traceback" not in out.stderr
     assert "lmcache-mp-server" in out.stderr  # says who is complaining
+    assert len(out.stderr.splitlines()) <= 2, out.stderr  # a short usage line at most, not every flag
 
 
 def test_an_endpoint_in_use_fails_with_a_clear_message(sock_path):
@@ -236,7 +243,7 @@ def test_an_l1_larger_than_the_machine_says_how_much_memory_there_is(sock_path):
     out = subprocess.run(server_command() + ["--url", f"ipc://{sock_path}", "--device", "cpu", "--http-addr", "off",
                                              "--l1-size", "100TiB"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1, out.stderr
-    assert "cannot start: --l1-size 100.0 TiB is more than this machine's memory: this machine has" in out.stderr
+    assert "cannot start: --l1-size 100.0 TiB is more than this machine's memory allows: this machine has" in out.stderr
     assert "GiB of memory" in out.stderr and "Traceback" not in out.stderr
 
 

@@ -18,9 +18,10 @@ KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
     ("1TiB", TiB),
     ("4k", 4 * KiB),
     ("4KiB", 4 * KiB),
-    ("1GB", 10**9),  # decimal units are decimal
-    ("3MB", 3 * 10**6),
-    ("2kb", 2000),
+    ("1GB", GiB),  # every spelling is binary: 4GB, 4g and 4GiB are the same
+    ("3MB", 3 * MiB),
+    ("2kb", 2 * KiB),
+    ("4g", 4 * GiB),
     ("4096", 4096),
     ("4096B", 4096),
     (".5M", MiB // 2),
@@ -125,9 +126,18 @@ def test_each_source_alone(tmp_path):
 def test_env_defaults_to_the_process_environment(monkeypatch):
     monkeypatch.setenv("LMCACHE_MP_CHUNK_SIZE", "32")
     monkeypatch.setenv("LMCACHE_MP_HEARTBEAT_TIMEOUT", "2.5")
-    monkeypatch.setenv("LMCACHE_MP_NOT_A_SETTING", "ignored")
+    monkeypatch.setenv("LMCACHE_MP_CUDA", "OFF")  # the build's, not a server setting: fine
     c = ServerConfig.from_sources()
     assert c.chunk_size == 32 and c.heartbeat_timeout == 2.5
+    assert c.given == {"chunk_size", "heartbeat_timeout"}
+
+
+def test_an_environment_variable_that_is_no_setting_is_refused_as_a_config_key_is(monkeypatch):
+    """A typo would otherwise leave the default in force without a word."""
+    monkeypatch.setenv("LMCACHE_MP_L1_SIZ", "1GiB")
+    with pytest.raises(ValueError, match=r"environment variable LMCACHE_MP_L1_SIZ: no such setting \(did you mean "
+                                         r"LMCACHE_MP_L1_SIZE\?\)"):
+        ServerConfig.from_sources()
 
 
 def test_file_may_use_a_server_table(tmp_path):

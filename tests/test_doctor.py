@@ -54,7 +54,10 @@ def test_problems_of_the_settings_are_failures_or_warnings(capsys, tmp_path):
 
 
 def test_bad_settings_exit_2_before_any_check(capsys):
-    assert cli_main(["doctor", "--device", "tpu"]) == 2
+    with pytest.raises(SystemExit) as e:  # argparse: an invalid choice
+        cli_main(["doctor", "--device", "tpu"])
+    assert e.value.code == 2
+    assert cli_main(["doctor", "--device", "cpu", "--url", "tcp://127.0.0.1"]) == 2
 
 
 @pytest.mark.parametrize("flag, value, setting", [("--url", "tcp://127.0.0.1:99999", "url"),

@@ -83,7 +83,9 @@ def test_no_server_is_a_clear_error(capsys):
     url = f"tcp://127.0.0.1:{port}"
     rc = loadgen.main(["--url", url, "--connect-timeout", "0.5"])
     assert rc != 0
-    assert f"no lmcache-mp server answers at {url}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"no server reachable at {url} within 0.5 s: nothing listens there" in err, err
+    assert f"(start one with: lmcache-mp-server --url {url})" in err, err
 
 
 SMALL = ["--layers", "2", "--heads", "2", "--head-size", "64", "--block-size", "16", "--chunks", "4"]

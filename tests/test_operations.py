@@ -319,7 +319,7 @@ def test_an_l1_larger_than_the_machine_is_refused_with_its_memory():
     from lmcache_mp.server.resources import meminfo
 
     total = meminfo()["MemTotal"]
-    with pytest.raises(ValueError, match=r"l1_size .* is more than this machine's memory: this machine has .* GiB"):
+    with pytest.raises(ValueError, match=r"l1_size .* is more than this machine's memory allows: this machine has .* GiB"):
         Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", http_addr="off", l1_size=2 * total)).start()
 
 

@@ -12,6 +12,14 @@ from typing import Any, Mapping
 from urllib.parse import urlparse
 
 ENV_PREFIX = "LMCACHE_MP_"
+# LMCACHE_MP_* variables that are no server setting (the server's are its fields, upper case).
+OTHER_ENV_VARS = {
+    "LMCACHE_MP_CUDA": "the build: ON, OFF or AUTO, whether to compile the CUDA data plane",
+    "LMCACHE_MP_CURVE_SERVER_KEY": "clients: the server's CURVE public key file",
+    "LMCACHE_MP_CURVE_CLIENT_KEY": "clients: their own CURVE secret key file",
+    "LMCACHE_MP_COPY_PRIORITY": "clients copying their own chunks: low or high stream priority",
+    "LMCACHE_MP_PACK_CTAS": "clients copying their own chunks: CTAs of the packing kernels (0: chosen)",
+}
 DEVICES = ("auto", "cpu", "cuda")
 TRANSFER_MODES = ("auto", "direct", "staged", "dma")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -21,17 +29,14 @@ L2_WRITE_FIELDS = ("l2_write", "l2_disk_write", "l2_redis_write", "l2_mooncake_w
 _SIZE_FIELDS = ("l1_size", "staging_size", "slab_size", "l2_disk_size", "l2_queue_size",
                 "l2_mooncake_segment")  # int or a string with units
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kb": 1000, "kib": 1 << 10,
-    "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
-    "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30,
-    "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40,
-}
+# Memory is sized in binary units, whatever the spelling: 4G, 4g, 4GB and 4GiB are all 4 GiB (a
+# mixture, 4GB of 10^9 bytes beside 4g of 2^30, was a trap; the start-up line says the size in GiB).
+_UNITS = {"": 1, "b": 1, **{u + suffix: 1 << (10 * (i + 1)) for i, u in enumerate("kmgt") for suffix in ("", "b", "ib")}}
 
 
 def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as '64GiB', '512 MiB', '1.5G' (K/M/G/T are binary)."""
+    """Bytes from an int or a string such as '64GiB', '512 MiB', '1.5G' (every unit is binary:
+    64GB is 64 GiB)."""
     if isinstance(value, bool):
         raise ValueError(f"not a size: {value!r}")
     if isinstance(value, int):
@@ -181,9 +186,8 @@ class ServerConfig:
             parse_addr(self.http_addr)
         if not re.match(r"^(tcp|ipc|inproc)://", self.url):
             raise ValueError(f"url must start with tcp://, ipc:// or inproc://, got {self.url!r}")
-        port = self.url.rsplit(":", 1)[1] if self.url.startswith("tcp://") else ""
-        if port.isdigit() and int(port) > 65535:  # ZeroMQ would wrap it round, to another port
-            raise ValueError(f"url: port {port} of {self.url!r} is out of range (0-65535; 0 picks a free one)")
+        if self.url.startswith("tcp://"):
+            tcp_host_port(self.url)
         if not self.curve_secret_key and not is_loopback_url(self.url):
             raise ValueError(f"binding {self.url} lets other machines in: it needs authentication. Run "
                              "`lmcache-mp-server keygen DIR` and pass --curve-secret-key DIR/server.key_secret "
@@ -215,6 +219,7 @@ class ServerConfig:
             raise ValueError("lease_ttl and heartbeat_timeout must be positive")
         if self.direct_ctas <= 0:
             raise ValueError("direct_ctas must be positive")
+        self.given: frozenset[str] = frozenset()  # the settings a source named (from_sources), not defaults
 
     def l2_write_of(self, tier: str, default: str) -> str:
         """The write policy of one tier (disk, redis or mooncake): its own setting, else
@@ -244,8 +249,10 @@ class ServerConfig:
                                  f"(known: the names of --help's flags with _ for -, e.g. l1_size)")
             values.update({k: _coerce(k, v, f"config file {config_file}") for k, v in data.items()})
             sources.update({k: f"config file {config_file}" for k in data})
+        env = os.environ if env is None else env
+        check_env_names(env, names)
         for name in names:
-            raw = (env if env is not None else os.environ).get(ENV_PREFIX + name.upper())
+            raw = env.get(ENV_PREFIX + name.upper())
             if raw is not None:
                 values[name] = _coerce(name, raw, ENV_PREFIX + name.upper())
                 sources[name] = ENV_PREFIX + name.upper()
@@ -254,11 +261,25 @@ class ServerConfig:
                 values[name] = _coerce(name, v, "--" + name.replace("_", "-"))
                 sources[name] = "--" + name.replace("_", "-")
         try:
-            return cls(**values)
+            config = cls(**values)
+            config.given = frozenset(values)
+            return config
         except ValueError as e:  # a check across settings (ranges, combinations): say where they came from
             found = {name: m.start() for name in sources if (m := re.search(rf"\b{name}\b", str(e)))}
             named = [f"{name} from {sources[name]}" for name in sorted(found, key=found.get)]
             raise ValueError(f"{e} ({'; '.join(named)})" if named else str(e)) from None
+
+
+def check_env_names(env: Mapping[str, str], names: set[str]) -> None:
+    """A LMCACHE_MP_* variable that is no setting is refused, as a config file's unknown key is:
+    a typo would otherwise leave the default in force without a word."""
+    import difflib
+
+    known = {ENV_PREFIX + n.upper() for n in names} | set(OTHER_ENV_VARS)
+    for var in sorted(v for v in env if v.startswith(ENV_PREFIX) and v not in known):
+        close = difflib.get_close_matches(var, sorted(known), n=1)
+        raise ValueError(f"environment variable {var}: no such setting" + (f" (did you mean {close[0]}?)" if close
+                                                                            else " (see --help for the settings)"))
 
 
 def read_config_file(path: str) -> dict[str, Any]:
@@ -285,6 +306,24 @@ def parse_addr(addr: str) -> tuple[str, int]:
     if int(port) > 65535:
         raise ValueError(f"http_addr: port {port} of {addr!r} is out of range (0-65535; 0 picks a free one)")
     return host.strip("[]"), int(port)
+
+
+def tcp_host_port(url: str) -> tuple[str, int]:
+    """(host, port) of a tcp://HOST:PORT url (an IPv6 host in brackets: tcp://[::1]:5555); a
+    ValueError that says what is missing, before ZeroMQ fails with a bare 'Invalid argument'."""
+    rest = url[len("tcp://"):]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        raise ValueError(f"url {url!r} is not tcp://HOST:PORT (a port is needed; 0 picks a free one; an IPv6 "
+                         "address goes in brackets: tcp://[::1]:5555)")
+    if int(port) > 65535:  # ZeroMQ would wrap it round, to another port
+        raise ValueError(f"url: port {port} of {url!r} is out of range (0-65535; 0 picks a free one)")
+    return host.strip("[]"), int(port)
+
+
+def is_ipv6_url(url: str) -> bool:
+    """A tcp:// url of an IPv6 address: ZeroMQ sockets need their IPV6 option for it."""
+    return url.startswith("tcp://[")
 
 
 def is_loopback_url(url: str) -> bool:

@@ -80,6 +80,8 @@ class Client(RestartRecovery):
         self.name = name or f"pid{os.getpid()}"
         self.client_id = secrets.token_bytes(16)
         self._ctx = zmq.Context()
+        if url.startswith("tcp://["):  # an IPv6 address: ZeroMQ's sockets take one only with this option
+            self._ctx.setsockopt(zmq.IPV6, 1)
         self.curve = apply_curve(self._ctx, curve_server_key, curve_client_key)  # (also from the environment)
         self._local = threading.local()
         self._sync_sockets: dict[zmq.Socket, threading.Thread] = {}  # each caller thread's, and that thread

@@ -129,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _connect_and_run(args, lay: dict, mix: dict | None) -> int:
     from lmcache_mp import Client, ProtocolMismatch, ServerUnavailable
+    from lmcache_mp.client.endpoint import nothing_listens
 
     try:
         client = Client(args.url, connect_timeout=args.connect_timeout, timeout=60, name="lmcache-mp-bench")
-    except ServerUnavailable:
-        print(f"lmcache-mp-bench: no lmcache-mp server answers at {args.url} within {args.connect_timeout:g} s "
-              f"(start one with: lmcache-mp-server --url {args.url})", file=sys.stderr)
+    except ServerUnavailable as e:  # the client says what is there (nothing, a server refusing its CURVE keys)
+        start = f" (start one with: lmcache-mp-server --url {args.url})" if nothing_listens(args.url) else ""
+        print(f"lmcache-mp-bench: {e}{start}", file=sys.stderr)
         return 1
     except ProtocolMismatch as e:
         print(f"lmcache-mp-bench: {e}", file=sys.stderr)

@@ -13,15 +13,18 @@ import re
 import sys
 
 from lmcache_mp._version import __version__
-from lmcache_mp.config import ServerConfig, format_size
+from lmcache_mp.config import DEVICES, L2_WRITE_FIELDS, L2_WRITE_POLICIES, LOG_LEVELS, TRANSFER_MODES, ServerConfig, \
+    format_size
 from lmcache_mp.server.gc_pauses import settle_after_setup
 
 logger = logging.getLogger("lmcache_mp")
 
 
-SERVER_HELP = ("Standalone multiprocess KV-cache server for LLM inference engines. "
-               "`lmcache-mp-server keygen DIR` makes CURVE keys (see --curve-secret-key); "
-               "`lmcache-mp-server doctor [settings]` checks whether a server with those settings would work here.")
+SERVER_HELP = ("Standalone multiprocess KV-cache server for LLM inference engines. Commands: "
+               "`lmcache-mp-server [settings]` runs a server until SIGINT or SIGTERM; "
+               "`lmcache-mp-server doctor [settings]` checks whether a server with those settings would work here "
+               "(`doctor --help`); `lmcache-mp-server keygen DIR [--client NAME]` makes CURVE keys (see "
+               "--curve-secret-key).")
 DOCTOR_HELP = ("Check whether a server with these settings would work on this machine, without starting one: "
                "the build, GPUs (compute capability, NUMA node), CUDA IPC between two processes, memory and the "
                "locked-memory limit, /dev/shm, the endpoint and HTTP address, each L2 target. Prints one line per "
@@ -29,13 +32,22 @@ DOCTOR_HELP = ("Check whether a server with these settings would work on this ma
                "server's settings, from the same sources.")
 
 
+# The settings whose values are one of a few: --help lists them, argparse refuses others.
+CHOICES = {"device": DEVICES, "transfer_mode": TRANSFER_MODES, "log_level": LOG_LEVELS,
+           **{name: L2_WRITE_POLICIES for name in L2_WRITE_FIELDS}}
+USAGE = {"lmcache-mp-server": "lmcache-mp-server [--SETTING VALUE ...] | doctor [--SETTING VALUE ...] | keygen DIR"
+                              "  (--help: the settings)",
+         "lmcache-mp-server doctor": "lmcache-mp-server doctor [--SETTING VALUE ...]  (--help: the settings)"}
+
+
 def _parser(prog: str = "lmcache-mp-server", description: str = SERVER_HELP) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=prog,
+        usage=USAGE[prog],  # (not argparse's: 30 lines of flags before any error)
         description=description,
         epilog="Every setting can also come from the environment (LMCACHE_MP_<NAME>, e.g. "
         "LMCACHE_MP_L1_SIZE=64GiB; on/off ones take true/false, on/off or 1/0) or a TOML file (--config). "
-        "Sizes accept units: 512MiB, 64GiB.",
+        "Sizes accept units, all binary: 512MiB, 64GiB (64G and 64GB are the same).",
     )
     ap.add_argument("--config", metavar="FILE", help="TOML file with settings (keys as below, e.g. l1_size)")
     ap.add_argument("--version", action="version", version=f"lmcache-mp {__version__}")
@@ -47,12 +59,17 @@ def _parser(prog: str = "lmcache-mp-server", description: str = SERVER_HELP) -> 
             ap.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
                             help=f"{doc} (default: {'on' if f.default else 'off'})".replace("%", "%%"))
             continue
+        choices = CHOICES.get(f.name)
+        if choices is not None and f.default == "":  # (empty: a default of its own, which the help says)
+            choices = ("", *choices)
         ap.add_argument(
             flag,
             dest=f.name,
             default=None,
-            type=kind if kind in (int, float) else str,
-            help=f"{doc} (default: {f.default})".replace("%", "%%"),
+            type=kind if kind in (int, float) else (str.upper if f.name == "log_level" else str),
+            choices=choices,
+            metavar="{" + ",".join(c for c in choices if c) + "}" if choices else None,
+            help=(doc + (f" (default: {f.default})" if f.default != "" else "")).replace("%", "%%"),
         )
     return ap
 
@@ -76,8 +93,10 @@ def tune_process() -> None:
 
 def _keygen_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lmcache-mp-server keygen",
-                                 description="Make CURVE keys: the server's pair and one client's, in DIR.")
+                                 description="Make CURVE keys: the server's pair and one client's, in DIR; with "
+                                             "--client NAME, another client's pair beside them.")
     ap.add_argument("dir")
+    ap.add_argument("--client", default="", help="the name of another client's key pair (DIR/clients/NAME.key)")
     return ap
 
 
@@ -99,7 +118,8 @@ def parse_command(argv: list[str]) -> tuple[str, object]:
     or ("serve", config). Bad flags exit like argparse (status 2); bad settings raise ValueError
     (or OSError) with the command's name in front."""
     if argv[:1] == ["keygen"]:
-        return "keygen", _keygen_parser().parse_args(argv[1:]).dir
+        args = _keygen_parser().parse_args(argv[1:])
+        return "keygen", (args.dir, args.client)
     doctor = argv[:1] == ["doctor"]
     parser = _parser("lmcache-mp-server doctor", DOCTOR_HELP) if doctor else _parser()
     args = vars(parser.parse_args(_negative_values_attached(argv[1:] if doctor else argv)))
@@ -122,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         from lmcache_mp.server.curve import keygen
 
         try:
-            print(keygen(what))
-        except OSError as e:
+            print(keygen(*what))
+        except (OSError, ValueError) as e:
             print(f"lmcache-mp-server keygen: {e}", file=sys.stderr)
             return 1
         return 0

@@ -2,22 +2,59 @@
 
 `lmcache-mp-server keygen DIR` makes DIR/server.key (public: give it to the clients),
 DIR/server.key_secret (the server's: --curve-secret-key), and one client key pair:
-DIR/clients/client.key (public) and DIR/client-secret/client.key_secret. With --curve-clients
-DIR/clients, only clients whose public key file is in that folder (read at start) get past the
-handshake; without it, any client that knows the server's public key does. A client without the
-right keys gets no handshake, so no request of its ever reaches the engine.
+DIR/clients/client.key (public) and DIR/client-secret/client.key_secret; `keygen DIR --client
+NAME` adds another client's pair (DIR/clients/NAME.key, DIR/client-secret/NAME.key_secret). With
+--curve-clients DIR/clients, only clients whose public key file is in that folder (read at start)
+get past the handshake; without it, any client that knows the server's public key does. A client
+without the right keys gets no handshake, so no request of its ever reaches the engine; the
+server logs the refusals (a WARNING, at most one a minute of each kind, with the count of the
+others): keys not let in (by their fingerprint), and handshakes that failed (a wrong server key,
+or a client without CURVE).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
+import time
 
 import zmq
 import zmq.auth
+from zmq.utils import z85
 
 logger = logging.getLogger(__name__)
+
+LOG_EVERY_S = 60.0  # refusals of one kind: a line at most this often
+
+
+def fingerprint(z85_public_key: bytes | str) -> str:
+    """A short name of a CURVE public key for logs (its SHA-256, 12 hex digits)."""
+    key = z85_public_key.encode() if isinstance(z85_public_key, str) else z85_public_key
+    return hashlib.sha256(z85.decode(key)).hexdigest()[:12]
+
+
+class RefusalLog:
+    """WARNING lines of refused clients, at most one a LOG_EVERY_S of each kind."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+        self.count = 0
+
+    def refused(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.count += 1
+            if now - self._last.get(kind, -LOG_EVERY_S) < LOG_EVERY_S:
+                self._quiet[kind] = self._quiet.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            quiet = self._quiet.pop(kind, 0)
+        logger.warning("refused a client: %s%s", message, f" ({quiet} more refused like it since the last line)"
+                       if quiet else "")
 
 
 class CurveServer:
@@ -34,39 +71,92 @@ class CurveServer:
         if clients_dir and not os.path.isdir(clients_dir):
             raise ValueError(f"curve_clients: {clients_dir} is not a folder of client public keys")
         self.public, self._secret = public, secret
+        self.refusals = RefusalLog()
+        self._clients_dir = clients_dir
         self.context = zmq.Context()
         self._auth = ThreadAuthenticator(self.context, log=logging.getLogger("lmcache_mp.auth"))
         self._auth.start()
-        self._auth.configure_curve(domain="*", location=clients_dir or zmq.auth.CURVE_ALLOW_ANY)
+        if clients_dir:
+            self._allowed = set(zmq.auth.load_certificates(clients_dir))  # z85 public keys
+            self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+        else:
+            self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        self._monitor: threading.Thread | None = None
         logger.info("CURVE: server key %s, clients %s", public.decode(),
-                    f"with a key in {clients_dir}" if clients_dir else "that know the server key")
+                    f"with a key in {clients_dir} ({len(self._allowed)})" if clients_dir else "that know the server key")
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:
+        """ZAP (the authenticator's thread): is this client's key let in?"""
+        if z85_key in self._allowed:
+            return True
+        self.refusals.refused("key", f"its CURVE key {fingerprint(z85_key)} is not in --curve-clients "
+                                     f"{self._clients_dir}")
+        return False
 
     def apply(self, sock: zmq.Socket) -> None:
+        """Before the bind. The handshakes that fail (a wrong server key, a client without CURVE)
+        are logged from a monitor of the socket, on a thread of its own (its events end when the
+        socket closes)."""
         sock.curve_secretkey = self._secret
         sock.curve_publickey = self.public
         sock.curve_server = True
+        events = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        self._monitor = threading.Thread(target=self._watch, args=(sock.get_monitor_socket(events),),
+                                         name="lmcache-curve-monitor", daemon=True)
+        self._monitor.start()
+
+    def _watch(self, monitor: zmq.Socket) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        try:
+            while True:
+                event = recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                self.refusals.refused("handshake", "its CURVE handshake failed (it has another server's public "
+                                      "key, or uses no CURVE: give it this server's server.key)")
+        except zmq.ZMQError:
+            return
+        finally:
+            monitor.close(0)
 
     def stop(self) -> None:
         """After the server's socket: the context ends once that socket is closed."""
+        if self._monitor is not None:
+            self._monitor.join(5)  # (its socket's close ended the events)
         self._auth.stop()
         threading.Thread(target=self.context.term, name="lmcache-mp-curve-term", daemon=True).start()
 
 
-def keygen(directory: str) -> str:
-    """The server's key pair and one client's; returns what to do with them."""
+def keygen(directory: str, client: str = "") -> str:
+    """The server's key pair and one client's (client: another client's pair only, beside the
+    server's); returns what to do with them. Keys are never overwritten."""
+    if client and (not client.replace("-", "").replace("_", "").isalnum() or client == "server"):
+        raise ValueError(f"--client {client!r}: a name of letters, digits, - and _ (not 'server')")
+    name = client or "client"
+    secret_dir = os.path.join(directory, "client-secret")
+    has_server = os.path.exists(os.path.join(directory, "server.key_secret"))
+    if client and not has_server:
+        raise FileNotFoundError(f"{directory}/server.key_secret does not exist: run keygen {directory} first")
+    if not client and has_server:
+        raise FileExistsError(f"{directory}/server.key_secret exists: keys are never overwritten (another "
+                              f"client's pair: keygen {directory} --client NAME)")
+    for path in (os.path.join(directory, "clients", f"{name}.key"), os.path.join(secret_dir, f"{name}.key_secret")):
+        if os.path.exists(path):
+            raise FileExistsError(f"{path} exists: keys are never overwritten")
     os.makedirs(os.path.join(directory, "clients"), exist_ok=True)
-    if os.path.exists(os.path.join(directory, "server.key_secret")):
-        raise FileExistsError(f"{directory}/server.key_secret exists: keys are never overwritten")
+    os.makedirs(secret_dir, exist_ok=True)
     old = os.umask(0o077)  # secret keys: this user only
     try:
-        zmq.auth.create_certificates(directory, "server")
-        zmq.auth.create_certificates(os.path.join(directory, "clients"), "client")
+        if not client:
+            zmq.auth.create_certificates(directory, "server")
+        zmq.auth.create_certificates(os.path.join(directory, "clients"), name)
     finally:
         os.umask(old)
-    secret_dir = os.path.join(directory, "client-secret")
-    os.makedirs(secret_dir, exist_ok=True)
-    os.replace(os.path.join(directory, "clients", "client.key_secret"), os.path.join(secret_dir, "client.key_secret"))
-    return (f"server:  --curve-secret-key {directory}/server.key_secret --curve-clients {directory}/clients\n"
-            f"clients: LMCACHE_MP_CURVE_SERVER_KEY={directory}/server.key "
-            f"LMCACHE_MP_CURVE_CLIENT_KEY={secret_dir}/client.key_secret\n"
-            f"(more clients: add their public .key files to {directory}/clients and restart the server)")
+    os.replace(os.path.join(directory, "clients", f"{name}.key_secret"), os.path.join(secret_dir, f"{name}.key_secret"))
+    return ((f"server:  --curve-secret-key {directory}/server.key_secret --curve-clients {directory}/clients\n"
+             if not client else f"a server started with --curve-clients {directory}/clients lets it in once "
+                                "restarted\n")
+            + f"clients: LMCACHE_MP_CURVE_SERVER_KEY={directory}/server.key "
+            f"LMCACHE_MP_CURVE_CLIENT_KEY={secret_dir}/{name}.key_secret\n"
+            + ("" if client else f"(more clients: keygen {directory} --client NAME)"))

@@ -4,8 +4,14 @@ Checks, each one line with OK, WARN or FAIL and, for a problem, what to do: the 
 compiled in, for which architectures), the GPUs (names, UUIDs, compute capability against the
 build, NUMA node), CUDA IPC between two processes (a real export and open), page-locked memory
 (`ulimit -l`, /proc/meminfo) against --l1-size, /dev/shm for the CPU device, the endpoint and the
-HTTP address (bound and released), and each L2 target configured (reachable or not). Exit code 0
-only when nothing FAILs for the configured device.
+HTTP address (bound and released, leaving no socket file), and each L2 target configured
+(reachable or not). Everything the server itself checks before it starts (server/resources.py:
+L1 against the memory available, the socket files' group and folder, the disk tier's folder) is
+checked with the same functions, and fails the same way. Exit code 0 only when nothing FAILs for
+the configured device.
+
+Run it before a server starts (a systemd ExecStartPre, a Kubernetes init container), not beside
+a running one: that server's L1 has taken the memory the check looks for, and its endpoint is taken.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import subprocess
 import sys
 from urllib.parse import urlparse
 
-from lmcache_mp.config import ServerConfig, format_size
-from lmcache_mp.server.resources import free_space, meminfo
+from lmcache_mp.config import ServerConfig, format_size, is_ipv6_url
+from lmcache_mp.server.resources import (check_ipc_group, check_l1_fits, check_l2_disk, check_socket_folder,
+                                         free_space, l1_limit, meminfo)
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 
@@ -134,15 +141,25 @@ def check_ipc(r: Report, gpus: list[dict]) -> None:
             _C.cuda.destroy_event(ev)
 
 
+def _start_check(r: Report, label: str, what: str, check, config: ServerConfig, ok: str = "") -> bool:
+    """One of the server's own start-up checks (of the setting `what`): FAIL with its message, or
+    OK (with `ok`)."""
+    try:
+        check(config, "--" + what.replace("_", "-"))
+    except ValueError as e:
+        r.line(FAIL, f"{label}: {e}")
+        return False
+    if ok:
+        r.line(OK, ok)
+    return True
+
+
 def check_memory(r: Report, config: ServerConfig, gpus: list[dict]) -> None:
     l1 = int(config.l1_size)
-    mem = meminfo()
-    avail = mem.get("MemAvailable", 0)
-    if avail and l1 > avail:
-        r.line(FAIL, f"memory: --l1-size {format_size(l1)} but {format_size(avail)} available",
-               f"lower --l1-size below {format_size(avail * 8 // 10)}")
-    elif avail:
-        r.line(OK, f"memory: --l1-size {format_size(l1)}, {format_size(avail)} available")
+    avail = meminfo().get("MemAvailable", 0)
+    if avail:
+        _start_check(r, "memory", "l1_size", check_l1_fits, config, f"memory: --l1-size {format_size(l1)}, at most "
+                     f"{format_size(l1_limit())} ({format_size(avail)} available)")
     if gpus:  # L1 is page-locked on the cuda device
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= l1:
@@ -184,16 +201,24 @@ def check_shm(r: Report, config: ServerConfig, gpus: list[dict]) -> None:
 
 
 def check_endpoint(r: Report, config: ServerConfig) -> None:
+    import errno
+
     import zmq
 
+    if not (_start_check(r, "socket files", "ipc_group", check_ipc_group, config)
+            and _start_check(r, "endpoint", "url", check_socket_folder, config)):
+        return
+    ipc = config.url[len("ipc://"):] if config.url.startswith("ipc://") else ""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    if is_ipv6_url(config.url):
+        sock.setsockopt(zmq.IPV6, 1)
     try:
-        if config.url.startswith("ipc://") and os.path.lexists(config.url[6:]):
+        if ipc and os.path.lexists(ipc):
             from lmcache_mp.server.socket_files import server_answers
 
-            if server_answers(config.url[6:], socket.SOCK_STREAM, "the endpoint"):
+            if server_answers(ipc, socket.SOCK_STREAM, "the endpoint"):
                 r.line(FAIL, f"endpoint {config.url}: another server answers there", "stop it, or pick another --url")
             else:
                 r.line(OK, f"endpoint {config.url}: a socket file nothing answers on (a killed server's): a new "
@@ -201,8 +226,13 @@ def check_endpoint(r: Report, config: ServerConfig) -> None:
         else:
             sock.bind(config.url)
             r.line(OK, f"endpoint {config.url}: can be bound")
+            if ipc:  # the file the bind made is no server's: a server started later would take it for a killed one's
+                sock.close(0)
+                os.unlink(ipc)
     except (zmq.ZMQError, OSError) as e:
-        r.line(FAIL, f"endpoint {config.url}: {e}", "another server may be running there; pick another --url")
+        taken = getattr(e, "errno", None) == errno.EADDRINUSE
+        r.line(FAIL, f"endpoint {config.url}: {e}",
+               "another server may be running there; pick another --url" if taken else "pick another --url")
     finally:
         sock.close(0)
         ctx.term()
@@ -228,12 +258,10 @@ def _reachable(host: str, port: int) -> str:
 
 
 def check_l2(r: Report, config: ServerConfig) -> None:
-    if config.l2_disk:
+    if config.l2_disk and _start_check(r, "L2 disk", "l2_disk", check_l2_disk, config):
         path = config.l2_disk
         free, parent = free_space(path)
-        if not os.access(parent, os.W_OK):
-            r.line(FAIL, f"L2 disk {path}: not writable", "create it, or give the server's user write access")
-        elif config.l2_disk_size > free:
+        if config.l2_disk_size > free:
             r.line(WARN, f"L2 disk {path}: --l2-disk-size {format_size(config.l2_disk_size)} but {format_size(free)} "
                    "free (chunks already there aside): once the disk is full, writes are dropped",
                    "lower --l2-disk-size, or leave it 0 (90% of the free space)")

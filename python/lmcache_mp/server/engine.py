@@ -108,12 +108,14 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         self._closed = False
         self.started = time.time()
         self.gc_pauses = GCPauses()
-        cut = config.slab_cut_from
+        cut = ""
+        if config.slab_cut_from:  # (the default slab size is cut without a word of what was "set")
+            cut = (f", not the {format_size(config.slab_cut_from)} set: a slab is at most L1/16"
+                   if "slab_size" in config.given else ": at most L1/16")
         logger.info(
             "L1: %s of %s host memory (slabs of %s%s%s)",
             format_size(self.arena.capacity), "pinned" if pin else "shared", format_size(self.arena.slab_bytes),
-            f", not the {format_size(cut)} set: a slab is at most L1/16" if cut else "",
-            f", NUMA node {numa}" if numa >= 0 else "",
+            cut, f", NUMA node {numa}" if numa >= 0 else "",
         )
 
     def _open_l2(self, config: ServerConfig) -> L2Tiers | None:

@@ -1,23 +1,34 @@
-"""What this machine has for the settings: memory for L1, disk space for the disk tier. Checked
-at start-up (run_cache_server) and by `lmcache-mp-server doctor`.
+"""What this machine has for the settings: memory for L1, the group and folder of the socket files,
+a disk for the disk tier. Checked at start-up (run_cache_server, before anything is made) and by
+`lmcache-mp-server doctor`, with the same functions and the same words.
 
-An L1 larger than the machine's memory cannot work: the server refuses to start and says how much
-memory there is (the arena is mapped lazily, so without this check such a server starts and is
-killed later, or fails with a bare `Cannot allocate memory`). A disk tier larger than its disk's
-free space only warns: the tier is lossy (a write the full disk refuses is a dropped chunk, never
-a failed request), its own files from an earlier run are part of its size and not of the free
-space, and the free space of a shared disk changes while the server runs.
+An L1 larger than the memory available cannot work: the server refuses to start and says how much
+there is (L1 is faulted in or page-locked in the background after the start, so without this
+check such a server starts and is killed later, or fails with a bare `Cannot allocate memory`). A
+disk tier larger than its disk's free space only warns: the tier is lossy (a write the full disk
+refuses is a dropped chunk, never a failed request), its own files from an earlier run are part of
+its size and not of the free space, and the free space of a shared disk changes while the server
+runs.
 """
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
+import pwd
 import shutil
+import tempfile
 
 from lmcache_mp.config import ServerConfig, format_size
 
 logger = logging.getLogger(__name__)
+
+L1_SHARE_OF_AVAILABLE = 0.9  # of the memory available at the start: the rest is the machine's
+# Filesystems that hold no files of their own: a disk tier there cannot work.
+PSEUDO_FILESYSTEMS = {"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+                      "securityfs", "pstore", "bpf", "configfs", "fusectl", "mqueue", "efivarfs", "autofs",
+                      "binfmt_misc", "rpc_pipefs", "nsfs"}
 
 
 def meminfo() -> dict[str, int]:
@@ -42,18 +53,103 @@ def memory_note() -> str:
             f"{format_size(mem.get('MemAvailable', 0))} available now")
 
 
+def l1_limit() -> int:
+    """The largest L1 this machine takes now (0: unknown, no limit)."""
+    return int(meminfo().get("MemAvailable", 0) * L1_SHARE_OF_AVAILABLE)
+
+
 def check_l1_fits(config: ServerConfig, setting: str = "l1_size") -> None:
-    """ValueError if L1 exceeds the machine's memory; a warning if it exceeds what is available."""
-    mem = meminfo()
-    total, avail = mem.get("MemTotal", 0), mem.get("MemAvailable", 0)
-    l1 = int(config.l1_size)
-    if total and l1 > total:
-        raise ValueError(f"{setting} {format_size(l1)} is more than this machine's memory: {memory_note()}; "
-                         f"give L1 at most {format_size(avail * 8 // 10)}")
-    if avail and l1 > avail:
-        logger.warning("%s %s is more than the %s of memory available now (of %s): as L1 fills, the machine "
-                       "will swap or the kernel will end a process", setting, format_size(l1), format_size(avail),
-                       format_size(total))
+    """ValueError if L1 exceeds what the machine's memory allows now (l1_limit)."""
+    most, l1 = l1_limit(), int(config.l1_size)
+    if most and l1 > most:
+        raise ValueError(f"{setting} {format_size(l1)} is more than this machine's memory allows: {memory_note()}; "
+                         f"give L1 at most {format_size(most)} ({L1_SHARE_OF_AVAILABLE:.0%} of what is available)")
+
+
+def _group_id(group: str) -> int:
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"ipc_group {group!r}: no such group on this machine (groupadd it, or name another)") from None
+
+
+def check_ipc_group(config: ServerConfig, setting: str = "ipc_group") -> None:
+    """ValueError unless the group exists and this process may give its socket files to it (it is
+    root or in the group)."""
+    if not config.ipc_group:
+        return
+    gid = _group_id(config.ipc_group)
+    if os.geteuid() == 0 or gid == os.getegid() or gid in os.getgroups():
+        return
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        user = str(os.geteuid())
+    raise ValueError(f"{setting} {config.ipc_group!r}: this server's user {user} is not in that group, so its socket "
+                     f"files cannot be given to it: add the user to it (usermod -aG {config.ipc_group} {user}), or "
+                     "name a group of the user's")
+
+
+def check_socket_folder(config: ServerConfig, setting: str = "url") -> None:
+    """ValueError unless the folder of an ipc:// endpoint exists and this process may make files in it."""
+    if not config.url.startswith("ipc://"):
+        return
+    folder = os.path.dirname(os.path.abspath(config.url[len("ipc://"):]))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{setting} {config.url}: its folder {folder} does not exist: create it (the systemd unit's "
+                         "RuntimeDirectory= does), or pick another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{setting} {config.url}: this server's user may not make files in {folder}")
+
+
+def _filesystem_type(path: str) -> str:
+    """The type of the filesystem path is on (its mount point is the longest one above it)."""
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1].replace("\\040", " ")
+                if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+                    best, kind = mount, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def check_l2_disk(config: ServerConfig, setting: str = "l2_disk") -> None:
+    """ValueError unless the disk tier's path is (or can become) a folder of files on a real
+    filesystem with free space, where this process can make files."""
+    if not config.l2_disk:
+        return
+    path = os.path.abspath(config.l2_disk)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{setting} {config.l2_disk}: exists and is not a folder")
+    free, parent = free_space(path)
+    kind = _filesystem_type(parent)
+    if kind in PSEUDO_FILESYSTEMS:
+        raise ValueError(f"{setting} {config.l2_disk}: on a {kind} filesystem, which holds no files: pick a folder "
+                         "on a disk")
+    try:  # as root every folder looks writable: make a file to know
+        fd, probe = tempfile.mkstemp(prefix=".lmcache-mp-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{setting} {config.l2_disk}: cannot make files in {parent} ({e.strerror or e})") from None
+    if not free and not config.l2_disk_size:
+        raise ValueError(f"{setting} {config.l2_disk}: its filesystem has no free space")
+
+
+def check_start(config: ServerConfig, setting=lambda name: name) -> None:
+    """Everything the machine must give these settings (ValueError, naming the setting as
+    setting(name) does); warnings for what only may go wrong."""
+    check_l1_fits(config, setting("l1_size"))
+    check_ipc_group(config, setting("ipc_group"))
+    check_socket_folder(config, setting("url"))
+    check_l2_disk(config, setting("l2_disk"))
+    check_l2_disk_fits(config, setting("l2_disk_size"))
 
 
 def free_space(path: str) -> tuple[int, str]:

@@ -9,7 +9,7 @@ import threading
 from lmcache_mp.config import ServerConfig, format_size
 from lmcache_mp.server.engine import MPCacheEngine
 from lmcache_mp.server.gc_pauses import settle
-from lmcache_mp.server.resources import check_l1_fits, check_l2_disk_fits, memory_note
+from lmcache_mp.server.resources import check_start, memory_note
 from lmcache_mp.server.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -24,8 +24,7 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
     """
     # embedded (Server, return_engine) a setting is ServerConfig's field; from the CLI, its flag
     setting = (lambda name: name) if return_engine else (lambda name: "--" + name.replace("_", "-"))
-    check_l1_fits(config, setting("l1_size"))
-    check_l2_disk_fits(config, setting("l2_disk_size"))
+    check_start(config, setting)
     try:
         engine = MPCacheEngine(config)
     except RuntimeError as e:
@@ -83,8 +82,9 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
 
 def _http_endpoint(config: ServerConfig, engine: MPCacheEngine, transport: Transport, setting: str):
     """The HTTP listener (stopped last, so that /health says "draining" while the server drains).
-    The default address taken (another server on this machine) is a warning, any other failure
-    to bind an error; both name `setting`, where the address came from."""
+    The default address taken (another server on this machine) is a warning, unless a setting
+    named it; any other failure to bind an error (probes would reach the other server); both name
+    `setting`, where the address came from."""
     if config.http_addr == "off":
         return None
     from lmcache_mp.config import DEFAULT_HTTP_ADDR
@@ -93,7 +93,7 @@ def _http_endpoint(config: ServerConfig, engine: MPCacheEngine, transport: Trans
     try:
         http = HttpEndpoint(config.http_addr, engine, transport)
     except OSError as e:
-        if config.http_addr != DEFAULT_HTTP_ADDR:
+        if config.http_addr != DEFAULT_HTTP_ADDR or "http_addr" in config.given:
             raise OSError(f"cannot serve HTTP on {config.http_addr} ({setting}): {e}") from None
         logger.warning("no HTTP listener (/metrics, /health): %s is taken (%s); set %s to a free address or off",
                        config.http_addr, e.strerror or e, setting)

@@ -18,6 +18,7 @@ import time
 import zmq
 
 from lmcache_mp import protocol as p
+from lmcache_mp.config import is_ipv6_url
 from lmcache_mp.native import spin_poll
 from lmcache_mp.server.lane import Lane, LaneConn, lane_path
 from lmcache_mp.server.request_stats import RequestStats
@@ -96,6 +97,8 @@ class Transport:
         self._sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        if is_ipv6_url(url):
+            self._sock.setsockopt(zmq.IPV6, 1)
         if curve is not None:
             curve.apply(self._sock)
         with socket_files_private():
