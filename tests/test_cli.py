@@ -258,3 +258,53 @@ def test_a_taken_http_address_names_the_flag(sock_path):
                                                  "--http-addr", addr], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert f"cannot serve HTTP on {addr} (--http-addr)" in out.stderr
+
+
+def test_a_taken_default_http_address_named_explicitly_is_refused(sock_path):
+    """Left to its default, a taken HTTP address is a warning (another server on this machine has
+    it); named by a setting, the server would otherwise run on while the probes meant for it reach
+    the other one."""
+    import socket
+
+    from lmcache_mp.config import DEFAULT_HTTP_ADDR, parse_addr
+
+    with socket.socket() as s:
+        try:
+            s.bind(parse_addr(DEFAULT_HTTP_ADDR))
+        except OSError:
+            pytest.skip(f"{DEFAULT_HTTP_ADDR} is taken here")
+        s.listen(1)
+        base = ["--url", f"ipc://{sock_path}", "--device", "cpu", "--l1-size", "16MiB"]
+        out = subprocess.run(server_command() + base + ["--http-addr", DEFAULT_HTTP_ADDR], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 1 and f"cannot serve HTTP on {DEFAULT_HTTP_ADDR} (--http-addr)" in out.stderr
+        srv = ServerProcess(base)  # the default: a warning, and the server serves
+        try:
+            srv.wait_ready()
+            assert any("no HTTP listener" in line for line in srv.lines)
+        finally:
+            srv.kill()
+
+
+def test_the_start_up_line_says_a_slab_size_was_set_only_when_it_was(sock_path):
+    for args, says in ((["--slab-size", "256MiB"], "slabs of 64.0 MiB, not the 256.0 MiB set: a slab is at most L1/16"),
+                       ([], "slabs of 64.0 MiB: at most L1/16")):
+        srv = ServerProcess(["--url", f"ipc://{sock_path}", "--device", "cpu", "--l1-size", "1GiB", "--http-addr",
+                             "off", *args])
+        try:
+            assert says in srv.wait_for("L1: ")
+        finally:
+            srv.kill()
+
+
+def test_keygen_adds_a_second_clients_key_pair(tmp_path, capsys):
+    from lmcache_mp.server.cli import main as cli_main
+
+    keys = tmp_path / "keys"
+    assert cli_main(["keygen", str(keys)]) == 0
+    assert cli_main(["keygen", str(keys)]) == 1 and "--client NAME" in capsys.readouterr().err
+    assert cli_main(["keygen", str(keys), "--client", "engine-b"]) == 0
+    assert (keys / "clients" / "engine-b.key").exists() and (keys / "client-secret" / "engine-b.key_secret").exists()
+    assert "engine-b.key_secret" in capsys.readouterr().out
+    assert cli_main(["keygen", str(keys), "--client", "engine-b"]) == 1  # never overwritten
+    assert cli_main(["keygen", str(tmp_path / "none"), "--client", "x"]) == 1  # no server keys there

@@ -73,3 +73,60 @@ def test_a_disk_tier_larger_than_its_disk_is_a_warning(capsys, tmp_path):
                      "--l1-size", "64MiB", "--l2-disk", str(tmp_path / "l2"), "--l2-disk-size", "100000TiB")
     assert rc == 0, out  # it would work: a full disk drops writes, it fails no request
     assert any(line.startswith("[WARN] L2 disk") and "100000.0 TiB" in line for line in out.splitlines()), out
+
+
+def test_what_the_server_checks_at_start_doctor_fails_in_the_same_words(capsys, tmp_path):
+    """doctor runs the server's own start-up checks (server/resources.py): a setting the server
+    refuses is a FAIL of doctor's, with the server's message."""
+    import subprocess
+    import sys
+
+    regular = tmp_path / "a-file"
+    regular.write_text("")
+    cases = [
+        (["--url", f"ipc://{tmp_path}/no-such-folder/s.sock"], "its folder"),
+        (["--url", f"ipc://{tmp_path}/s.sock", "--ipc-group", "no-such-group-lmc"], "no such group"),
+        (["--l2-disk", "/proc/lmcache-l2"], "on a proc filesystem"),
+        (["--l2-disk", str(regular)], "exists and is not a folder"),
+        (["--l1-size", "100TiB"], "more than this machine's memory allows"),
+    ]
+    for args, says in cases:
+        base = ["--device", "cpu", "--http-addr", "off", "--l1-size", "64MiB"]
+        rc, out = doctor(capsys, *base, *args)
+        assert rc == 1 and any(line.startswith("[FAIL]") and says in line for line in out.splitlines()), (args, out)
+        srv = subprocess.run([sys.executable, "-m", "lmcache_mp.server.cli", *base, *args], capture_output=True,
+                             text=True, timeout=60)
+        assert srv.returncode == 1 and "cannot start: " in srv.stderr and says in srv.stderr, (args, srv.stderr)
+        fail = next(line for line in out.splitlines() if line.startswith("[FAIL]"))
+        assert fail.split(": ", 1)[1] in srv.stderr, (fail, srv.stderr)  # the same words
+
+
+def test_doctor_leaves_no_socket_file_and_names_a_missing_folder(capsys, tmp_path, caplog):
+    sock = tmp_path / "s.sock"
+    rc, out = doctor(capsys, "--device", "cpu", "--url", f"ipc://{sock}", "--http-addr", "off", "--l1-size", "64MiB")
+    assert rc == 0 and "can be bound" in out, out
+    assert not sock.exists()  # (a server started later took a file left here for a killed server's, and said so)
+    rc, out = doctor(capsys, "--device", "cpu", "--url", f"ipc://{tmp_path}/gone/s.sock", "--http-addr", "off",
+                     "--l1-size", "64MiB")
+    assert rc == 1 and "does not exist" in out and "another server" not in out, out
+
+
+def test_a_group_the_servers_user_is_not_in_is_refused_before_anything_is_made(tmp_path):
+    """chown() to a group this user is not in fails (EPERM on the socket file, after the bind):
+    refused up front, naming the setting and the fix."""
+    import grp
+    import os
+
+    from lmcache_mp import ServerConfig
+    from lmcache_mp.server.resources import check_ipc_group
+
+    mine = set(os.getgroups()) | {os.getegid()}
+    other = next((g for g in grp.getgrall() if g.gr_gid not in mine), None)
+    if other is None:
+        pytest.skip("every group of this machine is this user's")
+    config = ServerConfig(url=f"ipc://{tmp_path}/s.sock", device="cpu", ipc_group=other.gr_name)
+    if os.geteuid() == 0:
+        check_ipc_group(config)  # root may give its files to any group
+        return
+    with pytest.raises(ValueError, match=f"ipc_group '{other.gr_name}': this server's user .* is not in that group"):
+        check_ipc_group(config)

@@ -334,3 +334,40 @@ def test_a_disk_tier_larger_than_its_disk_warns_at_start(servers, tmp_path, capl
     caplog.clear()
     servers(l2_disk=str(tmp_path / "l2b"), l2_disk_size="64MiB")
     assert not [r for r in caplog.records if "more than its disk" in r.getMessage()]
+
+
+def test_refused_curve_clients_are_logged_at_most_once_a_minute_each_kind(servers, keys, caplog):  # noqa: F811
+    import logging
+
+    from lmcache_mp.server.curve import fingerprint
+
+    caplog.set_level(logging.WARNING, logger="lmcache_mp.server.curve")
+    srv = servers(curve_secret_key=keys["server_secret"], curve_clients=keys["clients"])
+    for _ in range(2):  # a key pair not let in, twice: one line
+        with pytest.raises(ServerUnavailable):
+            Client(srv.url, connect_timeout=0.3, curve_server_key=keys["server_public"],
+                   curve_client_key=keys["other_client"])
+    with pytest.raises(ServerUnavailable):  # another server's public key: the handshake fails
+        Client(srv.url, connect_timeout=0.3, curve_server_key=keys["other_server"],
+               curve_client_key=keys["client_secret"])
+    import zmq.auth
+
+    other_public = zmq.auth.load_certificate(keys["other_client"])[0]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused a client")]
+        if len(lines) >= 2:
+            break
+        time.sleep(0.05)
+    keyed = [line for line in lines if "is not in --curve-clients" in line]
+    assert len(keyed) == 1 and fingerprint(other_public) in keyed[0], lines
+    assert any("handshake failed" in line for line in lines), lines
+
+
+def test_the_bench_says_what_a_curve_server_said_not_that_none_runs(servers, keys, capsys):  # noqa: F811
+    from lmcache_mp.loadgen import cli as bench
+
+    srv = servers(curve_secret_key=keys["server_secret"], curve_clients=keys["clients"])
+    assert bench.main(["--url", srv.url, "--connect-timeout", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert "requires CURVE" in err and "start one" not in err, err
