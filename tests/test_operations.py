@@ -66,12 +66,14 @@ def test_http_endpoints_after_known_traffic(shm_files, servers, clients, no_inte
     kv, h = register_mha(c, num_blocks=128)
     store_prompts(c, h, kv, [1, 2])
     assert c.lookup(chunk_hashes(w.prompt(1, 4), CHUNK), model="m") == 4
+    assert c.lookup(chunk_hashes(w.prompt(3, 4), CHUNK), model="m") == 0  # 4 chunks asked, none there
     assert retrieved_exact(c, h, kv, 1) == 4
     code, body = get(addr, "/metrics")
     text = body.decode()
     assert code == 200
     assert metric(text, "lmcache_mp_stored_total") == 8 and metric(text, "lmcache_mp_l1_objects") == 8
-    assert metric(text, "lmcache_mp_lookups_total") == 1 and metric(text, "lmcache_mp_hits_total") == 4
+    assert metric(text, "lmcache_mp_lookups_total") == 2 and metric(text, "lmcache_mp_hits_total") == 4
+    assert metric(text, "lmcache_mp_lookup_chunks_total") == 8  # the hit ratio of the docs: 4 / 8
     assert metric(text, "lmcache_mp_registrations") == 1
     assert metric(text, "lmcache_mp_requests_total", op="Store", outcome="OK") == 2
     assert metric(text, "lmcache_mp_requests_total", op="Retrieve", outcome="OK") == 1
@@ -87,7 +89,7 @@ def test_http_endpoints_after_known_traffic(shm_files, servers, clients, no_inte
     text = get(addr, "/metrics")[1].decode()
     assert metric(text, "lmcache_mp_gc_collections_total", generation="2") >= full_before + 1
     gcs = json.loads(get(addr, "/status")[1])["gc"]
-    start, length = next((s, n) for s, n, generation in reversed(gcs["recent"]) if generation == 2)
+    start, length = next((g["start_ns"], g["length_ns"]) for g in reversed(gcs["recent"]) if g["generation"] == 2)
     assert 0 < length <= gcs["longest_s"] * 1e9 and start <= time.monotonic_ns() - length
     assert metric(text, "lmcache_mp_gc_seconds_total") >= length / 1e9
     with pytest.raises(RequestError):  # an error reply: counted by its code

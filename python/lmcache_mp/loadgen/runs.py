@@ -329,7 +329,7 @@ def run_once(client, settings: dict, workers: int, uuids: list[str], chunk: int,
     if any(idle.values()):
         row["idle_us"] = print_idle(idle, traces, {"lookup": row["lookup_us_p50"],
                                                    "retrieve": row["retrieve_ms_p50"] * 1e3})
-    server_gc = status_after.get("gc", {}).get("recent", [])
+    server_gc = [(g["start_ns"], g["length_ns"]) for g in status_after.get("gc", {}).get("recent", [])]
     row["tails"] = {k: attribute([(i["spans_ns"][k], i["gc_pauses_ns"]) for i in infos], probe.stalls, server_gc)
                     for k in ("store", "lookup", "retrieve")}
     row["machine_stalls"] = machine_stalls(probe)

@@ -76,12 +76,14 @@ class GCPauses:
         self.longest_s = max(self.longest_s, length / 1e9)
 
     def stats(self) -> dict:
-        """Collections per generation, their total and longest time, the latest ones as (start,
-        length, generation) with CLOCK_MONOTONIC nanoseconds, and how many times the process froze
-        what it had made (settle). Not the number of frozen objects: gc.get_freeze_count() walks
-        them all, and with a full L1 that held the socket thread for over 20 ms per status."""
+        """Collections per generation, their total and longest time, the latest ones (their
+        start, CLOCK_MONOTONIC nanoseconds, their length and generation), and how many times the
+        process froze what it had made (settle). Not the number of frozen objects:
+        gc.get_freeze_count() walks them all, and with a full L1 that held the socket thread for
+        over 20 ms per status."""
         return {"collections": list(self.collections), "seconds": self.seconds, "longest_s": self.longest_s,
-                "recent": list(self.recent), "settled": _settled}
+                "recent": [{"start_ns": s, "length_ns": n, "generation": g} for s, n, g in self.recent],
+                "settled": _settled}
 
     def close(self) -> None:
         with contextlib.suppress(ValueError):

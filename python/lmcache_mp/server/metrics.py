@@ -69,7 +69,9 @@ class StatusCollector:
             reasons.add_metric([reason], l1[field])
         yield reasons
         for name, help_ in (("stored", "chunks stored"), ("evicted", "chunks evicted"), ("lookups", "lookups"),
-                            ("hits", "chunks found by lookups"), ("leases_expired", "leases that timed out"),
+                            ("hits", "chunks found by lookups"),
+                            ("lookup_chunks", "chunks lookups asked for (the hit ratio: hits / these)"),
+                            ("leases_expired", "leases that timed out"),
                             ("moved", "objects moved to another slot so that a slab could change size"),
                             ("slab_moves", "slabs drained for another object size"),
                             ("format_mismatches", "reads that stopped at a chunk stored in another format")):

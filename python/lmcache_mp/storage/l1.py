@@ -73,7 +73,7 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         self._evicted: dict[int, int] = {}  # size class -> objects evicted
         self._committed = 0
         self.events = None  # an EventLog of commits and removals for subscribers (events.py)
-        self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "moved": 0, "slab_moves": 0,
+        self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "lookup_chunks": 0, "moved": 0, "slab_moves": 0,
                          "cleared": 0, "replaced": 0, "format_mismatches": 0}
         self._mismatches_logged: set[str] = set()
 
@@ -386,6 +386,7 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
             if extend:
                 return hits, lease.lease_id
             self.counters["lookups"] += 1
+            self.counters["lookup_chunks"] += len(digests)
             self.counters["hits"] += hits
             if lease is None:
                 return hits, 0
