@@ -249,6 +249,7 @@ PYBIND11_MODULE(_C, m) {
              d["faulting_done"] = p.faulting_done;
              return d;
            })
+      .def("release_memory", &HostArena::release_memory, py::call_guard<py::gil_scoped_release>())
       .def("pause_pinning", &HostArena::pause_pinning)
       .def("resume_pinning", &HostArena::resume_pinning)
       .def("wait_pinned", &HostArena::wait_pinned, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())

@@ -47,6 +47,7 @@ HostArena::HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_
     fd_ = static_cast<int>(syscall(SYS_memfd_create, "lmcache_mp_arena", 0u));
     if (fd_ < 0) throw std::runtime_error(errno_text("memfd_create"));
   } else {
+    has_file_ = true;
     fd_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
     if (fd_ < 0) throw std::runtime_error(errno_text(("opening the arena file " + path).c_str()));
     struct stat st {};
@@ -88,6 +89,17 @@ HostArena::~HostArena() {
   }
   if (base_) munmap(base_, capacity_);
   if (fd_ >= 0) close(fd_);
+}
+
+bool HostArena::release_memory() {
+  if (pin_ || has_file_) return false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  pin_cv_.notify_all();
+  if (pin_thread_.joinable()) pin_thread_.join();
+  return fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(capacity_)) == 0;
 }
 
 bool HostArena::wait_unpaused() {

@@ -113,6 +113,12 @@ class HostArena {
   void resume_pinning();
   // Waits until pinning has finished (or timeout_s passed); true when finished.
   bool wait_pinned(double timeout_s) const;
+  // At a server's stop, once nothing copies any more: gives an unpinned arena's memory back to the
+  // machine now (the kernel frees a GiB in a few tenths of a second: otherwise the process's exit
+  // waits for it, after the server said it stopped). An arena file (persistence) keeps its bytes,
+  // as does pinned memory (the destructor unpins it). The mapping stays valid (reads see zeros).
+  // False when it kept them.
+  bool release_memory();
 
  private:
   struct Slab {
@@ -148,6 +154,7 @@ class HostArena {
   uint64_t slab_bytes_ = 0;
   bool pin_ = false;
   bool reattached_ = false;
+  bool has_file_ = false;  // the arena lives in a file of its own (a path): its bytes outlive the process
 
   mutable std::mutex mu_;
   std::vector<Slab> slabs_;

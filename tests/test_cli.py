@@ -115,6 +115,7 @@ def test_serves_a_client_and_exits_cleanly_on_sigterm(sock_path, shm_files):
         assert srv.proc.wait(20) == 0
         log = srv.log()
         assert "received SIGTERM" in log and "stopped" in log
+        assert log.index("gave L1's 32.0 MiB back to the machine") < log.index("INFO lmcache_mp.server.server: stopped")
         assert "Traceback" not in log, log
         assert not sock_path.exists(), "the ipc socket file was left behind"
     finally:

@@ -368,6 +368,11 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         for hook in self._close_hooks:  # e.g. stop the transport once the last replies are out
             hook()
         self.gc_pauses.close()
+        if not late:  # nothing copies any more: L1's memory goes back now, not during the process's exit
+            t0 = time.monotonic()
+            if self.arena.release_memory():
+                logger.info("gave L1's %s back to the machine in %.1f s", format_size(self.arena.capacity),
+                            time.monotonic() - t0)
 
     _handlers = {
         p.Hello: _hello,
