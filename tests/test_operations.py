@@ -276,6 +276,24 @@ def test_settling_freezes_only_when_the_process_is_only_a_server():
             gc.unfreeze()
 
 
+def test_listing_the_latest_collections_survives_a_collection_it_starts_itself():
+    """The listing allocates (a dict per collection), so a young collection can start in the middle
+    of it and append to what it lists: a status request once failed with 'deque mutated during
+    iteration'."""
+    from lmcache_mp.server.gc_pauses import GCPauses
+
+    pauses = GCPauses(keep=64)
+    thresholds = gc.get_threshold()
+    try:
+        gc.set_threshold(1)  # a collection at nearly every allocation
+        for _ in range(200):
+            recent = pauses.stats()["recent"]
+            assert 0 < len(recent) <= 64 and {"start_ns", "length_ns", "generation"} <= recent[0].keys()
+    finally:
+        gc.set_threshold(*thresholds)
+        pauses.close()
+
+
 def test_a_full_l1_settles_its_new_chunk_objects_so_young_collections_stay_small():
     """Once L1 is full every store frees as many old chunk objects as it makes, and CPython's
     young-collection count (allocations less deallocations of any age) stops growing: without

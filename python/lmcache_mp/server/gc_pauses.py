@@ -80,9 +80,11 @@ class GCPauses:
         start, CLOCK_MONOTONIC nanoseconds, their length and generation), and how many times the
         process froze what it had made (settle). Not the number of frozen objects:
         gc.get_freeze_count() walks them all, and with a full L1 that held the socket thread for
-        over 20 ms per status."""
+        over 20 ms per status. The latest ones are copied first, in one step that allocates no
+        tracked object: a collection the listing itself starts appends to them."""
+        recent = self.recent.copy()
         return {"collections": list(self.collections), "seconds": self.seconds, "longest_s": self.longest_s,
-                "recent": [{"start_ns": s, "length_ns": n, "generation": g} for s, n, g in self.recent],
+                "recent": [{"start_ns": s, "length_ns": n, "generation": g} for s, n, g in recent],
                 "settled": _settled}
 
     def close(self) -> None:
