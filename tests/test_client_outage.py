@@ -78,7 +78,8 @@ def test_requests_fail_at_once_while_the_server_is_away_and_work_when_it_is_back
 def test_the_first_requests_after_the_server_was_killed_fail_at_once(shm_files, socket_dir, transport):
     """A request made just after the server's process died, which found its way to ZeroMQ's queue
     (the lane's send failed, ZeroMQ has no connection to send on), fails once the client takes the
-    server to be away (nothing listens at its address), not at its timeout."""
+    server to be away (nothing listens at its address), not at its timeout; and the client sees
+    that as soon as the connection drops (the lane's or ZeroMQ's), not at its next heartbeat."""
     from test_cli import ServerProcess
 
     url = f"ipc://{socket_dir}/s.sock" if transport == "ipc_lane" else f"tcp://127.0.0.1:{free_port()}"
@@ -87,7 +88,7 @@ def test_the_first_requests_after_the_server_was_killed_fail_at_once(shm_files, 
     try:
         srv.wait_ready()
         timeout = 8.0
-        client = Client(url, timeout=timeout, local_lane=transport != "tcp_zeromq", heartbeat_interval=0.5)
+        client = Client(url, timeout=timeout, local_lane=transport != "tcp_zeromq", heartbeat_interval=2.0)
         try:
             hashes = chunk_hashes(list(range(2 * CHUNK)), CHUNK)
             assert client.lookup(hashes, model="m") == 0
@@ -99,8 +100,11 @@ def test_the_first_requests_after_the_server_was_killed_fail_at_once(shm_files, 
                     client.lookup(hashes, model="m")
                 waits.append(time.monotonic() - t0)
                 time.sleep(0.01)
-            # (the heartbeat alone would find it away within about two intervals: 1 s)
-            assert max(waits) < timeout / 2, [round(w, 3) for w in waits]
+            print(f"\n{transport}: waits after the kill {', '.join(f'{w * 1000:.1f}' for w in waits[:5])} ... "
+                  f"max {max(waits) * 1000:.1f} ms")
+            # (the heartbeat alone would find it away within one to two intervals, 2 to 4 s: the lane's
+            # close or ZeroMQ's disconnect says it at once)
+            assert max(waits) < 1.0, [round(w, 3) for w in waits]
             assert client.server_away
         finally:
             client.close()

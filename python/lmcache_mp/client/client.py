@@ -115,12 +115,12 @@ class Client(RestartRecovery):
                                            self._restarting)
         self._use_lane = local_lane
 
-        def lane_lost() -> None:
+        def connection_lost() -> None:  # the lane's, or ZeroMQ's: has the server gone or restarted?
             client = ref()
             if client is not None:
                 client._suspect_restart()
 
-        self._io.on_lane_lost = lane_lost
+        self._io.on_lane_lost = self._io.on_disconnected = connection_lost
         self._connect_lane(hello.lane)
 
     # ---- synchronous calls on the caller's socket ----------------------------------------------

@@ -146,6 +146,11 @@ class IOThread:
         self._sockets.register(self._fd, select.EPOLLIN)
         self._poller = select.epoll()  # what the I/O thread sleeps on: _wake, and _sockets while watched
         self._poller.register(self._wake, select.EPOLLIN)
+        # ZeroMQ says when the connection to the server drops (its process died, or it stopped):
+        # the client then looks at once instead of at its next heartbeat. Read by the I/O thread only.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller.register(self._monitor.get(zmq.FD), select.EPOLLIN)
+        self.on_disconnected: Callable[[], None] | None = None
         self._watching = False  # _sockets is in _poller (never while a thread reads)
         # Writes after the fd is closed would land in whatever reuses its number (e.g. a ZMQ
         # mailbox eventfd, which then aborts the process): close and write under one lock.
@@ -508,6 +513,16 @@ class IOThread:
             if not self._send_zmq(rid, body, pend, queued=True):
                 return  # not connected (yet): wait for the socket to become writable, or the deadline
 
+    def _read_monitor(self) -> None:
+        """Read the socket's events (its fd signals edges: every wake-up reads until none is left)."""
+        dropped = False
+        while self._monitor.get(ZMQ_EVENTS) & ZMQ_POLLIN:
+            self._monitor.recv_multipart(zmq.NOBLOCK)  # (only EVENT_DISCONNECTED is asked for)
+            dropped = True
+        if dropped and self.on_disconnected is not None:
+            logger.debug("the connection to the server dropped")
+            self.on_disconnected()
+
     def _expire(self, now: float) -> None:
         expired = []
         with self._lock:
@@ -529,6 +544,7 @@ class IOThread:
 
     def _run(self) -> None:
         next_beat = time.monotonic() + self._interval
+        self._read_monitor()  # until it is read once, its fd signals nothing new
         while not self._stop:
             now = time.monotonic()
             with self._lock:
@@ -555,6 +571,7 @@ class IOThread:
             self._send_queued()
             if self._waiters == 0:
                 self._receive()
+            self._read_monitor()
             now = time.monotonic()
             self._expire(now)
             if now >= next_beat and self._heartbeat is not None:
@@ -570,6 +587,7 @@ class IOThread:
             self._pending.clear()
             self._poller.close()
             self._sockets.close()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             if self._lane is not None:
                 self._lane.close()
