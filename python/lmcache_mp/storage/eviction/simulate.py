@@ -1,0 +1,103 @@
+"""A trace replayed on a policy's own code, without a server: for sweeps over cache sizes in
+seconds (bench/bench_trace.py), and Belady's offline optimum beside it.
+
+A trace is a list of requests, each the ids of its blocks in prefix order (a request shares ids
+with another exactly as far as their prompts share a prefix). A request's hits are its leading
+blocks present before it touches anything; then the cache makes room for its new blocks (as a
+store does, before they land), stores them (one admission), and its blocks that were present are
+used, the last first. That order gives the figures of the traces' README for LRU, ARC and S3-FIFO.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+import xxhash
+
+from lmcache_mp.storage.eviction import make_policy
+from lmcache_mp.storage.objects import ObjectKey
+
+
+class SimObject:
+    """What a policy sees of a stored object (and the block id it stands for)."""
+
+    __slots__ = ("key", "block", "older", "newer", "queue", "freq", "stamp", "since", "prev")
+
+    def __init__(self, key: ObjectKey, block: int, prev: SimObject | None):
+        self.key, self.block, self.prev = key, block, prev
+        self.older = self.newer = None
+        self.queue = self.freq = self.stamp = self.since = 0
+
+
+def block_key(block_id: int, model: str = "trace") -> ObjectKey:
+    """The chunk key a trace's block id stands for (a 16-byte digest, as a client's hashes are)."""
+    return ObjectKey(model, 1, 0, xxhash.xxh3_128_digest(block_id.to_bytes(8, "little")), b"")
+
+
+def replay(requests: Sequence[Sequence[int]], policy: str, capacity: int) -> dict:
+    """Blocks requested and served from the cache, replaying on the named policy."""
+    pol = make_policy(policy)
+    held: dict[int, SimObject] = {}
+    keys: dict[int, ObjectKey] = {}
+    hits = total = 0
+    for blocks in requests:
+        n = 0
+        for b in blocks:
+            if b not in held:
+                break
+            n += 1
+        hits += n
+        total += len(blocks)
+        present = [held[b] for b in blocks if b in held]
+        new: list[SimObject] = []
+        for b in blocks:
+            if b not in held:
+                key = keys.get(b)
+                if key is None:
+                    key = keys[b] = block_key(b)
+                held[b] = obj = SimObject(key, b, new[-1] if new else None)
+                new.append(obj)
+        while pol.resident and pol.resident + len(new) > capacity:  # room first, as a store makes it
+            victim = next(pol.candidates())
+            pol.evicted(victim)
+            pol.remove(victim)
+            del held[victim.block]
+        pol.admit(new)
+        for obj in reversed(present):
+            if held.get(obj.block) is obj:  # (not evicted for this request's new blocks)
+                pol.use(obj)
+                pol.park(obj)
+    return {"hits": hits, "blocks": total, "ratio": hits / total if total else 0.0}
+
+
+def belady(requests: Sequence[Sequence[int]], capacity: int) -> dict:
+    """Belady's MIN, offline: over capacity, the block whose next use is farthest goes (blocks are
+    touched as in replay(): a request's new blocks, then the rest, the last first)."""
+    never = len(requests)
+    next_use: list[list[int]] = [[] for _ in requests]
+    last: dict[int, int] = {}
+    for i in range(len(requests) - 1, -1, -1):
+        next_use[i] = [last.get(b, never) for b in requests[i]]
+        for b in requests[i]:
+            last[b] = i
+    held: dict[int, int] = {}  # block -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, block); stale entries skipped
+    hits = total = 0
+    for i, blocks in enumerate(requests):
+        n = 0
+        for b in blocks:
+            if b not in held:
+                break
+            n += 1
+        hits += n
+        total += len(blocks)
+        for j in range(len(blocks) - 1, -1, -1):
+            b, nu = blocks[j], next_use[i][j]
+            held[b] = nu
+            heapq.heappush(heap, (-nu, b))
+            while len(held) > capacity:
+                far, v = heapq.heappop(heap)
+                if held.get(v) == -far:
+                    del held[v]
+    return {"hits": hits, "blocks": total, "ratio": hits / total if total else 0.0}
