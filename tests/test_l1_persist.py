@@ -217,7 +217,7 @@ def test_the_journal_is_rewritten_in_the_background_and_keeps_what_happened_mean
     def write_while_serving(self, records):
         meanwhile.append(journal.bytes)
         store(64)  # new chunks that evict old ones, while the snapshot is being written
-        victim = next(o for o in l1._lru.oldest())
+        victim = next(o for o in l1._policy.order())
         l1.lookup("m", 1, [victim.key.digest], lock=True, owner=b"a")  # a leased chunk stays
         meanwhile.append(victim.key)
         real_write(self, records)

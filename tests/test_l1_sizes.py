@@ -1,10 +1,13 @@
-"""L1 over several object sizes at once: one LRU across sizes, memory that moves between sizes,
-and the fragmentation bound, checked against a plain reference model of LRU by bytes.
+"""L1 over several object sizes at once: one eviction order across sizes, memory that moves between
+sizes, and the fragmentation bound, checked against a plain reference model of LRU by bytes.
 
-The model keeps what an LRU by bytes needs and nothing of the allocator: each object's size, its
-last use and whether something holds it (readers, writers, leases). After every step it checks:
-  * victims are taken in LRU order across sizes: every object evicted in a step was older than
-    every object that stayed evictable through it (nothing fresh goes while something stale stays);
+The model keeps what an LRU by bytes needs and nothing of the allocator: each object's size, the
+order of use of the evictable ones (a request's chunks deepest first, new chunks just behind the
+chunk before them) and whether something holds it (readers, writers, leases). After every step it
+checks:
+  * under LRU, victims are taken in LRU order across sizes: every object evicted in a step was
+    older than every object that stayed evictable through it (nothing fresh goes while something
+    stale stays); under every policy, no victim was held;
   * a step that evicted left no more memory unused than the stated bound (docs/PERFORMANCE.md):
     per size fewer than one slab of free slots plus slot rounding and slab tails; so the cache
     holds at least capacity - bound bytes whenever it had to evict, as an ideal LRU by bytes
@@ -55,7 +58,6 @@ class Clock:
 class Obj:
     size: int
     fill: int
-    stamp: int = 0
     committed: bool = False
     readers: int = 0
     leases: int = 0  # leases holding it
@@ -70,20 +72,34 @@ class LRUModel:
     def __init__(self):
         self.objs: dict[ObjectKey, Obj] = {}
         self.leases: dict[int, tuple[float, dict]] = {}  # id -> (expires, {key: reads left})
-        self.clock = 0
+        self.order: list[Obj] = []  # the evictable ones, least recently used first
 
-    def use(self, o: Obj) -> None:
-        self.clock += 1
-        o.stamp = self.clock
+    def use(self, objs) -> None:
+        """These objects (prefix order) were used: the evictable ones become the most recent."""
+        for o in reversed(list(objs)):
+            if o in self.order:
+                self.order.remove(o)
+            if not o.held():
+                self.order.append(o)
+
+    def unpark(self, o: Obj) -> None:
+        if o in self.order:
+            self.order.remove(o)
+
+    def admit(self, objs: list, parent: Obj | None) -> None:
+        if parent is not None and parent in self.order:
+            at = self.order.index(parent)
+            self.order[at:at] = list(reversed(objs))
+        else:
+            self.order += list(reversed(objs))
 
     def let_go(self, lease: int, keys) -> None:
         uses = self.leases[lease][1]
-        for k in keys:
+        for k in reversed(list(keys)):
             if uses.pop(k, None) is not None:
                 o = self.objs[k]
                 o.leases -= 1
-                if not o.held():
-                    self.use(o)
+                self.use([o])
         if not uses:
             del self.leases[lease]
 
@@ -97,12 +113,13 @@ class SizesMachine(RuleBasedStateMachine):
     writes = Bundle("writes")
     reads = Bundle("reads")
     lease_ids = Bundle("lease_ids")
+    policy = "lru"
 
     def __init__(self):
         super().__init__()
         self.arena = HostArena(SLABS * SLAB, SLAB)
         self.clock = Clock()
-        self.l1 = L1Store(self.arena, clock=self.clock)
+        self.l1 = L1Store(self.arena, clock=self.clock, policy=self.policy)
         self.m = LRUModel()
         self.fills = 0
         self.evictions = 0
@@ -114,22 +131,24 @@ class SizesMachine(RuleBasedStateMachine):
 
     def _step(self, fn, touched: set):
         """Run one L1 call that may evict and check what it evicted against the model; the
-        call's own keys are excluded from "stayed" (it uses those it finds, in request order)."""
+        call's own keys are excluded from "stayed" (it holds those it finds while it stores)."""
         before = {k: o for k, o in self.m.objs.items()}
         held_during = any(not o.committed or o.readers for o in before.values())
-        start = self.m.clock
+        order = list(self.m.order)
         out = fn()
         gone = [k for k in before if self.l1._get(k) is None or self.l1._get(k) is not before[k]._l1]
         for k in gone:
             o = before[k]
             assert not o.held(), f"{k} was evicted while held"
             del self.m.objs[k]
+            self.m.unpark(o)
         if gone:
             self.evictions += len(gone)
             event("evicted")
-            stale = max(before[k].stamp for k in gone)
-            kept = [o.stamp for k, o in self.m.objs.items() if not o.held() and o.stamp <= start and k not in touched]
-            assert not kept or stale < min(kept), "a fresher object was evicted while an older one stayed"
+            if self.policy == "lru":
+                stale = max(order.index(before[k]) for k in gone)
+                kept = [order.index(o) for k, o in self.m.objs.items() if o in order and k not in touched]
+                assert not kept or stale < min(kept), "a fresher object was evicted while an older one stayed"
         return out, bool(gone) and not held_during
 
     def _check_bound(self) -> None:
@@ -147,28 +166,30 @@ class SizesMachine(RuleBasedStateMachine):
         self.m.expire(self.clock.now)
         keys = [key(size, i) for i in chunks]
         plan, evicted = self._step(lambda: self.l1.begin_store(keys, size, FMT[size]), set(keys))
-        made = []
+        made, used, parent = [], [], None
         for pos, k in enumerate(keys):
             if pos in plan.indices:
                 obj = plan.objects[plan.indices.index(pos)]
                 self.fills += 1
                 o = Obj(size=size, fill=self.fills % 251 + 1)
                 o._l1 = obj
+                if not made and pos:
+                    parent = self.m.objs.get(keys[pos - 1])
                 self.m.objs[k] = o
-                self.m.use(o)
                 np.frombuffer(self.arena.view(obj.offset, size), dtype=np.uint8)[:] = o.fill
                 made.append(o)
             elif k in self.m.objs and self.m.objs[k].committed and pos < len(keys) - plan.skipped:
-                self.m.use(self.m.objs[k])  # storing what is there is a use
+                used.append(self.m.objs[k])  # storing what is there is a use
+        self.m.use(used)
         if evicted:
             self._check_bound()
-        return plan, made
+        return plan, made, parent
 
-    def _commit(self, plan, made) -> None:
+    def _commit(self, plan, made, parent) -> None:
         self.l1.commit(plan)
         for o in made:
             o.committed = True
-            self.m.use(o)
+        self.m.admit(made, parent)
 
     # ---- rules ---------------------------------------------------------------------------------
 
@@ -185,9 +206,9 @@ class SizesMachine(RuleBasedStateMachine):
 
     @rule(w=consumes(writes), ok=st.booleans())
     def finish_store(self, w, ok):
-        plan, made = w
+        plan, made, parent = w
         if ok:
-            self._commit(plan, made)
+            self._commit(plan, made, parent)
             return
         self.l1.abort(plan)
         for k, o in list(self.m.objs.items()):
@@ -205,6 +226,7 @@ class SizesMachine(RuleBasedStateMachine):
             if o is None or not o.committed:
                 break
             o.readers += 1
+            self.m.unpark(o)
             if k in uses:
                 self.m.let_go(lease, [k])
             want.append(o)
@@ -219,8 +241,7 @@ class SizesMachine(RuleBasedStateMachine):
         self.l1.end_read(got)
         for o in want:
             o.readers -= 1
-            if not o.held():
-                self.m.use(o)
+        self.m.use(want)
 
     @rule(size=sizes, chunks=chunk_lists, lease=st.one_of(st.just(0), lease_ids))
     def retrieve(self, size, chunks, lease):
@@ -232,19 +253,20 @@ class SizesMachine(RuleBasedStateMachine):
         self.m.expire(self.clock.now)
         hits, lease = self.l1.lookup(f"m{size}", 1, [key(size, i).digest for i in chunks], lock=lock, owner=owner,
                                      ttl=TTL)
-        want = 0
+        want = []
         for i in chunks:
             o = self.m.objs.get(key(size, i))
             if o is None or not o.committed:
                 break
-            want += 1
-            if not lock:
-                self.m.use(o)
-        assert hits == want
+            want.append(o)
+        assert hits == len(want)
+        if not lock:
+            self.m.use(want)
         if lease:
             uses = {}
             for i in chunks[:hits]:
                 self.m.objs[key(size, i)].leases += 1
+                self.m.unpark(self.m.objs[key(size, i)])
                 uses[key(size, i)] = 1
             self.m.leases[lease] = (self.clock.now + TTL, uses)
         return lease
@@ -278,6 +300,11 @@ class SizesMachine(RuleBasedStateMachine):
 SizesMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 TestL1AcrossSizes = SizesMachine.TestCase
+# The default policy over the same steps: no victim held, the bound, every object's bytes.
+AdaptiveSizesMachine = type("AdaptiveSizesMachine", (SizesMachine,), {"policy": "adaptive"})
+AdaptiveSizesMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
+                                                  suppress_health_check=[HealthCheck.too_slow])
+TestL1AcrossSizesAdaptive = AdaptiveSizesMachine.TestCase
 
 
 # ---- unit tests -----------------------------------------------------------------------------------
@@ -295,7 +322,7 @@ def test_a_new_size_evicts_the_oldest_objects_of_another_size_not_its_own():
     """The issue's scenario in small: big objects fill L1, then a working set of small objects
     (well under capacity) arrives; the small ones all stay, the old big ones make room."""
     arena = HostArena(SLABS * SLAB, SLAB)
-    l1 = L1Store(arena)
+    l1 = L1Store(arena, policy="lru")
     big = [key(21000, i) for i in range(SLABS * 3 + 2)]
     for k in big:
         _fill(l1, arena, [k], 21000, 7)
@@ -318,7 +345,7 @@ def test_a_new_size_evicts_the_oldest_objects_of_another_size_not_its_own():
 
 def test_a_slab_changes_size_by_moving_its_objects_not_evicting_them():
     arena = HostArena(2 * SLAB, SLAB)
-    l1 = L1Store(arena)
+    l1 = L1Store(arena, policy="lru")
     small = [key(16000, i) for i in range(8)]  # 4 per slab: both slabs full
     for i, k in enumerate(small):
         _fill(l1, arena, [k], 16000, i + 1)
@@ -359,7 +386,7 @@ def test_an_object_read_during_its_move_keeps_its_slot_and_bytes():
     ref: list = []
     small = [key(16000, i) for i in range(8)]
     proxy = _ReadDuringCopy(arena, ref, small[3], FMT[16000])
-    l1 = L1Store(proxy)
+    l1 = L1Store(proxy, policy="lru")
     ref.append(l1)
     for i, k in enumerate(small):
         _fill(l1, arena, [k], 16000, i + 1)
@@ -383,7 +410,7 @@ def test_an_object_read_during_its_move_keeps_its_slot_and_bytes():
 @pytest.mark.parametrize("held", ["reading", "writing"])
 def test_objects_being_read_or_written_are_never_moved(held):
     arena = HostArena(2 * SLAB, SLAB)
-    l1 = L1Store(arena)
+    l1 = L1Store(arena, policy="lru")
     small = [key(16000, i) for i in range(7)]
     for i, k in enumerate(small):
         _fill(l1, arena, [k], 16000, i + 1)

@@ -1,5 +1,6 @@
-"""L1Store over a real (small) HostArena: a hypothesis state machine against a plain dict model,
-plus unit tests of multi-rank lookups, MLA sharing and layout (format key) checks."""
+"""L1Store over a real (small) HostArena: a hypothesis state machine against a plain dict model
+(under LRU the exact victims, under every other policy victims that were evictable), plus unit
+tests of multi-rank lookups, MLA sharing and layout (format key) checks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
                                  rule)
 
 from lmcache_mp.native import HostArena
+from lmcache_mp.storage.eviction import POLICIES
 from lmcache_mp.storage.l1 import SHARED_RANK, L1Store, ObjectKey
 
 SLAB = 4096
@@ -62,40 +64,61 @@ class MObject:
     committed: bool = False
     readers: int = 0
     leases: int = 0  # leases holding it
-    stamp: int = 0  # last use; the evictable object with the smallest stamp goes first
+    storing: bool = False  # named by the store in progress, which holds it meanwhile
+    prev: MObject | None = None  # the object of the chunk before it in the latest store naming it
 
 
 class Model:
-    """What L1Store should do, written as plainly as possible: a dict from digest index to object,
-    least-recently-used by a use stamp, and leases by id."""
+    """What L1Store should do, written as plainly as possible: a dict from digest index to object
+    and leases by id. With LRU (`exact`), also the evictable objects least recently used first: a
+    request makes its chunks recent deepest first, and new chunks go just behind the chunk before
+    them when that one is evictable. With other policies the victims are not predicted: a store
+    is told which chunks are new by its result and finds the objects that went, each of which must
+    have been evictable."""
 
-    def __init__(self):
+    def __init__(self, exact: bool):
+        self.exact = exact
         self.objs: dict[int, MObject] = {}  # insertion order = creation order, as in the store
         self.leases: dict[int, MLease] = {}
-        self.stamps = 0
+        self.order: list[MObject] = []  # (exact) the evictable objects, least recently used first
         self.evicted = 0
         self.expired = 0
 
     @staticmethod
     def evictable(o: MObject) -> bool:
-        return o.committed and o.readers == 0 and not o.leases
+        return o.committed and o.readers == 0 and not o.leases and not o.storing
 
-    def use(self, o: MObject) -> None:
-        self.stamps += 1
-        o.stamp = self.stamps
+    def park(self, objs) -> None:
+        """These objects (prefix order) were used: the evictable ones become the most recent."""
+        for o in reversed(list(objs)):
+            if o in self.order:
+                self.order.remove(o)
+            if self.evictable(o):
+                self.order.append(o)
+
+    def unpark(self, o: MObject) -> None:
+        if o in self.order:
+            self.order.remove(o)
+
+    def admit(self, objs: list, parent: MObject | None) -> None:
+        if parent is not None and parent in self.order:
+            at = self.order.index(parent)
+            self.order[at:at] = list(reversed(objs))
+        else:
+            self.order += list(reversed(objs))
 
     def let_go(self, lease_id: int, chunks) -> int:
-        """The lease stops holding these chunks; an object nothing holds any more is used now."""
+        """The lease stops holding these chunks (deepest first); an object nothing holds any more
+        becomes the most recent."""
         ls = self.leases[lease_id]
         n = 0
-        for i in list(chunks):
+        for i in reversed(list(dict.fromkeys(chunks))):
             if ls.uses.pop(i, None) is None:
                 continue
             n += 1
             o = self.objs[i]
             o.leases -= 1
-            if self.evictable(o):
-                self.use(o)
+            self.park([o])
         if not ls.uses:
             del self.leases[lease_id]
         return n
@@ -110,26 +133,36 @@ class Model:
     def make_room(self) -> bool:
         if len(self.objs) < CAPACITY:
             return True
-        victims = [(o.stamp, i) for i, o in self.objs.items() if self.evictable(o)]
-        if not victims:
+        if not self.order:
             return False
-        del self.objs[min(victims)[1]]
+        victim = self.order.pop(0)
+        del self.objs[next(i for i, o in self.objs.items() if o is victim)]
         self.evicted += 1
         event("evicted")
         return True
+
+    def evicted_by_store(self, l1, evictable: set, remade: list) -> None:
+        """(not exact) The objects a store evicted: those L1 no longer holds, or made anew; each
+        must have been evictable when it began."""
+        gone = [i for i, o in self.objs.items() if o.committed and (not l1.contains(key(i)) or i in remade)]
+        for i in gone:
+            assert i in evictable, f"chunk {i} was evicted while held"
+            del self.objs[i]
+        self.evicted += len(gone)
 
 
 class L1Machine(RuleBasedStateMachine):
     stores = Bundle("stores")
     reads = Bundle("reads")
     lease_ids = Bundle("lease_ids")
+    policy = "lru"
 
     def __init__(self):
         super().__init__()
         self.arena = HostArena(SLABS * SLAB, SLAB)
         self.clock = Clock()
-        self.l1 = L1Store(self.arena, clock=self.clock)
-        self.model = Model()
+        self.l1 = L1Store(self.arena, clock=self.clock, policy=self.policy)
+        self.model = Model(exact=self.policy == "lru")
         self.fills = 0
 
     def _view(self, offset: int) -> np.ndarray:
@@ -150,24 +183,38 @@ class L1Machine(RuleBasedStateMachine):
     @rule(target=stores, chunks=chunk_lists)
     def begin_store(self, chunks):
         """A store still in flight until commit or abort."""
-        plan = self.l1.begin_store([key(i) for i in chunks], OBJECT_BYTES, FMT)
         m = self.model
-        indices, present, pending, skipped, created = [], 0, 0, 0, []
+        evictable = {i for i, o in m.objs.items() if m.evictable(o)}
+        plan = self.l1.begin_store([key(i) for i in chunks], OBJECT_BYTES, FMT)
+        if not m.exact:
+            m.evicted_by_store(self.l1, evictable, [chunks[pos] for pos in plan.indices])
+        indices, present, pending, skipped, created, used = [], 0, 0, 0, [], []
+        last = None
         for pos, i in enumerate(chunks):
             o = m.objs.get(i)
             if o is not None:
                 if o.committed:
                     present += 1
-                    m.use(o)  # storing what is already there counts as a use
+                    used.append(o)  # storing what is already there counts as a use
+                    o.storing = True  # (and it stays while the rest of the store makes room)
+                    m.unpark(o)
                 else:
                     pending += 1  # another store is writing it: answered once it is written
+                if last is not None:
+                    o.prev = last
+                last = o
                 continue
-            if not m.make_room():
+            if not (m.make_room() if m.exact else pos in plan.indices):
                 event("store skipped: nothing evictable")
                 skipped = len(chunks) - pos
                 break
             indices.append(pos)
-            created.append(m.objs.setdefault(i, MObject(offset=-1, fill=0)))
+            last = m.objs.setdefault(i, MObject(offset=-1, fill=0, prev=last))
+            created.append(last)
+        for o in used:
+            o.storing = False
+        m.park(used)
+        assert len(m.objs) <= CAPACITY
         assert plan.indices == indices
         assert (plan.present, len(plan.pending), plan.skipped) == (present, pending, skipped)
         for pos, obj, o in zip(indices, plan.objects, created, strict=True):
@@ -183,7 +230,7 @@ class L1Machine(RuleBasedStateMachine):
         self.l1.commit(plan)
         for o in objs:
             o.committed = True
-            self.model.use(o)
+        self.model.admit(objs, objs[0].prev if objs else None)
 
     @rule(store=consumes(stores))
     def abort(self, store):
@@ -209,6 +256,7 @@ class L1Machine(RuleBasedStateMachine):
             if o is None or not o.committed:
                 break
             o.readers += 1
+            self.model.unpark(o)
             if held is not None and i in held.uses:  # a read consumes one use of its own lease only
                 event("read consumed its lease")
                 if held.uses[i] > 1:
@@ -228,8 +276,7 @@ class L1Machine(RuleBasedStateMachine):
         self.l1.end_read(got)
         for o in want:
             o.readers -= 1
-            if self.model.evictable(o):
-                self.model.use(o)
+        self.model.park(want)
 
     # ---- lookup and leases -----------------------------------------------------------------
 
@@ -237,21 +284,22 @@ class L1Machine(RuleBasedStateMachine):
     def lookup(self, chunks, lock, owner):
         hits, lease = self.l1.lookup("m", 1, [DIGESTS[i] for i in chunks], lock=lock, owner=owner, ttl=TTL)
         m = self.model
-        want = 0
+        want = []
         for i in chunks:
             o = m.objs.get(i)
             if o is None or not o.committed:
                 break
-            want += 1
-            if not lock:
-                m.use(o)  # a lookup hit is a use
-        assert hits == want
+            want.append(o)
+        assert hits == len(want)
         assert bool(lease) == (lock and hits > 0)
+        if not lock:
+            m.park(want)  # a lookup hit is recent
         if lease:
             ls = m.leases[lease] = MLease(owner, self.clock.now + TTL)
             for i in chunks[:hits]:
                 if i not in ls.uses:
                     m.objs[i].leases += 1
+                    m.unpark(m.objs[i])
                 ls.uses[i] = ls.uses.get(i, 0) + 1  # a chunk named twice is leased for two reads
             event("locked hit")
         return lease
@@ -304,6 +352,7 @@ class L1Machine(RuleBasedStateMachine):
         for i, o in list(self.model.objs.items()):
             if o.committed and o.readers == 0:
                 del self.model.objs[i]
+                self.model.unpark(o)
                 want += 1
         assert removed == want
 
@@ -341,6 +390,15 @@ L1Machine.TestCase.settings = settings(max_examples=250, stateful_step_count=50,
                                        suppress_health_check=[HealthCheck.too_slow])
 TestL1Store = L1Machine.TestCase
 
+# The same machine under every other policy: victims are not predicted, only checked.
+
+for _name in POLICIES:
+    if _name != "lru":
+        _machine = type(f"L1Machine_{_name}", (L1Machine,), {"policy": _name})
+        _machine.TestCase.settings = settings(max_examples=120, stateful_step_count=50, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+        globals()[f"TestL1Store_{_name}"] = _machine.TestCase
+
 
 # ---- unit tests ---------------------------------------------------------------------------------
 
@@ -358,13 +416,14 @@ def _store(l1, keys, fmt=FMT, nbytes=OBJECT_BYTES):
 @pytest.fixture
 def store():
     clock = Clock()
-    l1 = L1Store(HostArena(SLABS * SLAB, SLAB), clock=clock)
+    l1 = L1Store(HostArena(SLABS * SLAB, SLAB), clock=clock, policy="lru")  # (tests of order name LRU's)
     l1.clock = clock
     return l1
 
 
 def test_lru_order_follows_use(store):
-    _store(store, [key(i) for i in range(CAPACITY)])
+    for i in range(CAPACITY):  # one request each: chunk 0 the oldest
+        _store(store, [key(i)])
     assert found(store, "m", 1, [DIGESTS[0]]) == 1  # chunk 0 is used again: now the newest
     plan = _store(store, [key(CAPACITY)])
     assert plan.indices == [0]

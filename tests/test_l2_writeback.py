@@ -28,7 +28,8 @@ class Drops:
 
 
 def l1_of(slots: int, admit: int = 1) -> tuple[L1Store, Drops]:
-    l1 = L1Store(HostArena(slots * N, N))
+    """An L1 of `slots` chunks under LRU: a prompt's deepest chunk goes first."""
+    l1 = L1Store(HostArena(slots * N, N), policy="lru")
     drops = Drops()
     l1.attach_l2(DISK, admit, None, drops, None)
     return l1, drops
@@ -70,16 +71,17 @@ def test_a_chunk_evicted_unwritten_drops_the_rest_of_its_prompt_and_nothing_else
     l1, drops = l1_of(8)
     a, b, c = keys_of("a", 4), keys_of("b", 4), keys_of("c", 2)
     store(l1, a)
-    store(l1, b)  # L1 is full, nothing written yet
+    store(l1, b)  # L1 is full, nothing written yet: a3 a2 a1 a0 b3 b2 b1 b0, the oldest first
+    assert store(l1, a[1:], a[0]) == 3  # a1 to a3 used again: a0, a's first chunk, is the oldest
     assert store(l1, c[:1]) == 1  # evicts a0, dirty: a dropped write
     assert (drops.dropped, drops.lost) == (1, 0)
-    assert store(l1, c) == 2  # a1 goes next: lost already (its prefix is gone), so no more drops
-    assert (drops.dropped, drops.lost) == (1, 1)
     got = l1.l2_take(DISK, 1 << 30, 1 << 20)
-    assert names(got) == ["b0", "b1", "b2", "b3", "c0", "c1"]  # a2 and a3 are never written
+    assert names(got) == ["b0", "b1", "b2", "b3", "c0"]  # a1 to a3 are never written: lost
     assert (drops.dropped, drops.lost) == (1, 3)
     write(l1, got)
-    assert store(l1, keys_of("d", 2)) == 2  # evicts a2 and a3: counted once already
+    assert store(l1, c) == 2  # b3 goes (written): a3, a2, a1 left unwritten are counted once already
+    assert store(l1, keys_of("d", 6)) == 6  # b and a go, the lost ones without counting again
+    assert not any(l1.contains(k) for k in a)
     assert (drops.dropped, drops.lost) == (1, 3)
 
 
@@ -93,8 +95,8 @@ def test_eviction_takes_a_clean_chunk_before_a_dirty_one_near_the_eviction_end()
     got = l1.l2_take(DISK, 0, 1 << 20, fresh=listed)
     assert names(got) == ["b0", "b1", "b2", "b3"] and not listed
     write(l1, got)
-    assert store(l1, keys_of("c", 2)) == 2  # a is older, but b is written: b0 and b1 make room
-    assert all(l1.contains(k) for k in a) and not l1.contains(b[0]) and not l1.contains(b[1])
+    assert store(l1, keys_of("c", 2)) == 2  # a is older, but b is written: b3 and b2 make room
+    assert all(l1.contains(k) for k in a) and not l1.contains(b[3]) and not l1.contains(b[2])
     assert drops.dropped == drops.lost == 0
     got = l1.l2_take(DISK, 1 << 30, 1 << 20)
     assert names(got) == ["a0", "a1", "a2", "a3", "c0", "c1"]
@@ -107,12 +109,12 @@ def test_chunks_being_written_stay_until_written_and_a_failed_write_is_not_tried
     store(l1, b)
     got = l1.l2_take(DISK, 1 << 30, 4 * N)  # a batch of four: prompt a
     assert names(got) == ["a0", "a1", "a2", "a3"]
-    assert store(l1, keys_of("c", 2)) == 2  # a is being written: b0 and b1 go instead, unwritten
-    assert all(l1.contains(k) for k in a) and drops.dropped == 1 and drops.lost == 1
+    assert store(l1, keys_of("c", 2)) == 2  # a is being written: b3 and b2 go instead, unwritten
+    assert all(l1.contains(k) for k in a) and drops.dropped == 2 and drops.lost == 0
     write(l1, got[:2])
     write(l1, got[2:], ok=False)  # a2 and a3 failed
-    assert names(l1.l2_take(DISK, 1 << 30, 1 << 20)) == ["c0", "c1"]  # not a2 or a3, nor b2 and b3 (lost)
-    assert drops.lost == 3  # b1, b2, b3
+    assert names(l1.l2_take(DISK, 1 << 30, 1 << 20)) == ["b0", "b1", "c0", "c1"]  # not a2 or a3
+    assert drops.lost == 0
 
 
 def test_a_store_that_names_present_chunks_links_its_new_ones_to_them():
@@ -167,11 +169,12 @@ def test_a_piece_whose_earlier_piece_was_dropped_is_never_written():
     l1, drops = l1_of(4)
     a, b = keys_of("a", 4), keys_of("b", 2)
     store(l1, a[:2])
-    store(l1, a[2:], a[1])
-    store(l1, b)  # evicts a0 (a dropped write) and a1 (lost with it) unwritten
+    store(l1, a[2:], a[1])  # (just behind a1)
+    store(l1, a[2:], a[1])  # a2 and a3 used again: the oldest are a1, a0, a3, a2
+    store(l1, b)  # evicts a1 unwritten (a dropped write), then a3, lost with it (clean before dirty)
     assert (drops.dropped, drops.lost) == (1, 1)
     got = l1.l2_take(DISK, 1 << 30, 1 << 20)
-    assert names(got) == ["b0", "b1"] and drops.lost == 3  # a2 and a3 too: no fragments in L2
+    assert names(got) == ["a0", "b0", "b1"] and drops.lost == 2  # not a2: no fragments in L2
     # without the parent, the second piece started a prompt of its own and was written: a fragment
     l1, drops = l1_of(4)
     store(l1, a[:2])
@@ -211,7 +214,8 @@ def test_a_piece_stored_after_its_parent_left_l1_follows_what_became_of_it():
     write(l1, l1.l2_take(DISK, 1 << 30, 1 << 20))  # a0 a1 reach the tier
     store(l1, b[:2])
     store(l1, keys_of("x", 6))  # the a and b chunks leave L1: a's written, b's dropped
-    assert drops.dropped == 1 and not any(l1._get(k) for k in a + b)
+    assert drops.dropped == 2 and not any(l1._get(k) for k in a + b)
+    write(l1, l1.l2_take(DISK, 1 << 30, 1 << 20))  # the x chunks too: they go first now
     store(l1, a[2:], a[1])  # the next pieces come now (and the x chunks leave)
     store(l1, b[2:], b[1])
     store(l1, c[2:], c[1])  # c1 was never seen: these start a prompt of their own

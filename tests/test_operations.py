@@ -305,7 +305,8 @@ def test_a_full_l1_settles_its_new_chunk_objects_so_young_collections_stay_small
     from lmcache_mp.storage.l1 import L1Store, ObjectKey
 
     def young_after_churn(settling: bool) -> int:
-        l1 = L1Store(HostArena(20000 * 256, 1 << 20))  # 20,480 objects of 256 B
+        l1 = L1Store(HostArena(20000 * 256, 1 << 20), policy="lru")  # 20,480 objects of 256 B (no ghosts: every
+        # eviction frees a key)
         if settling:
             l1.on_commit = gc_pauses.made_long_lived
         for _ in range(4000):  # 64,000 chunks: L1 filled three times over

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
+from lmcache_mp.storage.eviction import DEFAULT_POLICY, POLICIES
+
 ENV_PREFIX = "LMCACHE_MP_"
 # LMCACHE_MP_* variables that are no server setting (the server's are its fields, upper case).
 OTHER_ENV_VARS = {
@@ -21,6 +23,7 @@ OTHER_ENV_VARS = {
     "LMCACHE_MP_PACK_CTAS": "clients copying their own chunks: CTAs of the packing kernels (0: chosen)",
 }
 DEVICES = ("auto", "cpu", "cuda")
+EVICTION_POLICIES = tuple(POLICIES)
 TRANSFER_MODES = ("auto", "direct", "staged", "dma")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_HTTP_ADDR = "127.0.0.1:9099"
@@ -81,6 +84,9 @@ class ServerConfig:
     slab_size: int | str = _setting(
         "256MiB", "arena slab (at most l1_size/16): one chunk of one rank must fit; each object size may hold "
                   "up to one slab of free slots, so smaller slabs waste less when sizes mix")
+    eviction_policy: str = _setting(
+        DEFAULT_POLICY, "which chunks L1 and the disk tier keep: adaptive (frequency, whole prompts and an admission "
+        "share learned from the traffic; measured in docs/eviction.md), lru, arc or s3fifo")
     l1_persist: str = _setting(
         "", "a file (on /dev/shm or hugetlbfs) that holds L1, with PATH.journal: a restarted server re-attaches the "
         "chunks in it (SIGTERM or SIGKILL) and serves them at once (empty: L1 ends with the process)")
@@ -200,6 +206,8 @@ class ServerConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.transfer_mode not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode must be one of {TRANSFER_MODES}, got {self.transfer_mode!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
         if self.slab_size < 4096 or self.slab_size % 4096:
             raise ValueError(f"slab_size must be a multiple of 4 KiB, got {self.slab_size}")
         # A small L1 gets small slabs: memory moves between object sizes a slab at a time, and

@@ -74,7 +74,7 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
             if journal is not None:
                 journal.close()
             raise
-        self.l1 = L1Store(self.arena)
+        self.l1 = L1Store(self.arena, policy=config.eviction_policy)
         self.l1.on_commit = made_long_lived  # (a no-op unless this process is only a server)
         self.events = EventLog(config.kv_events)
         self.l1.events = self.events if config.kv_events else None

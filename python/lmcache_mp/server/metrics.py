@@ -46,6 +46,10 @@ class StatusCollector:
         yield evicted
         yield GaugeMetricFamily("lmcache_mp_l1_objects", "committed chunk objects", value=l1["objects"])
         yield GaugeMetricFamily("lmcache_mp_l1_leases", "live lookup leases", value=l1["leases"])
+        history = GaugeMetricFamily("lmcache_mp_eviction_history_bytes", "memory the eviction policy spends on "
+                                    "keys it remembers (evicted keys, sampled new keys; bounded)", labels=["policy"])
+        history.add_metric([l1["eviction"]["policy"]], l1["eviction"]["history_bytes"])
+        yield history
         yield GaugeMetricFamily("lmcache_mp_l1_pinned_bytes", "page-locked bytes",
                                 value=l1["pinning"]["bytes_pinned"])
         yield GaugeMetricFamily("lmcache_mp_l1_faulted_bytes", "bytes of L1 in memory ahead of use (faulted in, "

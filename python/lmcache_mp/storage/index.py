@@ -126,6 +126,13 @@ class Lru:
         obj.older, obj.newer = last, end
         last.newer = end.older = obj
 
+    def insert_before(self, anchor, obj) -> None:
+        """Put obj (not in the list) just older than anchor (in the list)."""
+        older = anchor.older
+        obj.older, obj.newer = older, anchor
+        older.newer = anchor.older = obj
+        self._len += 1
+
     def remove(self, obj) -> None:
         """Take obj out of the list (no-op if it is not in it)."""
         if obj.newer is None:

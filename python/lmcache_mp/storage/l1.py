@@ -1,12 +1,14 @@
-"""L1: the index of chunk objects in the host arena, with leases and LRU eviction.
+"""L1: the index of chunk objects in the host arena, with leases and eviction.
 
 An object is *committed* (visible to lookup and retrieve) only after its bytes have landed; a
 store that fails or is abandoned frees its slots and leaves nothing visible. An object is
 *evictable* when it is committed, nobody reads it, it carries no live lease and it is not being
-moved; evictable objects of every size sit in one LRU list, so the victim is always the least
-recently used evictable object, whatever its size.
+moved; evictable objects of every size are *parked* with one eviction policy (storage/eviction/),
+which picks the victim whatever its size. Reads and stores of chunks already held are the uses a
+policy counts; lookup hits only refresh LRU's recency. The chunks of one request are handed to the
+policy deepest first, so that a prompt is evicted from its end.
 
-Memory across sizes (storage/slab_moves.py): one LRU over every size; a size that needs memory
+Memory across sizes (storage/slab_moves.py): one eviction order over every size; a size that needs memory
 takes a whole slab from another size by moving that slab's live objects, never by evicting them.
 
 Leases (storage/leases.py): lookup(lock=True) opens a named lease on the found prefix; only
@@ -14,7 +16,7 @@ retrieves that name it consume it.
 
 L2 (storage/l1_writeback.py): which objects the L2 tiers' writers take, in prefix order, and
 which victim eviction picks (a clean one before a dirty one near the eviction end). An object
-being written to L2 keeps its place in the LRU list but is not freed or moved until the write
+being written to L2 keeps its place in the eviction order but is not freed or moved until the write
 has read its bytes.
 
 All methods are thread-safe under one lock, which no call holds for long: requests are worked
@@ -31,11 +33,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
 
+from lmcache_mp.storage.eviction import DEFAULT_POLICY, make_policy
 from lmcache_mp.storage.events import REMOVED, STORED
 from lmcache_mp.storage.l1_journal import free_record
 from lmcache_mp.storage.l1_persist import L1Persistence
 from lmcache_mp.storage.l1_writeback import L1Writeback
-from lmcache_mp.storage.index import PART_MASK, Lru, OffsetShards, Shards
+from lmcache_mp.storage.index import PART_MASK, OffsetShards, Shards
 from lmcache_mp.storage.leases import Lease, LeaseTable
 from lmcache_mp.storage.objects import SHARED_RANK, L1Object, ObjectKey  # noqa: F401 (re-exported)
 from lmcache_mp.storage.slab_moves import MAX_MOVES, SlabMove, SlabMoves
@@ -58,14 +61,14 @@ class StorePlan:
 
 
 class L1Store(SlabMoves, L1Persistence, L1Writeback):
-    def __init__(self, arena, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, arena, clock: Callable[[], float] = time.monotonic, policy: str = DEFAULT_POLICY):
         self.arena = arena
         self._clock = clock
         self.on_commit: Callable[[int], None] | None = None  # (objects committed), called without the lock
         self._lock = threading.Lock()
         # (model, world_size, rank, salt) -> digest -> object: a lookup walks one index per rank
         self._spaces: dict[tuple, Shards] = {}
-        self._lru = Lru()  # what may be evicted, every size, least recently used first
+        self._policy = make_policy(policy)  # orders what may be evicted, every size
         self._at = OffsetShards()  # arena offset -> object
         self._leases = LeaseTable(on_unheld=self._park)
         self._classes: dict[int, int] = {}  # object bytes -> size class
@@ -112,23 +115,29 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         return self._parkable(obj) and not obj.moving and not obj.l2_writing
 
     def _park(self, obj: L1Object) -> None:
-        """Put obj at the most-recently-used end of the LRU list if nothing holds it."""
+        """Make obj a candidate for eviction again if nothing holds it (for LRU: the most recent)."""
         if self._parkable(obj):
-            self._lru.to_newest(obj)
+            self._policy.park(obj)
         else:
-            self._lru.remove(obj)
+            self._policy.unpark(obj)
+
+    def _park_all(self, objs: Sequence[L1Object]) -> None:
+        """_park, deepest chunk first (objs in prefix order)."""
+        for i in range(len(objs) - 1, -1, -1):
+            self._park(objs[i])
 
     def _unpark(self, obj: L1Object) -> None:
-        self._lru.remove(obj)
+        self._policy.unpark(obj)
 
     def _use(self, obj: L1Object) -> None:
         obj.uses += 1
         self._l2_admitted(obj)
 
     def _free(self, obj: L1Object) -> None:
-        if obj.committed and self.events is not None:
-            self.events.add(REMOVED, obj.key)
-        self._unpark(obj)
+        if obj.committed:
+            if self.events is not None:
+                self.events.add(REMOVED, obj.key)
+            self._policy.remove(obj)
         if self.l2_wanted:
             self._l2_leaving(obj)
         # Gone, it ends every walk back from its successors (each tier has a copy of it or lost
@@ -169,6 +178,9 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
             cls = self._size_class(object_bytes)
             slot_bytes = self.arena.slot_bytes(cls)
             i = moves = 0
+            # chunks already held: uses, held (not evicted for this store's own new chunks) and
+            # parked again deepest first at the end
+            used: list[L1Object] = []
             # the object of the chunk before: its prefix, for L2 writes
             last = self._l2_parent(parent, format_key) if parent is not None else None
             while i < len(keys):
@@ -187,7 +199,9 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                     if obj.committed:
                         plan.present += 1
                         self._use(obj)
-                        self._park(obj)  # a store of existing data counts as a use
+                        self._policy.use(obj)  # a store of existing data counts as a use
+                        self._unpark(obj)
+                        used.append(obj)
                     else:
                         plan.pending.append(obj)
                     if last is not None and obj.prev is not last:
@@ -210,25 +224,30 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                 plan.indices.append(i)
                 plan.objects.append(obj)
                 i += 1
+            # (the lock was let go between slices: one may have been replaced meanwhile)
+            self._park_all([obj for obj in used if self._get(obj.key) is obj])
         return plan
 
     def commit(self, plan: StorePlan, from_l2: bool = False) -> None:
         """The plan's bytes have landed; from_l2: they were loaded from L2 (not a use; the loader
         set the tiers they came from in l2_copies)."""
         waiters = []
+        objs = plan.objects
         with self._lock:
-            for i, obj in enumerate(plan.objects):
-                if i and i % SLICE == 0:
+            for start in range(0, len(objs), SLICE):
+                if start:
                     self._pause()
-                obj.committed = True
-                if self.events is not None:
-                    self.events.add(STORED, obj.key)
-                self._committed += 1
-                self._park(obj)
-                if not from_l2:
-                    self._use(obj)
-                waiters += obj.waiters or ()
-                obj.waiters = None
+                part = objs[start:start + SLICE]
+                for obj in part:
+                    obj.committed = True
+                    if self.events is not None:
+                        self.events.add(STORED, obj.key)
+                    if not from_l2:
+                        self._use(obj)
+                    waiters += obj.waiters or ()
+                    obj.waiters = None
+                self._committed += len(part)
+                self._policy.admit(part, lead=objs[0], last=start + SLICE >= len(objs))
             self.counters["stored"] += len(plan.objects)
             if self.journal is not None and plan.objects:
                 self._journal_commits(plan.objects)
@@ -298,6 +317,7 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                     break
                 obj.readers += 1
                 self._unpark(obj)
+                self._policy.use(obj)
                 if held is not None:
                     self._leases.consume(held, obj)
                 out.append(obj)
@@ -316,11 +336,13 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
 
     def end_read(self, objs: Sequence[L1Object]) -> None:
         with self._lock:
-            for i, obj in enumerate(objs):
-                if i and i % SLICE == 0:
+            for start in range(0, len(objs), SLICE):
+                if start:
                     self._pause()
-                obj.readers -= 1
-                self._park(obj)
+                part = objs[start:start + SLICE]
+                for obj in part:
+                    obj.readers -= 1
+                self._park_all(part)
 
     # ---- lookup and leases -------------------------------------------------------------------
 
@@ -350,8 +372,11 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                 lease = self._leases.open(owner, self._clock() + ttl) if lock else None
             budget = SLICE
             spaces = None
+            seen: list[L1Object] = []  # hits without a lease: parked deepest first, a slice at a time
             for digest in digests:
                 if budget <= 0:  # objects already leased stay; unleased hits are advisory anyway
+                    self._park_all(seen)
+                    seen = []
                     self._pause()
                     budget, spaces = SLICE, None
                     if lease is not None and self._leases.get(lease.lease_id) is not lease:
@@ -381,8 +406,9 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                     self._leases.add(lease, digest, found)
                 else:
                     for obj, _ in found:
-                        self._park(obj)  # a lookup hit is a use
+                        seen.append(obj)  # a lookup hit: recent (for LRU), and a use for L2 admission
                         self._use(obj)
+            self._park_all(seen)
             if extend:
                 return hits, lease.lease_id
             self.counters["lookups"] += 1
@@ -396,7 +422,7 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
     def _unhold(self, parts: list[Collection]) -> int:
         """Let go of objects leases no longer hold (one collection per lease), a slice at a time
         (lock held)."""
-        for i, obj in enumerate(itertools.chain.from_iterable(parts)):
+        for i, obj in enumerate(itertools.chain.from_iterable(map(reversed, parts))):  # deepest first
             if i and i % SLICE == 0:
                 self._pause()
             self._leases.unhold(obj)
@@ -431,7 +457,7 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         with self._lock:
             self._unhold(self._leases.clear())
             while True:
-                victims = list(itertools.islice((o for o in self._lru.oldest() if not o.moving and not o.l2_writing),
+                victims = list(itertools.islice((o for o in self._policy.order() if not o.moving and not o.l2_writing),
                                                 SLICE))
                 for obj in victims:
                     self._free(obj)
@@ -459,8 +485,9 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                 "leased_objects": self._leases.leased_objects,
                 "leases": len(self._leases),
                 "bytes_used": a["bytes_allocated"],
-                "evictable": len(self._lru),
+                "evictable": len(self._policy),
                 "leases_expired": self._leases.expired,
                 "journal_backlog": self.journal_backlog(),
+                "eviction": self._policy.stats(),
                 **self.counters,
             }

@@ -46,7 +46,7 @@ def _background() -> None:
 
 class L1Persistence:
     """The journal's side of L1Store: expects its `arena`, `_lock`, `_at`, `_class_bytes`,
-    `_committed`, `_size_class`, `_put`, `_park`, `_get` and `counters`."""
+    `_committed`, `_size_class`, `_put`, `_policy`, `_get` and `counters`."""
 
     journal = None  # an L1Journal when L1 outlives the server (set by attach_journal)
 
@@ -225,7 +225,7 @@ class L1Persistence:
                                format_key=e.format_key, committed=True, checksum=e.checksum)
                 self._put(obj)
                 self._committed += 1
-                self._park(obj)
+                self._policy.admit((obj,))
                 kept.append(obj)
             if self.journal is not None:  # in the order they came back: the order of use
                 self.journal.rewrite([self._commit_record(o) for o in kept])

@@ -49,7 +49,7 @@ def busy(obj) -> bool:
 
 
 class L1Writeback:
-    """Expects L1Store's `arena`, `_lock`, `_lru`, `_get` and `counters`; methods with a leading
+    """Expects L1Store's `arena`, `_lock`, `_policy`, `_get` and `counters`; methods with a leading
     underscore run with the lock held."""
 
     l2_wanted = 0  # bits of the tiers that take writes (0: no L2 writes; eviction is plain LRU)
@@ -94,9 +94,9 @@ class L1Writeback:
     def _victim(self):
         """The object to evict next (lock held), or None when nothing is evictable."""
         if not self.l2_wanted:
-            return self._lru.first(busy)
+            return next((obj for obj in self._policy.candidates() if not busy(obj)), None)
         first, seen = None, 0
-        for obj in self._lru.oldest():
+        for obj in self._policy.candidates():
             if busy(obj):
                 continue
             if not self._l2_dirty(obj):
@@ -158,7 +158,7 @@ class L1Writeback:
         with self._lock:
             if below > free:
                 last = None
-                for n, obj in enumerate(self._lru.oldest()):
+                for n, obj in enumerate(self._policy.order()):
                     if n >= scan or (dry and out):
                         break
                     # past the batch size, only the rest of the prompt last taken (within reason)

@@ -35,5 +35,11 @@ class L1Object:
     l2_writing: int = 0  # bits of the L2 tiers writing it now: not freed or moved until they have read it
     l2_lost: int = 0  # bits of the L2 tiers it never reaches (left L1 unwritten, or a write failed)
     checksum: int | None = None  # of its bytes, once summed for the journal (storage/l1_persist.py)
-    older: L1Object | None = field(default=None, repr=False)  # neighbours in the LRU list (index.Lru)
+    # The eviction policy's (storage/eviction/base.py): neighbours in the list it is parked in
+    # (index.Lru; newer is None while it is not parked), and its own marks.
+    older: L1Object | None = field(default=None, repr=False)
     newer: L1Object | None = field(default=None, repr=False)
+    queue: int = field(default=0, repr=False)
+    freq: int = field(default=0, repr=False)
+    stamp: int = field(default=0, repr=False)
+    since: int = field(default=0, repr=False)

@@ -37,7 +37,7 @@ class SlabMove:
 
 
 class SlabMoves:
-    """Allocation across sizes for L1Store: expects its `arena`, `_lock`, `_lru`, `_at`, `_free`,
+    """Allocation across sizes for L1Store: expects its `arena`, `_lock`, `_policy`, `_at`, `_free`,
     `_victim`, `_evicting`, `_evicted` and `counters`; every method but size_stats runs with the lock held."""
 
     def _allocate(self, cls: int, may_move: bool) -> int | SlabMove:
@@ -58,6 +58,7 @@ class SlabMoves:
             if victim is None or (not may_move and victim.size_class != cls):
                 return -1  # nothing to evict, or only victims whose memory could not reach cls
             self._evicting(victim)
+            self._policy.evicted(victim)
             self._free(victim)
             self.counters["evicted"] += 1
             self._evicted[victim.size_class] = self._evicted.get(victim.size_class, 0) + 1

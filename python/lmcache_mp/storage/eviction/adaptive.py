@@ -94,12 +94,12 @@ class AdaptivePolicy(EvictionPolicy):
 
     # ---- events ----------------------------------------------------------------------------
 
-    def admit(self, objs: Sequence) -> None:
+    def admit(self, objs: Sequence, lead=None, last: bool = True) -> None:
         if not objs:
             return
         self.resident += len(objs)
-        lot = int.from_bytes(objs[0].key.digest[:2], "little") / 65536
-        last = len(objs) - 1
+        lot = int.from_bytes((lead or objs[0]).key.digest[:2], "little") / 65536
+        last = len(objs) - 1 if last else -1
         for i in range(last, -1, -1):
             obj = objs[i]
             self._tick()

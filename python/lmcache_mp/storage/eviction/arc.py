@@ -31,7 +31,7 @@ class ArcPolicy(EvictionPolicy):
         self._c = 0
         self._from_b2 = False  # the latest admission came from B2 (the textbook's tie rule)
 
-    def admit(self, objs: Sequence) -> None:
+    def admit(self, objs: Sequence, lead=None, last: bool = True) -> None:
         self.resident += len(objs)
         c = max(self._c, self.resident)
         b1, b2 = self._b1, self._b2

@@ -8,8 +8,9 @@ keep their state in the object's own slots (`older`/`newer` for the list it is i
 
 Calls, all with the store's lock held:
 
-- `admit(objs)`: newly stored objects of one request, in prefix order (each the chunk after the
-  one before); they are parked. A policy puts a request's deeper chunks nearer eviction than its
+- `admit(objs, lead, last)`: newly stored objects of one request, in prefix order (each the chunk
+  after the one before; `obj.prev` is the one before the first, when known); they are parked. A
+  long request comes in parts: `lead` is its first object, `last` says whether this part ends it. A policy puts a request's deeper chunks nearer eviction than its
   shallower ones: a chunk is worth nothing once the chunk before it is gone.
 - `use(obj)`: a counted use: a read, or a store of a chunk already held (the engine recomputed
   it). Lookups are not counted: a client that repeats lookups gains nothing.
@@ -38,7 +39,7 @@ class EvictionPolicy:
     def __init__(self):
         self.resident = 0  # objects admitted and not removed (parked or held)
 
-    def admit(self, objs: Sequence) -> None:
+    def admit(self, objs: Sequence, lead=None, last: bool = True) -> None:
         raise NotImplementedError
 
     def use(self, obj) -> None:

@@ -1,6 +1,7 @@
 """LRU: the least recently used object goes first. A lookup hit, a read and a store of a chunk
-already held all make it the most recent; a request's deeper chunks are older than its shallower
-ones, so a prompt is evicted from its end."""
+already held all make it the most recent. A request's deeper chunks are older than its shallower
+ones, and new chunks go just behind the chunk before them when that one is parked (they have its
+recency: they are worth nothing without it), so a prompt is evicted from its end."""
 
 from __future__ import annotations
 
@@ -17,10 +18,16 @@ class LruPolicy(EvictionPolicy):
         super().__init__()
         self._list = Lru()
 
-    def admit(self, objs: Sequence) -> None:
+    def admit(self, objs: Sequence, lead=None, last: bool = True) -> None:
         self.resident += len(objs)
-        for obj in reversed(objs):
-            self._list.to_newest(obj)
+        anchor = objs[0].prev if objs else None
+        if anchor is not None and anchor.newer is not None:
+            for obj in objs:
+                self._list.insert_before(anchor, obj)
+                anchor = obj
+        else:
+            for obj in reversed(objs):
+                self._list.to_newest(obj)
 
     def park(self, obj) -> None:
         self._list.to_newest(obj)

@@ -26,7 +26,7 @@ class S3FifoPolicy(EvictionPolicy):
         self._q = {SMALL: Lru(), MAIN: Lru()}
         self._ghosts = Ghosts()
 
-    def admit(self, objs: Sequence) -> None:
+    def admit(self, objs: Sequence, lead=None, last: bool = True) -> None:
         self.resident += len(objs)
         for obj in reversed(objs):
             obj.queue = MAIN if self._ghosts.pop(obj.key) is not None else SMALL
