@@ -359,6 +359,19 @@ PYBIND11_MODULE(_C, m) {
             return s.remove(k);
           },
           py::arg("keys"), "Delete objects; returns how many were present")
+      .def(
+          "entries",
+          [](const DiskStore& s) {
+            std::vector<std::pair<std::string, uint64_t>> all;
+            {
+              py::gil_scoped_release nogil;
+              all = s.entries();
+            }
+            py::list out;
+            for (const auto& [key, bytes] : all) out.append(py::make_tuple(py::bytes(key), bytes));
+            return out;
+          },
+          "(key, payload bytes) of every object, least recently used first")
       .def("stats", &disk_stats)
       .def_static(
           "name_of", [](const py::bytes& key) { return DiskStore::name_of(key); }, py::arg("key"),

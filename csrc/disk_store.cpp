@@ -547,6 +547,14 @@ int64_t DiskStore::remove(const std::vector<std::string>& keys) {
   return removed;
 }
 
+std::vector<std::pair<std::string, uint64_t>> DiskStore::entries() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<std::pair<std::string, uint64_t>> out;
+  out.reserve(lru_.size());
+  for (const std::string& key : lru_) out.emplace_back(key, index_.at(key).payload_bytes);
+  return out;
+}
+
 DiskStoreStats DiskStore::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
   DiskStoreStats s = st_;

@@ -71,6 +71,9 @@ class DiskStore {
   std::vector<int64_t> get(const std::vector<GetItem>& items);
   std::vector<std::optional<std::pair<uint64_t, std::string>>> lookup(const std::vector<std::string>& keys) const;
   int64_t remove(const std::vector<std::string>& keys);
+  // (key, payload bytes) of every object, least recently used first: for an eviction policy kept
+  // above the store, which then evicts with remove() before the store's own LRU would.
+  std::vector<std::pair<std::string, uint64_t>> entries() const;
   DiskStoreStats stats() const;
 
   // 32 lowercase hex digits: XXH64(key, 0) then XXH64(key, 1).

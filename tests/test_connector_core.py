@@ -979,7 +979,7 @@ def test_server_events_report_commits_and_removals_with_a_bounded_window():
             assert c.events(0, ["other"]).events == [] and c.events(0, ["other"]).next == 3  # filtered, scanned
             assert c.clear() == 3
             r = c.events(3, ["m"])
-            assert [(e.kind, e.digest) for e in r.events] == [(REMOVED, h) for h in hashes]
+            assert [(e.kind, e.digest) for e in r.events] == [(REMOVED, h) for h in reversed(hashes)]  # deepest first
             c.store(kv, hashes, list(range(6))).result()
             assert c.clear() == 3  # 6 more events: the window of 8 has dropped the first ones
             r = c.events(0, ["m"])

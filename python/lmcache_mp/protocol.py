@@ -306,6 +306,7 @@ class RetrieveReply(_Msg, tag=int(Op.RETRIEVE)):
 class LookupReply(_Msg, tag=int(Op.LOOKUP)):
     hits: int
     lease: int = 0  # with lock and hits: the lease on the found prefix, for retrieves and release
+    from_l2: int = 0  # of the hits, those found after L1's prefix, in the L2 tiers
 
 
 class ReleaseReply(_Msg, tag=int(Op.RELEASE)):

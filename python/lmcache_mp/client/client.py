@@ -244,7 +244,7 @@ class Client(RestartRecovery):
         r = self._call(msg, p.LookupReply, timeout)
         if r.lease:
             self._leases.add(r.lease, model, world_size, salt, unpack_hashes(packed[: r.hits * DIGEST_BYTES]))
-        return LookupResult(r.hits, r.lease)
+        return LookupResult(r.hits, r.lease, r.from_l2)
 
     def lookup_async(self, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1, lock: bool = False,
                      salt: bytes = b"", timeout: float | None = None) -> "Future[LookupResult]":
@@ -260,7 +260,7 @@ class Client(RestartRecovery):
             r = _check(reply, p.LookupReply)
             if r.lease:
                 self._leases.add(r.lease, model, world_size, salt, unpack_hashes(packed[: r.hits * DIGEST_BYTES]))
-            return LookupResult(r.hits, r.lease)
+            return LookupResult(r.hits, r.lease, r.from_l2)
 
         return self._async(msg, timeout, convert, None, stamps=stamps)
 

@@ -15,13 +15,16 @@ from dataclasses import dataclass
 
 
 class LookupResult(int):
-    """Leading chunks present (an int), with `.lease`: the lease on them (0 if none was taken)."""
+    """Leading chunks present (an int), with `.lease`: the lease on them (0 if none was taken),
+    and `.from_l2`: how many of them were found in the L2 tiers, after L1's prefix."""
 
     lease: int
+    from_l2: int
 
-    def __new__(cls, hits: int, lease: int = 0) -> "LookupResult":
+    def __new__(cls, hits: int, lease: int = 0, from_l2: int = 0) -> "LookupResult":
         obj = super().__new__(cls, hits)
         obj.lease = lease
+        obj.from_l2 = from_l2
         return obj
 
     @property

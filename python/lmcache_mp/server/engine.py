@@ -125,7 +125,8 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
             from lmcache_mp.storage.l2.disk import DiskTier
 
             try:
-                tiers.append(DiskTier(config.l2_disk, config.l2_disk_size, config.l2_io_threads))
+                tiers.append(DiskTier(config.l2_disk, config.l2_disk_size, config.l2_io_threads,
+                                      config.eviction_policy))
                 writes.append(config.l2_write_of("disk", DiskTier.default_write))
             except (OSError, RuntimeError, ValueError) as e:
                 raise RuntimeError(f"cannot open the L2 disk {config.l2_disk}: {e}") from None

@@ -50,7 +50,7 @@ class LookupHandling:
             if msg.lock:
                 self._answer_leased(msg, digests, hits, lease, reply)
             else:
-                reply(p.LookupReply(hits=hits + (n or 0), lease=0))
+                reply(p.LookupReply(hits=hits + (n or 0), lease=0, from_l2=n or 0))
 
         self.l2.lookup_remote(lambda: self.l2.find(msg.model, msg.world_size, digests[hits:], msg.salt), msg.lock,
                               found_in_l2)
@@ -61,11 +61,11 @@ class LookupHandling:
         try:
             if lease:
                 more, still = self.l1.lookup(msg.model, msg.world_size, digests[hits:], msg.salt, extend=lease)
-                reply(p.LookupReply(hits=hits + more if still else 0, lease=still))
+                reply(p.LookupReply(hits=hits + more if still else 0, lease=still, from_l2=more if still else 0))
             else:
                 got, new = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt, lock=True,
                                           owner=msg.client_id, ttl=self.config.lease_ttl)
-                reply(p.LookupReply(hits=got, lease=new))
+                reply(p.LookupReply(hits=got, lease=new, from_l2=max(0, got - hits)))
         except TooManyLeases as e:
             reply(p.Error(code=int(p.ErrorCode.LIMIT_EXCEEDED), message=str(e)))
         except Exception as e:
@@ -81,7 +81,7 @@ class LookupHandling:
             reply(p.LookupReply(hits=hits, lease=lease))
             return
         if not msg.lock:
-            reply(p.LookupReply(hits=hits + len(found), lease=0))
+            reply(p.LookupReply(hits=hits + len(found), lease=0, from_l2=len(found)))
             return
 
         def answer() -> None:

@@ -51,13 +51,15 @@ def replay(requests: Sequence[Sequence[int]], policy: str, capacity: int) -> dic
         total += len(blocks)
         present = [held[b] for b in blocks if b in held]
         new: list[SimObject] = []
+        before = None  # the object of the block before (as a store names its parent)
         for b in blocks:
             if b not in held:
                 key = keys.get(b)
                 if key is None:
                     key = keys[b] = block_key(b)
-                held[b] = obj = SimObject(key, b, new[-1] if new else None)
+                held[b] = obj = SimObject(key, b, before)
                 new.append(obj)
+            before = held[b]
         while pol.resident and pol.resident + len(new) > capacity:  # room first, as a store makes it
             victim = next(pol.candidates())
             pol.evicted(victim)

@@ -5,8 +5,12 @@ between the file and arena memory when the slot is page-aligned, buffered otherw
 a 4 KiB header (key, format, length, checksums) and the payload; it is written under a temporary
 name and renamed, so a crash mid-write leaves a temporary file that the next start removes. At
 start the directory is scanned (headers only) and the index rebuilt; the payload checksum is
-checked on every read, and a file that fails it is deleted and counted. LRU by bytes within the
-size limit.
+checked on every read, and a file that fails it is deleted and counted.
+
+Which files stay within the size limit is the eviction policy's choice (storage/eviction/, the
+same as L1's): this tier keeps the policy's view of every file and makes room before each write,
+so the store's own LRU (by bytes, the last resort) never has to. A read is a use; a write batch is
+admitted as one request's chunks, in the order the writers give them (prefix order).
 """
 
 from __future__ import annotations
@@ -14,13 +18,20 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
+
+import msgspec
+import xxhash
 
 from lmcache_mp.config import format_size
-from lmcache_mp.storage.l2 import L2Backend
+from lmcache_mp.storage.eviction import DEFAULT_POLICY, make_policy
+from lmcache_mp.storage.l2 import CORRUPT, MISS, L2Backend
+from lmcache_mp.storage.objects import ObjectKey
 
 logger = logging.getLogger(__name__)
 
 FREE_SPACE_SHARE = 0.9  # of the filesystem's free space, when no size is given
+HEADER_BYTES = 4096  # of every file, besides its payload
 
 
 def _bytes_in(path: str) -> int:
@@ -32,10 +43,30 @@ def _bytes_in(path: str) -> int:
     return total
 
 
+def policy_key(blob: bytes) -> ObjectKey:
+    """The chunk key a file's key stands for (the writers encode ObjectKeys); any other key gets
+    a digest of its own."""
+    try:
+        return ObjectKey(*msgspec.msgpack.decode(blob))
+    except (msgspec.DecodeError, TypeError, ValueError):
+        return ObjectKey("", 0, 0, xxhash.xxh3_128_digest(blob), b"")
+
+
+class _File:
+    """What the policy sees of a file (storage/eviction/base.py)."""
+
+    __slots__ = ("key", "blob", "nbytes", "older", "newer", "queue", "freq", "stamp", "since", "prev")
+
+    def __init__(self, blob: bytes, nbytes: int, prev: "_File | None" = None):
+        self.key, self.blob, self.nbytes, self.prev = policy_key(blob), blob, nbytes, prev
+        self.older = self.newer = None
+        self.queue = self.freq = self.stamp = self.since = 0
+
+
 class DiskTier(L2Backend):
     name = "disk"
 
-    def __init__(self, path: str, size: int = 0, io_threads: int = 4):
+    def __init__(self, path: str, size: int = 0, io_threads: int = 4, policy: str = DEFAULT_POLICY):
         from lmcache_mp import _C
 
         if os.path.exists(path) and not os.path.isdir(path):
@@ -44,26 +75,101 @@ class DiskTier(L2Backend):
         if size <= 0:  # what is there already, and most of what is free
             size = int(_bytes_in(path) + FREE_SPACE_SHARE * shutil.disk_usage(path).free)
         self.path = path
+        self.capacity = size
         self._store = _C.DiskStore(path, size, io_threads)
+        self._lock = threading.Lock()  # the policy and the byte counts (puts and gets come from other threads)
+        self._policy = make_policy(policy)
+        self._files: dict[bytes, _File] = {}
+        self._used = self._reserved = self._evicted = 0
+        for blob, payload in self._store.entries():  # least recently used first
+            self._add([_File(blob, HEADER_BYTES + payload)])
         st = self._store.stats()
         logger.info("L2 disk %s: %s, %d objects (%s) found in %.2f s%s", path, format_size(size), st["objects"],
                     format_size(st["bytes_used"]), st["scan_seconds"],
                     f", {st['dropped_at_scan']} damaged or unfinished files removed" if st["dropped_at_scan"] else "")
 
+    # ---- the policy's view (lock held) ------------------------------------------------------------
+
+    def _add(self, files: list[_File]) -> None:
+        for f in files:
+            self._drop(self._files.get(f.blob))
+            self._files[f.blob] = f
+            self._used += f.nbytes
+        self._policy.admit(files)
+
+    def _drop(self, f: _File | None) -> None:
+        if f is not None and self._files.get(f.blob) is f:
+            del self._files[f.blob]
+            self._used -= f.nbytes
+            self._policy.remove(f)
+
+    def _make_room(self, need: int) -> list[bytes]:
+        """Evict (from the view) until `need` more bytes fit; the keys whose files must go."""
+        victims = []
+        while self._files and self._used + self._reserved + need > self.capacity:
+            f = next(self._policy.candidates(), None)
+            if f is None:
+                break
+            self._policy.evicted(f)
+            self._drop(f)
+            victims.append(f.blob)
+        self._evicted += len(victims)
+        return victims
+
+    # ---- L2Backend ---------------------------------------------------------------------------------
+
     def put(self, keys, formats, ptrs, sizes):
-        return self._store.put(keys, formats, ptrs, sizes)
+        need = sum(HEADER_BYTES + s for s in sizes)
+        with self._lock:
+            for blob in keys:  # a file written again replaces the old one
+                self._drop(self._files.get(blob))
+            victims = self._make_room(need)
+            self._reserved += need
+        try:
+            if victims:
+                self._store.remove(victims)
+            ok = self._store.put(keys, formats, ptrs, sizes)
+        finally:
+            with self._lock:
+                self._reserved -= need
+        with self._lock:
+            files: list[_File] = []
+            for blob, size, stored in zip(keys, sizes, ok):
+                if stored:
+                    files.append(_File(blob, HEADER_BYTES + size, files[-1] if files else None))
+            self._add(files)
+        return ok
 
     def get(self, keys, formats, ptrs, capacities):
-        return self._store.get(keys, formats, ptrs, capacities)
+        got = self._store.get(keys, formats, ptrs, capacities)
+        with self._lock:
+            for blob, n in zip(keys, got):
+                f = self._files.get(blob)
+                if f is None:
+                    continue
+                if n >= 0:
+                    self._policy.use(f)
+                    self._policy.park(f)  # (recent, for LRU)
+                elif n in (MISS, CORRUPT):  # the store has no such file (any more)
+                    self._drop(f)
+        return got
 
     def lookup(self, keys):
         return self._store.lookup(keys)
 
     def remove(self, keys):
+        with self._lock:
+            for blob in keys:
+                self._drop(self._files.get(blob))
         return self._store.remove(keys)
 
     def stats(self) -> dict:
-        return {"path": self.path, **self._store.stats()}
+        with self._lock:
+            policy = self._policy.stats()
+            evicted = self._evicted
+        st = dict(self._store.stats())
+        st["evictions"] += evicted
+        return {"path": self.path, **st, "eviction": policy}
 
     def close(self) -> None:
         self._store = None

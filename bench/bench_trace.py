@@ -1,0 +1,245 @@
+"""Hits from a real request trace: which share of the requested blocks a cache of a given size
+serves, per eviction policy, next to Belady's offline optimum measured in the same run.
+
+  sim      the trace replayed on each policy's own code (storage/eviction/), without a server:
+           LRU, ARC, S3-FIFO, adaptive (the server's default) and Belady's MIN, for every size in
+           seconds; each figure also as a ratio to Belady and to LRU
+  server   the trace driven through a real server (`lmcache-mp-server --device cpu` in its own
+           process) as an engine drives it: per request a lookup with lock of its chunk keys, a
+           retrieve of the hits, a store of the rest naming the chunk before it. One block of
+           the trace is one chunk of 4 KiB (the run is bound by the control plane), L1 holds
+           exactly SIZE of them; with --disk-blocks a disk tier below it. Reports the blocks and
+           tokens served from L1, from the disk tier and recomputed, and the simulation of the
+           same policy and of Belady beside them
+
+A trace is JSON lines with `hash_ids` (prefix-chained ids of a prompt's 512-token blocks) and
+`input_length` (its tokens), as bench/traces/README.md describes.
+
+    python bench/bench_trace.py [--trace FILE] [--sizes 1000,2000,4000,8000,16000] [--mode sim|server|both]
+        [--policies adaptive,lru,arc,s3fifo] [--server-policies adaptive] [--requests N] [--disk-blocks N]
+        [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from lmcache_mp.storage.eviction import DEFAULT_POLICY, POLICIES
+from lmcache_mp.storage.eviction.simulate import belady, block_key, replay
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_TRACE = os.path.join(HERE, "traces", "mooncake_conversation_trace.jsonl.xz")
+BLOCK_TOKENS = 512
+TOKENS_PER_CHUNK = 16  # of the server's chunks here: 16 tokens x 1 head x 64 fp16 x (K, V) = 4 KiB
+OBJECT_BYTES = 4096
+
+
+def load(path: str, limit: int = 0) -> list[dict]:
+    opener = lzma.open if path.endswith(".xz") else open
+    out = []
+    with opener(path, "rt") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                out.append({"blocks": r["hash_ids"], "tokens": r.get("input_length", BLOCK_TOKENS * len(r["hash_ids"]))})
+                if limit and len(out) >= limit:
+                    break
+    return out
+
+
+def block_tokens(req: dict) -> list[int]:
+    """Tokens of each block of a request (the last block may be partial)."""
+    n = len(req["blocks"])
+    last = req["tokens"] - BLOCK_TOKENS * (n - 1)
+    return [BLOCK_TOKENS] * (n - 1) + [min(BLOCK_TOKENS, max(1, last))] if n else []
+
+
+# ---- simulation -----------------------------------------------------------------------------------
+
+
+def simulate(requests: list[list[int]], sizes: list[int], policies: list[str]) -> list[dict]:
+    rows = []
+    for size in sizes:
+        t0 = time.monotonic()
+        best = belady(requests, size)["ratio"]
+        got = {p: replay(requests, p, size)["ratio"] for p in policies}
+        lru = got.get("lru") or replay(requests, "lru", size)["ratio"]
+        for name, ratio in [*got.items(), ("belady", best)]:
+            rows.append({"size": size, "policy": name, "ratio": round(ratio, 4),
+                         "vs_belady": round(ratio / best, 3) if best else 0.0,
+                         "vs_lru": round(ratio / lru, 3) if lru else 0.0})
+        print(f"  simulated {size} blocks in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    return rows
+
+
+def print_sim(rows: list[dict], policies: list[str]) -> None:
+    names = [*policies, "belady"]
+    print(f"\nshare of requested blocks served (simulation; x Belady, x LRU):")
+    print(f"{'blocks':>8} " + " ".join(f"{n:>22}" for n in names))
+    for size in sorted({r["size"] for r in rows}):
+        by = {r["policy"]: r for r in rows if r["size"] == size}
+        print(f"{size:>8} " + " ".join(f"{by[n]['ratio']:>8.3f} {by[n]['vs_belady']:>5.2f}x {by[n]['vs_lru']:>5.2f}x"
+                                     for n in names))
+
+
+# ---- a real server -------------------------------------------------------------------------------
+
+
+class ServerProcess:
+    """lmcache-mp-server in its own process, its output in a file."""
+
+    def __init__(self, folder: str, args: list[str]):
+        self.url = f"ipc://{folder}/server.sock"
+        self.log = os.path.join(folder, "server.log")
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", self.url, *args],
+                                         stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with open(self.log) as f:
+                if "ready: serving on" in f.read():
+                    return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.stop()
+        with open(self.log) as f:
+            raise RuntimeError(f"the server did not start:\n{f.read()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def drive(url: str, trace: list[dict], digests: dict[int, bytes]) -> dict:
+    """Replay the trace as an engine: lookup with lock, retrieve the hits, store the rest."""
+    from lmcache_mp import Client, shared_cpu_array
+
+    most = max(len(r["blocks"]) for r in trace)
+    kv = shared_cpu_array((2, most, TOKENS_PER_CHUNK, 1, 64), np.float16)
+    client = Client(url, timeout=120, name="bench-trace")
+    try:
+        handle = client.register_kv_cache([kv], model="trace")
+        blocks = np.arange(most)
+        out = {"blocks": 0, "tokens": 0, "l1_blocks": 0, "l2_blocks": 0, "l1_tokens": 0, "l2_tokens": 0,
+               "stored": 0, "skipped": 0}
+        t0 = time.monotonic()
+        for req in trace:
+            keys = [digests[b] for b in req["blocks"]]
+            tokens = block_tokens(req)
+            found = client.lookup(keys, model="trace", lock=True)
+            n, from_l2 = int(found), found.from_l2
+            if n:
+                client.retrieve(handle, keys[:n], blocks[:n], lease=found).result()
+            if n < len(keys):
+                r = client.store(handle, keys[n:], blocks[n:len(keys)], parent=keys[n - 1] if n else b"").result()
+                out["stored"] += r.stored
+                out["skipped"] += r.skipped
+            out["blocks"] += len(keys)
+            out["tokens"] += sum(tokens)
+            out["l1_blocks"] += n - from_l2
+            out["l2_blocks"] += from_l2
+            out["l1_tokens"] += sum(tokens[:n - from_l2])
+            out["l2_tokens"] += sum(tokens[n - from_l2:n])
+        out["seconds"] = round(time.monotonic() - t0, 2)
+        out["requests"] = len(trace)
+        out["server"] = client.status()["l1"]
+        client.unregister_kv_cache(handle)
+    finally:
+        client.close()
+        del kv
+    return out
+
+
+def run_server(trace: list[dict], size: int, policy: str, disk_blocks: int, digests: dict[int, bytes]) -> dict:
+    folder = tempfile.mkdtemp(prefix="lmcache-bench-trace-")
+    args = ["--device", "cpu", "--l1-size", str(size * OBJECT_BYTES), "--slab-size", str(OBJECT_BYTES),
+            "--chunk-size", str(TOKENS_PER_CHUNK), "--eviction-policy", policy, "--http-addr", "off",
+            "--heartbeat-timeout", "600"]
+    if disk_blocks:
+        args += ["--l2-disk", os.path.join(folder, "disk"), "--l2-disk-size", str(disk_blocks * 2 * OBJECT_BYTES)]
+    srv = ServerProcess(folder, args)
+    try:
+        got = drive(srv.url, trace, digests)
+    finally:
+        srv.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    l1 = got.pop("server")
+    return {"size": size, "policy": policy, "disk_blocks": disk_blocks, **got,
+            "ratio": round((got["l1_blocks"] + got["l2_blocks"]) / got["blocks"], 4),
+            "l1_token_share": round(got["l1_tokens"] / got["tokens"], 4),
+            "l2_token_share": round(got["l2_tokens"] / got["tokens"], 4),
+            "recomputed_token_share": round(1 - (got["l1_tokens"] + got["l2_tokens"]) / got["tokens"], 4),
+            "evicted": l1["evicted"], "history_bytes": l1["eviction"]["history_bytes"],
+            "requests_per_s": round(got["requests"] / got["seconds"], 1)}
+
+
+def print_server(rows: list[dict], sim: list[dict]) -> None:
+    print("\nthrough the server (blocks served, as a share of those requested; tokens from L1 / the disk tier / "
+          "recomputed), beside the simulation of the same run:")
+    print(f"{'blocks':>8} {'disk':>7} {'policy':>9} {'served':>7} {'sim':>7} {'belady':>7} {'x belady':>9} "
+          f"{'x lru':>6} {'tokens L1':>10} {'disk':>7} {'recomp.':>8} {'req/s':>7}")
+    for r in rows:
+        by = {s["policy"]: s["ratio"] for s in sim if s["size"] == r["size"]}
+        best, lru = by.get("belady", 0), by.get("lru", 0)
+        print(f"{r['size']:>8} {r['disk_blocks']:>7} {r['policy']:>9} {r['ratio']:>7.3f} "
+              f"{by.get(r['policy'], float('nan')):>7.3f} {best:>7.3f} {r['ratio'] / best if best else 0:>8.2f}x "
+              f"{r['ratio'] / lru if lru else 0:>5.2f}x {r['l1_token_share']:>10.3f} {r['l2_token_share']:>7.3f} "
+              f"{r['recomputed_token_share']:>8.3f} {r['requests_per_s']:>7.0f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", default=DEFAULT_TRACE)
+    ap.add_argument("--requests", type=int, default=0, help="the first N requests only (0: all)")
+    ap.add_argument("--sizes", default="1000,2000,4000,8000,16000", help="cache sizes, in blocks")
+    ap.add_argument("--mode", choices=("sim", "server", "both"), default="sim")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="policies simulated")
+    ap.add_argument("--server-policies", default=DEFAULT_POLICY, help="policies run through the server")
+    ap.add_argument("--disk-blocks", type=int, default=0, help="a disk tier of this many blocks below L1 (server)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies + args.server_policies.split(",") if p not in POLICIES]
+    if unknown:
+        ap.error(f"unknown policies {unknown}: one of {', '.join(POLICIES)}")
+    trace = load(args.trace, args.requests)
+    requests = [r["blocks"] for r in trace]
+    total = sum(map(len, requests))
+    print(f"{args.trace}: {len(trace)} requests, {total} blocks, {len({b for r in requests for b in r})} distinct")
+    sim = simulate(requests, sizes, policies)
+    print_sim(sim, policies)
+    served = []
+    if args.mode in ("server", "both"):
+        digests = {b: block_key(b).digest for r in requests for b in r}
+        for size in sizes:
+            for policy in args.server_policies.split(","):
+                served.append(run_server(trace, size, policy, args.disk_blocks, digests))
+                print(f"  {size} blocks, {policy}: {served[-1]['seconds']} s", file=sys.stderr)
+        print_server(served, sim)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "bench_trace", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                       "trace": os.path.basename(args.trace), "requests": len(trace), "blocks": total,
+                       "sim": sim, "server": served}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
