@@ -13,19 +13,25 @@ serves, per eviction policy, next to Belady's offline optimum measured in the sa
            same policy and of Belady beside them
 
 A trace is JSON lines with `hash_ids` (prefix-chained ids of a prompt's 512-token blocks) and
-`input_length` (its tokens), as bench/traces/README.md describes.
+`input_length` (its tokens), as bench/traces/README.md describes; or `--synthetic docs` (12,000
+requests for 3,000 documents of 4-40 blocks drawn with a Zipf skew of 1, each with a question
+of its own) or `--synthetic agent` (about 60 sessions at a time, each turn adding 1-3 blocks to
+its session's prompt, sessions ending at random), generated with a fixed seed.
 
     python bench/bench_trace.py [--trace FILE] [--sizes 1000,2000,4000,8000,16000] [--mode sim|server|both]
-        [--policies adaptive,lru,arc,s3fifo] [--server-policies adaptive] [--requests N] [--disk-blocks N]
+        [--policies adaptive,lru,arc,s3fifo] [--server-policies adaptive] [--requests N] [--disk-blocks N|NX]
         [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import lzma
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -55,6 +61,32 @@ def load(path: str, limit: int = 0) -> list[dict]:
                 if limit and len(out) >= limit:
                     break
     return out
+
+
+def synthetic(kind: str, requests: int = 12000, seed: int = 1) -> list[dict]:
+    rng = random.Random(seed)
+    out: list[list[int]] = []
+    if kind == "docs":
+        docs = 3000
+        lengths = [rng.randint(4, 40) for _ in range(docs)]
+        weights = list(itertools.accumulate(1 / (i + 1) for i in range(docs)))
+        for n in range(requests):
+            d = bisect.bisect(weights, rng.random() * weights[-1])
+            out.append([0, *(1 + d * 1000 + i for i in range(lengths[d])), 10**7 + n])
+    elif kind == "agent":
+        sessions: list[list[int]] = []
+        fresh = itertools.count(1)
+        while len(out) < requests:
+            if len(sessions) < 60 or rng.random() < 0.05:
+                sessions.append([0, *(next(fresh) for _ in range(rng.randint(2, 10)))])
+            i = rng.randrange(len(sessions))
+            sessions[i] = sessions[i] + [next(fresh) for _ in range(rng.randint(1, 3))]
+            out.append(list(sessions[i]))
+            if len(sessions[i]) > 80 or rng.random() < 0.02:
+                sessions.pop(i)
+    else:
+        raise ValueError(f"no synthetic trace {kind!r}: docs or agent")
+    return [{"blocks": b, "tokens": BLOCK_TOKENS * len(b)} for b in out]
 
 
 def block_tokens(req: dict) -> list[int]:
@@ -158,7 +190,10 @@ def drive(url: str, trace: list[dict], digests: dict[int, bytes]) -> dict:
             out["l2_tokens"] += sum(tokens[n - from_l2:n])
         out["seconds"] = round(time.monotonic() - t0, 2)
         out["requests"] = len(trace)
-        out["server"] = client.status()["l1"]
+        status = client.status()
+        out["server"] = status["l1"]
+        out["disk_written"] = status.get("l2", {}).get("written", 0)
+        out["disk_dropped_writes"] = status.get("l2", {}).get("dropped_writes", 0)
         client.unregister_kv_cache(handle)
     finally:
         client.close()
@@ -206,12 +241,14 @@ def print_server(rows: list[dict], sim: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=DEFAULT_TRACE)
+    ap.add_argument("--synthetic", choices=("docs", "agent"), help="a generated trace instead of --trace")
     ap.add_argument("--requests", type=int, default=0, help="the first N requests only (0: all)")
     ap.add_argument("--sizes", default="1000,2000,4000,8000,16000", help="cache sizes, in blocks")
     ap.add_argument("--mode", choices=("sim", "server", "both"), default="sim")
     ap.add_argument("--policies", default=",".join(POLICIES), help="policies simulated")
     ap.add_argument("--server-policies", default=DEFAULT_POLICY, help="policies run through the server")
-    ap.add_argument("--disk-blocks", type=int, default=0, help="a disk tier of this many blocks below L1 (server)")
+    ap.add_argument("--disk-blocks", default="0",
+                    help="a disk tier of this many blocks below L1 (server); NX: N times L1's size")
     ap.add_argument("--json")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -219,7 +256,9 @@ def main() -> int:
     unknown = [p for p in policies + args.server_policies.split(",") if p not in POLICIES]
     if unknown:
         ap.error(f"unknown policies {unknown}: one of {', '.join(POLICIES)}")
-    trace = load(args.trace, args.requests)
+    trace = synthetic(args.synthetic, args.requests or 12000) if args.synthetic else load(args.trace, args.requests)
+    if args.synthetic:
+        args.trace = f"synthetic {args.synthetic}"
     requests = [r["blocks"] for r in trace]
     total = sum(map(len, requests))
     print(f"{args.trace}: {len(trace)} requests, {total} blocks, {len({b for r in requests for b in r})} distinct")
@@ -229,8 +268,10 @@ def main() -> int:
     if args.mode in ("server", "both"):
         digests = {b: block_key(b).digest for r in requests for b in r}
         for size in sizes:
+            disk = (int(float(args.disk_blocks[:-1]) * size) if args.disk_blocks.lower().endswith("x")
+                    else int(args.disk_blocks))
             for policy in args.server_policies.split(","):
-                served.append(run_server(trace, size, policy, args.disk_blocks, digests))
+                served.append(run_server(trace, size, policy, disk, digests))
                 print(f"  {size} blocks, {policy}: {served[-1]['seconds']} s", file=sys.stderr)
         print_server(served, sim)
     if args.json:

@@ -564,7 +564,8 @@ def test_kv_events_stores_evictions_and_a_server_restart(run, prompts, model_dir
     the stores on the new server; its view of the CPU medium is then what the server holds."""
     P, _, _ = prompts
     port, pub = free_port(), f"tcp://127.0.0.1:{free_port()}"
-    small = ("--l1-size", "16MiB", "--slab-size", "1MiB")  # 256 chunks of the tiny Llama
+    # 256 chunks of the tiny Llama; LRU, so that filling L1 evicts exactly the oldest chunks
+    small = ("--l1-size", "16MiB", "--slab-size", "1MiB", "--eviction-policy", "lru")
     servers = [ServerProcess(port, workdir / "server_events_1.log", *small)]
     pauses = workdir / "event_pauses"
     pauses.mkdir()
