@@ -16,6 +16,7 @@
 #include "cpu_transfer.h"
 #include "disk_store.h"
 #include "host_arena.h"
+#include "kv_codec.h"
 #include "kv_layout.h"
 #include "pinned_memory.h"
 #include "py_batch.h"
@@ -98,6 +99,13 @@ std::vector<Item> disk_items(const char* fn, const std::vector<py::bytes>& keys,
 
 std::vector<std::string> disk_keys(const std::vector<py::bytes>& keys) {
   return std::vector<std::string>(keys.begin(), keys.end());
+}
+
+void check_codec_args(const char* fn, uintptr_t src, int64_t n, int64_t group, int dtype, uintptr_t dst) {
+  LMC_CHECK_ARG(group > 0 && n >= 0 && n % group == 0, fn, ": n (", n, ") must be a multiple of group (", group,
+                ")");
+  LMC_CHECK_ARG(dtype == 0 || dtype == 1, fn, ": dtype must be 0 (bf16) or 1 (fp16), got ", dtype);
+  LMC_CHECK_ARG((src != 0 && dst != 0) || n == 0, fn, ": null pointer");
 }
 
 py::dict disk_stats(const DiskStore& s) {
@@ -376,6 +384,36 @@ PYBIND11_MODULE(_C, m) {
       .def_static(
           "name_of", [](const py::bytes& key) { return DiskStore::name_of(key); }, py::arg("key"),
           "The object's file name: XXH64(key, 0) and XXH64(key, 1) as 32 lowercase hex digits");
+  m.def(
+      "fp8_encode",
+      [](uintptr_t src, int64_t n, int64_t group, int dtype, uintptr_t dst, bool simd) {
+        check_codec_args("fp8_encode", src, n, group, dtype, dst);
+        py::gil_scoped_release nogil;
+        fp8_encode(reinterpret_cast<const uint16_t*>(src), static_cast<size_t>(n), static_cast<size_t>(group),
+                   static_cast<KvDtype>(dtype), reinterpret_cast<uint8_t*>(dst), simd);
+      },
+      py::arg("src"), py::arg("n"), py::arg("group"), py::arg("dtype"), py::arg("dst"), py::arg("simd") = true,
+      "n 16-bit values (dtype 0: bf16, 1: fp16) at src to FP8 E4M3 codes and one scale exponent per group of "
+      "`group` at dst (fp8_encoded_bytes(n, group) bytes; GIL released); simd=False: the plain path");
+  m.def(
+      "fp8_decode",
+      [](uintptr_t src, int64_t n, int64_t group, int dtype, uintptr_t dst, bool simd) {
+        check_codec_args("fp8_decode", src, n, group, dtype, dst);
+        py::gil_scoped_release nogil;
+        fp8_decode(reinterpret_cast<const uint8_t*>(src), static_cast<size_t>(n), static_cast<size_t>(group),
+                   static_cast<KvDtype>(dtype), reinterpret_cast<uint16_t*>(dst), simd);
+      },
+      py::arg("src"), py::arg("n"), py::arg("group"), py::arg("dtype"), py::arg("dst"), py::arg("simd") = true,
+      "The inverse of fp8_encode: n 16-bit values at dst (GIL released)");
+  m.def(
+      "fp8_encoded_bytes",
+      [](int64_t n, int64_t group) {
+        LMC_CHECK_ARG(n >= 0 && group > 0 && n % group == 0, "fp8_encoded_bytes: n (", n,
+                      ") must be a multiple of group (", group, ")");
+        return fp8_encoded_bytes(static_cast<size_t>(n), static_cast<size_t>(group));
+      },
+      py::arg("n"), py::arg("group"));
+  m.def("fp8_simd", &fp8_simd, "Whether the codec's AVX2 path runs on this CPU");
   m.def(
       "xxh64",
       [](const py::object& data, uint64_t seed) {

@@ -29,6 +29,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_HTTP_ADDR = "127.0.0.1:9099"
 L2_WRITE_POLICIES = ("evicted", "all", "none")
 L2_WRITE_FIELDS = ("l2_write", "l2_disk_write", "l2_redis_write", "l2_mooncake_write")
+L2_CODECS = ("none", "fp8")
+L2_CODEC_FIELDS = ("l2_disk_codec", "l2_redis_codec", "l2_mooncake_codec")
 _SIZE_FIELDS = ("l1_size", "staging_size", "slab_size", "l2_disk_size", "l2_queue_size",
                 "l2_mooncake_segment")  # int or a string with units
 
@@ -130,6 +132,11 @@ class ServerConfig:
     l2_mooncake_metadata: str = _setting(
         "", "the Mooncake metadata server (default: the master's, http://<master host>:8080/metadata)")
     l2_mooncake_segment: int | str = _setting("4GiB", "host memory this server contributes to the Mooncake pool")
+    l2_disk_codec: str = _setting(
+        "none", "what the disk tier stores of a chunk: none (its bytes) or fp8 (16-bit KV as FP8 E4M3 with a scale "
+        "per head: half the bytes; docs/compression.md)")
+    l2_redis_codec: str = _setting("none", "the same for Valkey/Redis")
+    l2_mooncake_codec: str = _setting("none", "the same for Mooncake Store")
     l2_mooncake_write: str = _setting(
         "", "what goes to Mooncake Store: all, evicted or none (empty: --l2-write if given, else all)")
     l2_write: str = _setting(
@@ -206,6 +213,9 @@ class ServerConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.transfer_mode not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode must be one of {TRANSFER_MODES}, got {self.transfer_mode!r}")
+        for name in L2_CODEC_FIELDS:
+            if getattr(self, name) not in L2_CODECS:
+                raise ValueError(f"{name} must be one of {L2_CODECS}, got {getattr(self, name)!r}")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
         if self.slab_size < 4096 or self.slab_size % 4096:

@@ -13,8 +13,8 @@ import re
 import sys
 
 from lmcache_mp._version import __version__
-from lmcache_mp.config import (DEVICES, EVICTION_POLICIES, L2_WRITE_FIELDS, L2_WRITE_POLICIES, LOG_LEVELS,
-                               TRANSFER_MODES, ServerConfig, format_size)
+from lmcache_mp.config import (DEVICES, EVICTION_POLICIES, L2_CODEC_FIELDS, L2_CODECS, L2_WRITE_FIELDS,
+                               L2_WRITE_POLICIES, LOG_LEVELS, TRANSFER_MODES, ServerConfig, format_size)
 from lmcache_mp.server.gc_pauses import settle_after_setup
 
 logger = logging.getLogger("lmcache_mp")
@@ -34,7 +34,7 @@ DOCTOR_HELP = ("Check whether a server with these settings would work on this ma
 
 # The settings whose values are one of a few: --help lists them, argparse refuses others.
 CHOICES = {"device": DEVICES, "transfer_mode": TRANSFER_MODES, "log_level": LOG_LEVELS,
-           "eviction_policy": EVICTION_POLICIES,
+           "eviction_policy": EVICTION_POLICIES, **{name: L2_CODECS for name in L2_CODEC_FIELDS},
            **{name: L2_WRITE_POLICIES for name in L2_WRITE_FIELDS}}
 USAGE = {"lmcache-mp-server": "lmcache-mp-server [--SETTING VALUE ...] | doctor [--SETTING VALUE ...] | keygen DIR"
                               "  (--help: the settings)",

@@ -145,6 +145,10 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
             writes.append(config.l2_write_of("mooncake", MooncakeTier.default_write))
         if not tiers:
             return None
+        from lmcache_mp.storage.l2.codec import CodecTier
+
+        codecs = {"disk": config.l2_disk_codec, "valkey": config.l2_redis_codec, "mooncake": config.l2_mooncake_codec}
+        tiers = [CodecTier(t, codecs.get(t.name, "none")) for t in tiers]
         return L2Tiers(tiers, self.l1, writes=writes, admit=config.l2_admit,
                        queue_bytes=config.l2_queue_size, max_prefetches=config.max_prefetches,
                        prefetch_timeout=config.prefetch_timeout)

@@ -119,6 +119,16 @@ def _l2_metrics(l2: dict):
         for t in l2["tiers"]:
             c.add_metric([t["name"]], t.get(field, 0))
         yield c
+    for field, help_ in (("raw_bytes_written", "bytes of the chunks a tier's codec wrote, as L1 holds them"),
+                         ("stored_bytes_written", "bytes the codec wrote to the tier for them"),
+                         ("raw_bytes_read", "bytes of the chunks the codec read back, decoded"),
+                         ("stored_bytes_read", "bytes the codec read from the tier for them"),
+                         ("encode_seconds", "time spent encoding"), ("decode_seconds", "time spent decoding")):
+        c = CounterMetricFamily(f"lmcache_mp_l2_tier_codec_{field}", f"L2 tier codec: {help_}", labels=["tier", "codec"])
+        for t in l2["tiers"]:
+            codec = t.get("codec") or {}
+            c.add_metric([t["name"], codec.get("name", "none")], codec.get(field, 0))
+        yield c
 
 
 def _request_metrics(snap: dict):

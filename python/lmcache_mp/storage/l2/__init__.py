@@ -14,6 +14,7 @@ loading L2 chunks back into L1 for a lookup with lock (the prefetch) or a retrie
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import struct
 import threading
 from typing import NamedTuple
@@ -33,6 +34,11 @@ def checksum_async(payload: memoryview) -> concurrent.futures.Future:
         if not _summers:
             _summers.append(concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="lmcache-l2-sum"))
     return _summers[0].submit(checksum, payload)
+
+def memory_view(ptr: int, n: int) -> memoryview:
+    """The n bytes at address ptr (arena memory, or a codec's scratch memory)."""
+    return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
+
 
 # get() results other than a byte count
 MISS, FORMAT_MISMATCH, TOO_LARGE, CORRUPT, IO_ERROR = -1, -2, -3, -4, -5

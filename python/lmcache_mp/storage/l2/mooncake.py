@@ -22,7 +22,7 @@ import time
 from urllib.parse import urlparse
 
 from lmcache_mp.storage.l2 import (CORRUPT, FORMAT_MISMATCH, HEADER_BYTES, IO_ERROR, MISS, TOO_LARGE, L2Backend,
-                                   checksum_async, pack_header, unpack_header)
+                                   checksum_async, memory_view, pack_header, unpack_header)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class MooncakeTier(L2Backend):
         self._prefix, self._protocol = prefix, protocol
         self._lock = threading.Lock()
         self._store = None
+        self._buffers: list[tuple[int, int]] = []  # memory besides the arena that moves (a codec's)
         self._setting_up = False
         self._retry_at = 0.0
         self._st = collections.Counter({k: 0 for k in (
@@ -86,9 +87,10 @@ class MooncakeTier(L2Backend):
                              self._segment, self._local_buffer, self._protocol, "", self.master)
             if rc != 0:
                 raise RuntimeError(f"setup returned {rc}")
-            rc = store.register_buffer(self._arena.base, self._arena.capacity)
-            if rc != 0:
-                raise RuntimeError(f"registering the L1 arena returned {rc}")
+            for base, size in [(self._arena.base, self._arena.capacity), *self._buffers]:
+                rc = store.register_buffer(base, size)
+                if rc != 0:
+                    raise RuntimeError(f"registering memory ({size} bytes at {base:#x}) returned {rc}")
         except Exception as e:  # ImportError, a master that is not there, ...
             self._error(f"{self.master}: {e}")
             with self._lock:
@@ -101,6 +103,15 @@ class MooncakeTier(L2Backend):
         with self._lock:
             self._store, self._setting_up = store, False
         logger.info("L2 mooncake %s: connected, %d MiB contributed", self.master, self._segment >> 20)
+
+    def register_memory(self, ptr: int, nbytes: int) -> None:
+        """Memory besides L1's arena that puts and gets will name (the store moves only memory
+        registered with it): now if the store is set up, else when it is."""
+        with self._lock:
+            self._buffers.append((ptr, nbytes))
+            store = self._store
+        if store is not None and store.register_buffer(ptr, nbytes) != 0:
+            self._error(f"registering {nbytes} bytes of codec memory failed")
 
     def _error(self, msg: str) -> None:
         with self._lock:
@@ -116,7 +127,7 @@ class MooncakeTier(L2Backend):
             return [False] * len(keys)
         t0 = time.perf_counter()
         names = [self._key(k) for k in keys]
-        sums = [checksum_async(memoryview(self._arena.view(p - self._arena.base, n))) for p, n in zip(ptrs, sizes)]
+        sums = [checksum_async(memory_view(p, n)) for p, n in zip(ptrs, sizes)]
         try:
             ok = [r == 0 for r in store.batch_put_from(names, list(ptrs), list(sizes))]
             done = [j for j in range(len(keys)) if ok[j]]
@@ -170,7 +181,7 @@ class MooncakeTier(L2Backend):
             except Exception as e:
                 self._error(f"get: {e}")
                 got = [IO_ERROR] * len(want)
-            sums = [checksum_async(memoryview(self._arena.view(ptrs[i] - self._arena.base, n))) if r == n else None
+            sums = [checksum_async(memory_view(ptrs[i], n)) if r == n else None
                     for (i, n, _), r in zip(want, got)]
             for (i, n, summed), r, mine in zip(want, got, sums):
                 if r != n:
@@ -221,7 +232,8 @@ class MooncakeTier(L2Backend):
             store, self._store = self._store, None
         if store is not None:
             try:
-                store.unregister_buffer(self._arena.base)
+                for base, _ in [(self._arena.base, 0), *self._buffers]:
+                    store.unregister_buffer(base)
                 store.close()
             except Exception as e:
                 logger.debug("closing the mooncake store: %s", e)

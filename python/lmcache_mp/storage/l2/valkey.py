@@ -24,7 +24,6 @@ from __future__ import annotations
 import binascii
 import collections
 import concurrent.futures
-import ctypes
 import logging
 import queue
 import ssl
@@ -34,7 +33,7 @@ from typing import NamedTuple
 from urllib.parse import parse_qsl, unquote, urlparse
 
 from lmcache_mp.storage.l2 import (CORRUPT, FORMAT_MISMATCH, HEADER_BYTES, IO_ERROR, MISS, TOO_LARGE, L2Backend,
-                                   checksum_async, pack_header, unpack_header)
+                                   checksum_async, memory_view, pack_header, unpack_header)
 from lmcache_mp.storage.l2.resp import Connection, RespError
 
 logger = logging.getLogger(__name__)
@@ -95,10 +94,6 @@ def _tls_context(options: dict) -> ssl.SSLContext:
     if reqs == "none":
         ctx.verify_mode = ssl.CERT_NONE
     return ctx
-
-
-def _view(ptr: int, n: int) -> memoryview:
-    return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
 
 
 def key_slot(key: bytes) -> int:
@@ -392,11 +387,11 @@ class ValkeyTier(L2Backend):
         px = ("PX", self._ttl_ms) if self._ttl_ms else ()
         rkeys = [self._key(k) for k in keys]
 
-        sums = [checksum_async(_view(p, n)) for p, n in zip(ptrs, sizes)]
+        sums = [checksum_async(memory_view(p, n)) for p, n in zip(ptrs, sizes)]
 
         def frame_of(i: int) -> list:
             head = pack_header(MAGIC, keys[i], formats[i], sizes[i], sums[i].result())
-            return Connection.frame("SET", rkeys[i], _Joined(head, _view(ptrs[i], sizes[i])), *px)
+            return Connection.frame("SET", rkeys[i], _Joined(head, memory_view(ptrs[i], sizes[i])), *px)
 
         ok = self._batch(rkeys, frame_of, lambda c, i: c.read() == "OK", lambda i: False, window=PUT_WINDOW)
         with self._lock:
@@ -414,7 +409,7 @@ class ValkeyTier(L2Backend):
 
         def read_of(c: Connection, i: int) -> int:
             head = bytearray(HEADER_BYTES + len(keys[i]) + len(formats[i]))
-            n = c.read_value_into(memoryview(head), _view(ptrs[i], capacities[i]))
+            n = c.read_value_into(memoryview(head), memory_view(ptrs[i], capacities[i]))
             return self._check(n, head, keys[i], formats[i], ptrs[i], capacities[i])
 
         results = self._batch(rkeys, lambda i: Connection.frame("GET", rkeys[i]), read_of, lambda i: IO_ERROR,
@@ -443,7 +438,7 @@ class ValkeyTier(L2Backend):
             return FORMAT_MISMATCH  # (its bytes landed in the slot, which stays unused)
         if h.payload_bytes > cap:
             return TOO_LARGE
-        return checksum_async(_view(ptr, h.payload_bytes)), h.checksum, h.payload_bytes
+        return checksum_async(memory_view(ptr, h.payload_bytes)), h.checksum, h.payload_bytes
 
     def _sum_checked(self, summed: concurrent.futures.Future, want: int, n: int) -> int:
         return n if summed.result() == want else self._bad("corrupt")
