@@ -46,8 +46,9 @@ from lmcache_mp.storage.eviction.simulate import belady, block_key, replay
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TRACE = os.path.join(HERE, "traces", "mooncake_conversation_trace.jsonl.xz")
 BLOCK_TOKENS = 512
-TOKENS_PER_CHUNK = 16  # of the server's chunks here: 16 tokens x 1 head x 64 fp16 x (K, V) = 4 KiB
-OBJECT_BYTES = 4096
+TOKENS_PER_CHUNK = 16  # of the server's chunks here: 16 tokens x --heads heads of 64 fp16 x (K, V)
+HEAD_BYTES = 4096  # of a chunk, per head
+DISK_HEADER = 4096  # of each file of the disk tier
 
 
 def load(path: str, limit: int = 0) -> list[dict]:
@@ -158,12 +159,13 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def drive(url: str, trace: list[dict], digests: dict[int, bytes]) -> dict:
+def drive(url: str, trace: list[dict], digests: dict[int, bytes], heads: int) -> dict:
     """Replay the trace as an engine: lookup with lock, retrieve the hits, store the rest."""
     from lmcache_mp import Client, shared_cpu_array
 
     most = max(len(r["blocks"]) for r in trace)
-    kv = shared_cpu_array((2, most, TOKENS_PER_CHUNK, 1, 64), np.float16)
+    kv = shared_cpu_array((2, most, TOKENS_PER_CHUNK, heads, 64), np.float16)
+    kv[...] = np.random.default_rng(0).standard_normal(kv.shape, dtype=np.float32)
     client = Client(url, timeout=120, name="bench-trace")
     try:
         handle = client.register_kv_cache([kv], model="trace")
@@ -201,21 +203,26 @@ def drive(url: str, trace: list[dict], digests: dict[int, bytes]) -> dict:
     return out
 
 
-def run_server(trace: list[dict], size: int, policy: str, disk_blocks: int, digests: dict[int, bytes]) -> dict:
+def run_server(trace: list[dict], size: int, policy: str, disk_blocks: int, digests: dict[int, bytes],
+               heads: int = 1, disk_codec: str = "none") -> dict:
     folder = tempfile.mkdtemp(prefix="lmcache-bench-trace-")
-    args = ["--device", "cpu", "--l1-size", str(size * OBJECT_BYTES), "--slab-size", str(OBJECT_BYTES),
+    chunk = heads * HEAD_BYTES
+    args = ["--device", "cpu", "--l1-size", str(size * chunk), "--slab-size", str(chunk),
             "--chunk-size", str(TOKENS_PER_CHUNK), "--eviction-policy", policy, "--http-addr", "off",
             "--heartbeat-timeout", "600"]
     if disk_blocks:
-        args += ["--l2-disk", os.path.join(folder, "disk"), "--l2-disk-size", str(disk_blocks * 2 * OBJECT_BYTES)]
+        # room for disk_blocks files of raw chunks (a codec fits more in it)
+        args += ["--l2-disk", os.path.join(folder, "disk"), "--l2-disk-size", str(disk_blocks * (DISK_HEADER + chunk)),
+                 "--l2-disk-codec", disk_codec]
     srv = ServerProcess(folder, args)
     try:
-        got = drive(srv.url, trace, digests)
+        got = drive(srv.url, trace, digests, heads)
     finally:
         srv.stop()
         shutil.rmtree(folder, ignore_errors=True)
     l1 = got.pop("server")
-    return {"size": size, "policy": policy, "disk_blocks": disk_blocks, **got,
+    return {"size": size, "policy": policy, "disk_blocks": disk_blocks, "disk_codec": disk_codec,
+            "chunk_bytes": chunk, **got,
             "ratio": round((got["l1_blocks"] + got["l2_blocks"]) / got["blocks"], 4),
             "l1_token_share": round(got["l1_tokens"] / got["tokens"], 4),
             "l2_token_share": round(got["l2_tokens"] / got["tokens"], 4),
@@ -227,12 +234,12 @@ def run_server(trace: list[dict], size: int, policy: str, disk_blocks: int, dige
 def print_server(rows: list[dict], sim: list[dict]) -> None:
     print("\nthrough the server (blocks served, as a share of those requested; tokens from L1 / the disk tier / "
           "recomputed), beside the simulation of the same run:")
-    print(f"{'blocks':>8} {'disk':>7} {'policy':>9} {'served':>7} {'sim':>7} {'belady':>7} {'x belady':>9} "
+    print(f"{'blocks':>8} {'disk':>7} {'codec':>5} {'policy':>9} {'served':>7} {'sim':>7} {'belady':>7} {'x belady':>9} "
           f"{'x lru':>6} {'tokens L1':>10} {'disk':>7} {'recomp.':>8} {'req/s':>7}")
     for r in rows:
         by = {s["policy"]: s["ratio"] for s in sim if s["size"] == r["size"]}
         best, lru = by.get("belady", 0), by.get("lru", 0)
-        print(f"{r['size']:>8} {r['disk_blocks']:>7} {r['policy']:>9} {r['ratio']:>7.3f} "
+        print(f"{r['size']:>8} {r['disk_blocks']:>7} {r['disk_codec']:>5} {r['policy']:>9} {r['ratio']:>7.3f} "
               f"{by.get(r['policy'], float('nan')):>7.3f} {best:>7.3f} {r['ratio'] / best if best else 0:>8.2f}x "
               f"{r['ratio'] / lru if lru else 0:>5.2f}x {r['l1_token_share']:>10.3f} {r['l2_token_share']:>7.3f} "
               f"{r['recomputed_token_share']:>8.3f} {r['requests_per_s']:>7.0f}")
@@ -249,6 +256,8 @@ def main() -> int:
     ap.add_argument("--server-policies", default=DEFAULT_POLICY, help="policies run through the server")
     ap.add_argument("--disk-blocks", default="0",
                     help="a disk tier of this many blocks below L1 (server); NX: N times L1's size")
+    ap.add_argument("--disk-codec", default="none", help="the disk tier's codecs, comma-separated: none, fp8")
+    ap.add_argument("--heads", type=int, default=1, help="heads of 64 values a chunk has (4 KiB each)")
     ap.add_argument("--json")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -271,8 +280,9 @@ def main() -> int:
             disk = (int(float(args.disk_blocks[:-1]) * size) if args.disk_blocks.lower().endswith("x")
                     else int(args.disk_blocks))
             for policy in args.server_policies.split(","):
-                served.append(run_server(trace, size, policy, disk, digests))
-                print(f"  {size} blocks, {policy}: {served[-1]['seconds']} s", file=sys.stderr)
+                for codec in args.disk_codec.split(",") if disk else ["none"]:
+                    served.append(run_server(trace, size, policy, disk, digests, args.heads, codec))
+                    print(f"  {size} blocks, {policy}, disk codec {codec}: {served[-1]['seconds']} s", file=sys.stderr)
         print_server(served, sim)
     if args.json:
         with open(args.json, "w") as f:

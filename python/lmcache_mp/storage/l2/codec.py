@@ -1,12 +1,14 @@
 """Codecs below L1: what an L2 tier stores of a chunk, and how it comes back (always decoded: L1
 and the engines never see a codec).
 
-`fp8`: 16-bit KV (bf16, fp16) as FP8 E4M3 with one power-of-two scale per group of consecutive
-values, a group never spanning two tokens (the largest of 128, 64, 32, 16 or 8 values that
-divides a token's row: one attention head for the usual head sizes). The C++ core encodes and
-decodes (`_C.fp8_encode`, AVX2 where the CPU has it) on the tier's writer and reader threads. A
-chunk is stored in half its bytes plus one byte per group; docs/compression.md has the quality
-measured on a real model. KV that is not 16-bit (e.g. vLLM's fp8 KV cache) is stored as it is.
+`fp8`: 16-bit KV (bf16, fp16) as FP8 E4M3 with a bf16 scale per group of consecutive values
+(the group's largest magnitude over 448). In token layouts a group never spans two tokens (the
+largest of 128, 64, 32, 16 or 8 values that divides a token's row: one attention head for the
+usual head sizes); whole blocks (opaque, packed layouts) are grouped by 64 values or fewer.
+The C++ core encodes and decodes (`_C.fp8_encode`, AVX2 where the CPU has it) on the tier's
+writer and reader threads. A chunk is stored in half its bytes plus two bytes per group (1.94x
+fewer bytes with heads of 64); docs/compression.md has the quality measured on a real model. KV
+that is not 16-bit (e.g. vLLM's fp8 KV cache) is stored as it is.
 
 An encoded object's format (what the tier checks on every read) is the raw object's format with
 a prefix that names the codec, its group, its dtype and the raw size: a tier never hands an
@@ -17,6 +19,7 @@ tier is wrapped, `none` included: a tier without a codec treats encoded objects 
 
 from __future__ import annotations
 
+import concurrent.futures
 import struct
 import threading
 import time
@@ -32,25 +35,22 @@ _HEAD = struct.Struct("<4sBBHQ")  # tag, codec, dtype, group, raw bytes; then th
 _CODEC_IDS = {"fp8": 1}
 _DTYPES = {"bfloat16": 0, "bf16": 0, "float16": 1, "fp16": 1, "half": 1}  # -> the C++ codec's dtype
 GROUPS = (128, 64, 32, 16, 8)
+PIECE_BYTES = 4 << 20  # raw bytes the codec works on while the tier moves the piece before (or after)
 
 
 def _row_values(fmt: tuple) -> int | None:
-    """Values of one token's row (one segment, one layer) of a 16-bit object of this format key,
-    None where the object is not 16-bit KV the codec takes."""
-    if not fmt:
+    """Values a group must divide for an object of this format key: a token's row (one segment of
+    one layer) of a token layout; 64 in the whole blocks of opaque and packed layouts, whose
+    insides only their engine knows (a head of 64 values, or part of one). None where the object
+    is not 16-bit KV."""
+    if not fmt or len(fmt) < 5:
         return None
-    kind = fmt[0]
-    if kind == "tokens" and len(fmt) == 5:
-        width, dtype = fmt[3], fmt[4]
-    elif kind == "opaque" and len(fmt) >= 5:
-        width, dtype = fmt[3], fmt[4]
-    elif kind == "packed" and len(fmt) >= 6:
-        width, dtype = fmt[4], fmt[5]  # a whole block of one layer: its rows are within it
-    else:
+    dtype = fmt[5] if fmt[0] == "packed" and len(fmt) >= 6 else fmt[4]
+    if _DTYPES.get(str(dtype).replace("torch.", "")) is None:
         return None
-    if _DTYPES.get(str(dtype).replace("torch.", "")) is None or not isinstance(width, int) or width % 2:
-        return None
-    return width // 2
+    if fmt[0] == "tokens" and len(fmt) == 5:
+        return fmt[3] // 2 if isinstance(fmt[3], int) and fmt[3] % 2 == 0 else None
+    return 64 if fmt[0] in ("opaque", "packed") else None
 
 
 def plan(fmt_bytes: bytes, nbytes: int) -> tuple[int, int] | None:
@@ -100,6 +100,7 @@ class CodecTier(L2Backend):
         self.local = getattr(inner, "local", True)
         self._id = _CODEC_IDS.get(codec, 0)
         self._scratch = _Scratch()
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"lmcache-codec-{inner.name}")
         self._lock = threading.Lock()
         self._counts = {"raw_bytes_written": 0, "stored_bytes_written": 0, "encode_seconds": 0.0,
                         "raw_bytes_read": 0, "stored_bytes_read": 0, "decode_seconds": 0.0}
@@ -119,27 +120,55 @@ class CodecTier(L2Backend):
             for k, v in counts.items():
                 self._counts[k] += v
 
+    def _pieces(self, items: list[int], sizes: list[int]) -> list[list[int]]:
+        """Items in runs of about PIECE_BYTES: the codec works on one while the tier moves another."""
+        out: list[list[int]] = []
+        held = PIECE_BYTES
+        for i in items:
+            if held + sizes[i] > PIECE_BYTES:
+                out.append([])
+                held = 0
+            out[-1].append(i)
+            held += sizes[i]
+        return out
+
+    def _run(self, counter: str, fn, piece: list[int]) -> None:
+        t0 = time.perf_counter()
+        for i in piece:
+            fn(i)
+        self._add(**{counter: time.perf_counter() - t0})
+
     # ---- writes --------------------------------------------------------------------------------
 
     def put(self, keys, formats, ptrs, sizes):
         if self.codec == "none":
             return self.inner.put(keys, formats, ptrs, sizes)
         plans = [plan(f, n) for f, n in zip(formats, sizes)]
-        stored = [self._C.fp8_encoded_bytes(n // 2, p[1]) if p else 0 for p, n in zip(plans, sizes)]
-        buf = self._buffer(sum(stored))
-        base, at, t0 = buf.ctypes.data, 0, time.perf_counter()
-        formats, ptrs, sizes, raws = list(formats), list(ptrs), list(sizes), list(sizes)
+        stored = [self._C.fp8_encoded_bytes(n // 2, p[1]) if p else n for p, n in zip(plans, sizes)]
+        buf = self._buffer(sum(n for n, p in zip(stored, plans) if p))
+        out_fmts, out_ptrs, at = list(formats), list(ptrs), buf.ctypes.data
         for i, p in enumerate(plans):
-            if p is None:
-                continue
-            self._C.fp8_encode(ptrs[i], sizes[i] // 2, p[1], p[0], base + at)
-            formats[i] = stored_format(self.codec, p[0], p[1], sizes[i], formats[i])
-            ptrs[i], sizes[i] = base + at, stored[i]
-            at += stored[i]
-        self._add(encode_seconds=time.perf_counter() - t0)
-        ok = self.inner.put(keys, formats, ptrs, sizes)
+            if p is not None:
+                out_fmts[i] = stored_format(self.codec, p[0], p[1], sizes[i], formats[i])
+                out_ptrs[i], at = at, at + stored[i]
+
+        def encode(i: int) -> None:
+            if plans[i] is not None:
+                self._C.fp8_encode(ptrs[i], sizes[i] // 2, plans[i][1], plans[i][0], out_ptrs[i])
+
+        # the next piece is encoded (without the GIL) while the tier writes this one
+        ok = [False] * len(keys)
+        pieces = self._pieces(list(range(len(keys))), list(sizes))
+        pending = self._pool.submit(self._run, "encode_seconds", encode, pieces[0]) if pieces else None
+        for k, piece in enumerate(pieces):
+            pending.result()
+            if k + 1 < len(pieces):
+                pending = self._pool.submit(self._run, "encode_seconds", encode, pieces[k + 1])
+            for i, good in zip(piece, self.inner.put([keys[i] for i in piece], [out_fmts[i] for i in piece],
+                                                     [out_ptrs[i] for i in piece], [stored[i] for i in piece])):
+                ok[i] = good
         done = [i for i, (p, good) in enumerate(zip(plans, ok)) if p is not None and good]
-        self._add(raw_bytes_written=sum(raws[i] for i in done), stored_bytes_written=sum(sizes[i] for i in done))
+        self._add(raw_bytes_written=sum(sizes[i] for i in done), stored_bytes_written=sum(stored[i] for i in done))
         return ok
 
     # ---- reads -----------------------------------------------------------------------------------
@@ -151,22 +180,31 @@ class CodecTier(L2Backend):
         coded = [i for i, p in enumerate(plans) if p is not None]
         out = [FORMAT_MISMATCH] * len(keys)
         if coded:
-            sizes = [self._C.fp8_encoded_bytes(capacities[i] // 2, plans[i][1]) for i in coded]
-            buf = self._buffer(sum(sizes))
-            at = np.cumsum([0] + sizes[:-1]).tolist()
-            got = self.inner.get([keys[i] for i in coded],
-                                 [stored_format(self.codec, plans[i][0], plans[i][1], capacities[i], formats[i])
-                                  for i in coded],
-                                 [buf.ctypes.data + a for a in at], sizes)
-            t0 = time.perf_counter()
-            for i, a, n, r in zip(coded, at, sizes, got):
-                if r == n:
-                    self._C.fp8_decode(buf.ctypes.data + a, capacities[i] // 2, plans[i][1], plans[i][0], ptrs[i])
+            stored = {i: self._C.fp8_encoded_bytes(capacities[i] // 2, plans[i][1]) for i in coded}
+            buf = self._buffer(sum(stored.values()))
+            src, at = {}, buf.ctypes.data
+            for i in coded:
+                src[i], at = at, at + stored[i]
+
+            def decode(i: int) -> None:
+                if out[i] == stored[i]:
+                    self._C.fp8_decode(src[i], capacities[i] // 2, plans[i][1], plans[i][0], ptrs[i])
                     out[i] = capacities[i]
-                    self._add(raw_bytes_read=capacities[i], stored_bytes_read=n)
-                else:
-                    out[i] = r if r < 0 else FORMAT_MISMATCH
-            self._add(decode_seconds=time.perf_counter() - t0)
+
+            # each piece is decoded (without the GIL) while the tier reads the next one
+            decoding = []
+            for piece in self._pieces(coded, capacities):
+                got = self.inner.get([keys[i] for i in piece],
+                                     [stored_format(self.codec, plans[i][0], plans[i][1], capacities[i], formats[i])
+                                      for i in piece],
+                                     [src[i] for i in piece], [stored[i] for i in piece])
+                for i, r in zip(piece, got):
+                    out[i] = r if r < 0 or r == stored[i] else FORMAT_MISMATCH
+                decoding.append(self._pool.submit(self._run, "decode_seconds", decode, piece))
+            for d in decoding:
+                d.result()
+            read = [i for i in coded if out[i] == capacities[i]]
+            self._add(raw_bytes_read=sum(capacities[i] for i in read), stored_bytes_read=sum(stored[i] for i in read))
         # stored as they are: not 16-bit KV, or written before the codec was (its raw format)
         plain = [i for i in range(len(keys)) if out[i] == FORMAT_MISMATCH]
         if plain:
@@ -195,4 +233,5 @@ class CodecTier(L2Backend):
         return st
 
     def close(self) -> None:
+        self._pool.shutdown()
         self.inner.close()
