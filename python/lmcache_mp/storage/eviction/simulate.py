@@ -35,6 +35,16 @@ def block_key(block_id: int, model: str = "trace") -> ObjectKey:
     return ObjectKey(model, 1, 0, xxhash.xxh3_128_digest(block_id.to_bytes(8, "little")), b"")
 
 
+def _leading(blocks: Sequence[int], held) -> int:
+    """A request's hits: its leading blocks present."""
+    n = 0
+    for b in blocks:
+        if b not in held:
+            break
+        n += 1
+    return n
+
+
 def replay(requests: Sequence[Sequence[int]], policy: str, capacity: int) -> dict:
     """Blocks requested and served from the cache, replaying on the named policy."""
     pol = make_policy(policy)
@@ -42,12 +52,7 @@ def replay(requests: Sequence[Sequence[int]], policy: str, capacity: int) -> dic
     keys: dict[int, ObjectKey] = {}
     hits = total = 0
     for blocks in requests:
-        n = 0
-        for b in blocks:
-            if b not in held:
-                break
-            n += 1
-        hits += n
+        hits += _leading(blocks, held)
         total += len(blocks)
         present = [held[b] for b in blocks if b in held]
         new: list[SimObject] = []
@@ -87,12 +92,7 @@ def belady(requests: Sequence[Sequence[int]], capacity: int) -> dict:
     heap: list[tuple[int, int]] = []  # (-next use, block); stale entries skipped
     hits = total = 0
     for i, blocks in enumerate(requests):
-        n = 0
-        for b in blocks:
-            if b not in held:
-                break
-            n += 1
-        hits += n
+        hits += _leading(blocks, held)
         total += len(blocks)
         for j in range(len(blocks) - 1, -1, -1):
             b, nu = blocks[j], next_use[i][j]
