@@ -136,8 +136,8 @@ def valkey_rate(chunks: list[np.ndarray], repeat: int, gbit: float = 0) -> dict:
     undo = link(gbit) if gbit else []
     host = PEER if gbit else "127.0.0.1"
     ns = ["ip", "netns", "exec", NETNS] if gbit else []
-    proc = subprocess.Popen([*ns, valkey_binary(), "--port", str(port), "--bind", host, "--protected-mode", "no", "--save", "",
-                             "--appendonly", "no", "--dir", folder], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([*ns, valkey_binary(), "--port", str(port), "--bind", host, "--protected-mode", "no",
+                             "--save", "", "--appendonly", "no", "--dir", folder], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     out = {"link_gbit": gbit}
     try:

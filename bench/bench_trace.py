@@ -58,7 +58,8 @@ def load(path: str, limit: int = 0) -> list[dict]:
         for line in f:
             if line.strip():
                 r = json.loads(line)
-                out.append({"blocks": r["hash_ids"], "tokens": r.get("input_length", BLOCK_TOKENS * len(r["hash_ids"]))})
+                blocks = r["hash_ids"]
+                out.append({"blocks": blocks, "tokens": r.get("input_length", BLOCK_TOKENS * len(blocks))})
                 if limit and len(out) >= limit:
                     break
     return out
@@ -234,7 +235,8 @@ def run_server(trace: list[dict], size: int, policy: str, disk_blocks: int, dige
 def print_server(rows: list[dict], sim: list[dict]) -> None:
     print("\nthrough the server (blocks served, as a share of those requested; tokens from L1 / the disk tier / "
           "recomputed), beside the simulation of the same run:")
-    print(f"{'blocks':>8} {'disk':>7} {'codec':>5} {'policy':>9} {'served':>7} {'sim':>7} {'belady':>7} {'x belady':>9} "
+    print(f"{'blocks':>8} {'disk':>7} {'codec':>5} {'policy':>9} {'served':>7} {'sim':>7} {'belady':>7} "
+          f"{'x belady':>9} "
           f"{'x lru':>6} {'tokens L1':>10} {'disk':>7} {'recomp.':>8} {'req/s':>7}")
     for r in rows:
         by = {s["policy"]: s["ratio"] for s in sim if s["size"] == r["size"]}

@@ -128,6 +128,21 @@ def _read(l1: L1Store, keys: list[ObjectKey]) -> int:
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_store_longer_than_a_slice_of_the_index_is_parked_whole(policy):
+    """L1 commits a long store a slice at a time (the lock is let go between slices): every part
+    is handed to the policy, and every chunk can be evicted."""
+    from lmcache_mp.storage.l1 import SLICE
+
+    n = SLICE + 40
+    l1 = _l1(policy, n + 8)
+    _store(l1, [_key("long", i) for i in range(n)])
+    st = l1.stats()
+    assert st["objects"] == n and st["evictable"] == n
+    _store(l1, [_key("next", i) for i in range(n)])  # room for these only by evicting the long one
+    assert all(l1.contains(_key("next", i)) for i in range(n)) and l1.stats()["evicted"] == n - 8
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
 def test_l1_keeps_a_prompts_first_chunks_longest(policy):
     l1 = _l1(policy, 8)
     a = [_key("a", i) for i in range(6)]

@@ -124,7 +124,8 @@ def _l2_metrics(l2: dict):
                          ("raw_bytes_read", "bytes of the chunks the codec read back, decoded"),
                          ("stored_bytes_read", "bytes the codec read from the tier for them"),
                          ("encode_seconds", "time spent encoding"), ("decode_seconds", "time spent decoding")):
-        c = CounterMetricFamily(f"lmcache_mp_l2_tier_codec_{field}", f"L2 tier codec: {help_}", labels=["tier", "codec"])
+        c = CounterMetricFamily(f"lmcache_mp_l2_tier_codec_{field}", f"L2 tier codec: {help_}",
+                                labels=["tier", "codec"])
         for t in l2["tiers"]:
             codec = t.get("codec") or {}
             c.add_metric([t["name"], codec.get("name", "none")], codec.get(field, 0))

@@ -103,8 +103,8 @@ class AdaptivePolicy(EvictionPolicy):
             return
         self.resident += len(objs)
         lot = int.from_bytes((lead or objs[0]).key.digest[:2], "little") / 65536
-        last = len(objs) - 1 if last else -1
-        for i in range(last, -1, -1):
+        end = len(objs) - 1
+        for i in range(end, -1, -1):
             obj = objs[i]
             self._tick()
             key = obj.key
@@ -115,7 +115,7 @@ class AdaptivePolicy(EvictionPolicy):
                 obj.queue = 0
                 value = _value(obj.freq)
             else:
-                cls = LAST if i == last else INNER
+                cls = LAST if last and i == end else INNER
                 obj.freq = 0
                 lucky = lot < min(self.share[cls], self.share[INNER])
                 obj.queue = cls | (LUCKY if lucky else 0)

@@ -10,8 +10,9 @@ Calls, all with the store's lock held:
 
 - `admit(objs, lead, last)`: newly stored objects of one request, in prefix order (each the chunk
   after the one before; `obj.prev` is the one before the first, when known); they are parked. A
-  long request comes in parts: `lead` is its first object, `last` says whether this part ends it. A policy puts a request's deeper chunks nearer eviction than its
-  shallower ones: a chunk is worth nothing once the chunk before it is gone.
+  long request comes in parts: `lead` is its first object, `last` says whether this part ends it.
+  A policy puts a request's deeper chunks nearer eviction than its shallower ones: a chunk is
+  worth nothing once the chunk before it is gone.
 - `use(obj)`: a counted use: a read, or a store of a chunk already held (the engine recomputed
   it). Lookups are not counted: a client that repeats lookups gains nothing.
 - `park(obj)` / `unpark(obj)`: a candidate again, or held. Parking an object that is parked
