@@ -61,6 +61,7 @@ class Obj:
     committed: bool = False
     readers: int = 0
     leases: int = 0  # leases holding it
+    prev: Obj | None = None  # the object of the chunk before it in the latest store naming it
 
     def held(self) -> bool:
         return not self.committed or self.readers > 0 or self.leases > 0
@@ -166,30 +167,33 @@ class SizesMachine(RuleBasedStateMachine):
         self.m.expire(self.clock.now)
         keys = [key(size, i) for i in chunks]
         plan, evicted = self._step(lambda: self.l1.begin_store(keys, size, FMT[size]), set(keys))
-        made, used, parent = [], [], None
-        for pos, k in enumerate(keys):
+        made, used, last = [], [], None
+        for pos, k in enumerate(keys[:len(keys) - plan.skipped]):
             if pos in plan.indices:
                 obj = plan.objects[plan.indices.index(pos)]
                 self.fills += 1
                 o = Obj(size=size, fill=self.fills % 251 + 1)
-                o._l1 = obj
-                if not made and pos:
-                    parent = self.m.objs.get(keys[pos - 1])
+                o._l1, o.prev = obj, last
                 self.m.objs[k] = o
                 np.frombuffer(self.arena.view(obj.offset, size), dtype=np.uint8)[:] = o.fill
                 made.append(o)
-            elif k in self.m.objs and self.m.objs[k].committed and pos < len(keys) - plan.skipped:
-                used.append(self.m.objs[k])  # storing what is there is a use
+            else:  # there already (or being written): the chunk before it here is its prefix now
+                o = self.m.objs[k]
+                if last is not None:
+                    o.prev = last
+                if o.committed:
+                    used.append(o)  # storing what is there is a use
+            last = o
         self.m.use(used)
         if evicted:
             self._check_bound()
-        return plan, made, parent
+        return plan, made
 
-    def _commit(self, plan, made, parent) -> None:
+    def _commit(self, plan, made) -> None:
         self.l1.commit(plan)
         for o in made:
             o.committed = True
-        self.m.admit(made, parent)
+        self.m.admit(made, made[0].prev if made else None)
 
     # ---- rules ---------------------------------------------------------------------------------
 
@@ -206,9 +210,9 @@ class SizesMachine(RuleBasedStateMachine):
 
     @rule(w=consumes(writes), ok=st.booleans())
     def finish_store(self, w, ok):
-        plan, made, parent = w
+        plan, made = w
         if ok:
-            self._commit(plan, made, parent)
+            self._commit(plan, made)
             return
         self.l1.abort(plan)
         for k, o in list(self.m.objs.items()):
