@@ -118,7 +118,7 @@ class Client(RestartRecovery):
         def connection_lost() -> None:  # the lane's, or ZeroMQ's: has the server gone or restarted?
             client = ref()
             if client is not None:
-                client._suspect_restart()
+                client._suspect_restart(dropped=True)
 
         self._io.on_lane_lost = self._io.on_disconnected = connection_lost
         self._connect_lane(hello.lane)

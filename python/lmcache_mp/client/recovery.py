@@ -27,6 +27,10 @@ from lmcache_mp.errors import ServerUnavailable
 logger = logging.getLogger(__name__)
 
 RECOVERY_CALL_S = 2.0  # longest one call of a recovery after a suspected restart may take
+# After a connection dropped, how long the listening socket of a server whose process died may
+# still take to go (its process is being torn down): looked at every DROP_POLL_S meanwhile.
+DROP_GRACE_S = 0.5
+DROP_POLL_S = 0.01
 RECOVERY_STOP_S = 1.0  # how long closing waits for a recovery to end (it ends once the I/O thread stops)
 
 
@@ -89,17 +93,29 @@ class RestartRecovery:
         if was:
             logger.debug("lmcache-mp client %s: server %s is back", self.name, self.url)
 
-    def _suspect_restart(self) -> None:
+    def _suspect_restart(self, dropped: bool = False) -> None:
+        """dropped: a connection to the server closed (the lane's, or ZeroMQ's)."""
         if self._closed or not self._restarting.acquire(blocking=False):
             return
-        threading.Thread(target=self._recover, name="lmcache-client-recover", daemon=True).start()
+        threading.Thread(target=self._recover, args=(dropped,), name="lmcache-client-recover", daemon=True).start()
 
-    def _recover(self) -> None:
+    def _nothing_listens(self, dropped: bool) -> bool:
+        """Whether nothing listens at the server's address. Its process may still be dying when
+        the connection drops (the fds close one after another): then it is asked a while longer."""
+        deadline = time.monotonic() + (DROP_GRACE_S if dropped else 0.0)
+        while True:
+            if nothing_listens(self.url):
+                return True
+            if time.monotonic() >= deadline or self._closed:
+                return False
+            time.sleep(DROP_POLL_S)
+
+    def _recover(self, dropped: bool = False) -> None:
         """Runs off the I/O thread: handshake again and register every KV cache the server no
         longer knows: all of them after a restart, or those it dropped when it stopped hearing
         from this client."""
         short = min(self.timeout, RECOVERY_CALL_S)
-        if nothing_listens(self.url):  # (its process is gone: a closed lane is the first sign of that)
+        if self._nothing_listens(dropped):  # (its process is gone: a dropped connection is the first sign)
             self._went_away("nothing listens at its address", gone=True)
         try:
             # A look at _closed between calls; a call in flight fails once the I/O thread stops.
