@@ -28,8 +28,9 @@ def persist_path():
         p.unlink(missing_ok=True)
 
 
-def test_a_restarted_server_serves_the_chunks_at_once(shm_files, servers, clients, persist_path):  # noqa: F811
-    settings = dict(l1_size="4MiB", l1_persist=persist_path)
+@pytest.mark.parametrize("policy", ["adaptive", "lru", "arc", "s3fifo"])
+def test_a_restarted_server_serves_the_chunks_at_once(shm_files, servers, clients, persist_path, policy):  # noqa: F811
+    settings = dict(l1_size="4MiB", l1_persist=persist_path, eviction_policy=policy)
     srv = servers(**settings)
     c = clients(srv.url)
     kv, h = register_mha(c, num_blocks=128)
@@ -39,7 +40,8 @@ def test_a_restarted_server_serves_the_chunks_at_once(shm_files, servers, client
     c.close()
     srv.stop()
     srv = servers(**settings)
-    assert srv.engine.status()["l1"]["objects"] == 8
+    l1 = srv.engine.status()["l1"]
+    assert l1["objects"] == 8 and l1["evictable"] == 8 and l1["eviction"]["policy"] == policy  # the policy's again
     c = clients(srv.url)
     kv, h = register_mha(c, num_blocks=128)
     assert c.lookup(chunk_hashes(w.prompt(1, 4), CHUNK), model="m") == 4

@@ -304,11 +304,12 @@ class SizesMachine(RuleBasedStateMachine):
 SizesMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 TestL1AcrossSizes = SizesMachine.TestCase
-# The default policy over the same steps: no victim held, the bound, every object's bytes.
-AdaptiveSizesMachine = type("AdaptiveSizesMachine", (SizesMachine,), {"policy": "adaptive"})
-AdaptiveSizesMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
-                                                  suppress_health_check=[HealthCheck.too_slow])
-TestL1AcrossSizesAdaptive = AdaptiveSizesMachine.TestCase
+# Every other policy over the same steps: no victim held, the bound, every object's bytes.
+for _name, _examples in (("adaptive", 150), ("arc", 60), ("s3fifo", 60)):
+    _machine = type(f"SizesMachine_{_name}", (SizesMachine,), {"policy": _name})
+    _machine.TestCase.settings = settings(max_examples=_examples, stateful_step_count=60, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
+    globals()[f"TestL1AcrossSizes_{_name}"] = _machine.TestCase
 
 
 # ---- unit tests -----------------------------------------------------------------------------------
