@@ -132,7 +132,9 @@ def test_lookup_with_lock_prefetches_and_leases_the_whole_prefix(shm_files, serv
     assert not all(srv.engine.l1.contains(ObjectKey("m", 1, 0, d, b"")) for d in hashes)
     found = c.lookup(hashes, model="m", lock=True)
     assert found == 12 and found.lease
-    # every chunk is in L1 now and leased: more stores cannot push it out before the retrieve
+    # every chunk is in L1 now and leased: more stores cannot push it out before the retrieve (they
+    # evict the others, once the writer has read them: a chunk being written to disk stays)
+    writer_idle(srv)
     store_prompts(c, h, kv, [4], chunks=2, srv=srv)
     assert retrieved_exact(c, h, kv, 1, chunks=12, lease=found) == 12
     assert srv.engine.status()["l2"]["prefetches"] == 1
