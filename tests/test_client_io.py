@@ -188,3 +188,30 @@ def test_a_client_left_open_exits_cleanly(tmp_path, server_state, lane, runs):
             if srv.proc.poll() is None:
                 os.kill(srv.proc.pid, signal.SIGCONT)
             srv.kill()
+
+
+def test_an_error_in_the_io_thread_does_not_stop_it(server, caplog):
+    """The I/O thread serves every future nobody reads for, timeouts and heartbeats: an error in
+    one of its turns (a callback's, say) is logged, and the thread goes on."""
+    c = Client(server.url, heartbeat_interval=0.05, local_lane=False)
+    try:
+        turns = {"n": 0}
+        real = c._io._heartbeat
+
+        def failing_once():
+            turns["n"] += 1
+            if turns["n"] == 1:
+                raise RuntimeError("a heartbeat that fails")
+            return real()
+
+        c._io._heartbeat = failing_once
+        deadline = time.monotonic() + 10
+        while turns["n"] < 3:
+            assert time.monotonic() < deadline, "the I/O thread stopped"
+            time.sleep(0.01)
+        fut = c.lookup_async(chunk_hashes(w.prompt(1, 1), CHUNK), model="m")
+        cf.wait([fut], timeout=5)  # resolved by the I/O thread: nobody reads
+        assert fut.done() and fut.result() == 0
+        assert "error in the client's I/O thread" in caplog.text
+    finally:
+        c.close()

@@ -546,40 +546,54 @@ class IOThread:
         next_beat = time.monotonic() + self._interval
         self._read_monitor()  # until it is read once, its fd signals nothing new
         while not self._stop:
-            now = time.monotonic()
-            with self._lock:
-                wake_at = min(next_beat, self._deadlines[0][0]) if self._deadlines else next_beat
-                if self._unsent:
-                    wake_at = min([wake_at] + [item[2].deadline for item in self._unsent])
-                self._wake_at = wake_at
-                # While a caller reads the socket, keep away from it (see _reading). Else watch it
-                # for the requests in flight and those to send, unless it has news.
-                if not self._waiters and (self._pending or self._unsent):
-                    self._watch(True)
-                watch = self._watching
-                events = self._sock.get(ZMQ_EVENTS) if watch else 0
-            if not watch and self._unsent:
-                wake_at = min(wake_at, now + WAITER_BACKOFF)
-            elif events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):
-                wake_at = now
-            if wake_at > now:
-                self._poller.poll(wake_at - now)
             try:
-                os.eventfd_read(self._wake)
-            except BlockingIOError:
-                pass
-            self._send_queued()
-            if self._waiters == 0:
-                self._receive()
-            self._read_monitor()
-            now = time.monotonic()
-            self._expire(now)
-            if now >= next_beat and self._heartbeat is not None:
-                next_beat = now + self._interval
-                beat = self._heartbeat()
-                if beat is not None:
-                    self.request(beat.msg, self._interval * 2, beat.convert,
-                                 while_away=True).add_done_callback(beat.settled)
+                next_beat = self._turn(next_beat)
+            except Exception:  # (a callback's, say): the thread must go on, or no future it serves settles
+                logger.exception("error in the client's I/O thread")
+                time.sleep(0.01)
+        self._finish()
+
+    def _turn(self, next_beat: float) -> float:
+        """One turn of the I/O thread: sleep until something is due, then do it. Returns when the
+        next heartbeat is due."""
+        now = time.monotonic()
+        with self._lock:
+            wake_at = min(next_beat, self._deadlines[0][0]) if self._deadlines else next_beat
+            if self._unsent:
+                wake_at = min([wake_at] + [item[2].deadline for item in self._unsent])
+            self._wake_at = wake_at
+            # While a caller reads the socket, keep away from it (see _reading). Else watch it
+            # for the requests in flight and those to send, unless it has news.
+            if not self._waiters and (self._pending or self._unsent):
+                self._watch(True)
+            watch = self._watching
+            events = self._sock.get(ZMQ_EVENTS) if watch else 0
+        if not watch and self._unsent:
+            wake_at = min(wake_at, now + WAITER_BACKOFF)
+        elif events & zmq.POLLIN or (self._unsent and events & zmq.POLLOUT):
+            wake_at = now
+        if wake_at > now:
+            self._poller.poll(wake_at - now)
+        try:
+            os.eventfd_read(self._wake)
+        except BlockingIOError:
+            pass
+        self._send_queued()
+        if self._waiters == 0:
+            self._receive()
+        self._read_monitor()
+        now = time.monotonic()
+        self._expire(now)
+        if now >= next_beat and self._heartbeat is not None:
+            next_beat = now + self._interval
+            beat = self._heartbeat()
+            if beat is not None:
+                self.request(beat.msg, self._interval * 2, beat.convert,
+                             while_away=True).add_done_callback(beat.settled)
+        return next_beat
+
+    def _finish(self) -> None:
+        """The thread ends: fail what is left, close the sockets."""
         err = ServerUnavailable("the client is closed")
         with self._lock:
             self._open = False
