@@ -159,6 +159,12 @@ class ServerConfig:
     curve_clients: str = _setting(
         "", "with CURVE: a folder of the public keys of the clients let in (empty: any client that knows the "
         "server's public key)")
+    tenants: str = _setting(
+        "", "a TOML file of tenants (docs/tenants.md): each connection's credential (CURVE key; uid/gid on ipc://) "
+        "names its tenant, whose keys no other tenant can see; SIGHUP re-reads it")
+    audit_log: str = _setting(
+        "", "a file the server appends JSON lines to: connections accepted and refused, registrations, tenants "
+        "file reloads, quota breaches")
     ipc_group: str = _setting(
         "", "ipc:// socket files are 0600 (this user only); with a group (name or id) 0660 of that group")
     http_addr: str = _setting(
@@ -207,6 +213,12 @@ class ServerConfig:
                              "(see docs/OPERATIONS.md), or bind a loopback address or ipc://")
         if self.curve_clients and not self.curve_secret_key:
             raise ValueError("curve_clients needs curve_secret_key")
+        if self.tenants and self.curve_clients:
+            raise ValueError("tenants and curve_clients both say which clients get in: with tenants, put the "
+                             "clients' keys in the tenants file (curve_keys)")
+        if self.tenants and not self.curve_secret_key and not self.url.startswith("ipc://"):
+            raise ValueError("tenants need credentials the server can check: CURVE (curve_secret_key) or an ipc:// "
+                             "endpoint (the kernel's uid/gid of each peer)")
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
         if self.device not in DEVICES:

@@ -18,6 +18,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 9
     LIMIT_EXCEEDED = 10  # over a per-request or per-client limit (frame bytes, chunks, world size, leases)
     DEADLINE_EXCEEDED = 11  # a deadline passed: a retrieve wrote nothing, a store kept nothing
+    PERMISSION_DENIED = 12  # the client's tenant may not do this (tenants file), or its credential was revoked
 
 
 class LMCacheMPError(Exception):

@@ -151,6 +151,7 @@ class Store(_Msg, tag=int(Op.STORE)):
     # the digest of the prompt's chunk before the first one here (empty: they start the prompt),
     # so that L2 writes keep the prompt's prefix order across its stores
     parent: bytes = b""
+    shared: bool = False  # into the shared namespace (a server with tenants; the tenant must write it)
 
 
 class Retrieve(_Msg, tag=int(Op.RETRIEVE)):
@@ -230,6 +231,7 @@ class Reserve(_Msg, tag=int(Op.RESERVE)):
     salt: bytes = b""
     deadline: float = 0.0  # CLOCK_MONOTONIC seconds: reserved after it, nothing is (DEADLINE_EXCEEDED)
     parent: bytes = b""  # as Store's
+    shared: bool = False  # as Store's
 
 
 class Commit(_Msg, tag=int(Op.COMMIT)):

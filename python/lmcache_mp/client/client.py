@@ -429,7 +429,8 @@ class Client(RestartRecovery):
         return packed, ids
 
     def store(self, handle: KVCacheHandle, hashes: bytes | Iterable[bytes], block_ids, *, salt: bytes = b"",
-              stream: Any = None, timeout: float | None = None, parent: bytes = b"") -> "Future[StoreResult]":
+              stream: Any = None, timeout: float | None = None, parent: bytes = b"",
+              shared: bool = False) -> "Future[StoreResult]":
         """Copy these chunks' blocks into the server. The future resolves once the bytes are in
         host memory (the blocks may then be reused). On CUDA the server first waits for the work
         queued so far on `stream` (default: the current stream), so the KV may still be in flight.
@@ -442,7 +443,10 @@ class Client(RestartRecovery):
         The store's deadline is `timeout` seconds from now (default: the client's timeout): the
         server starts no copy after it and keeps none that ended after it (DEADLINE_EXCEEDED). So
         once the future has failed for its timeout, the blocks may be reused whatever the server
-        does later: a stalled server that resumes never saves bytes the engine wrote since."""
+        does later: a stalled server that resumes never saves bytes the engine wrote since.
+
+        `shared`: into the shared namespace every tenant that reads it finds (a server with
+        tenants, whose tenants file lets this client's tenant write it; docs/tenants.md)."""
         self._check_reachable()
         stamps = [("call", time.monotonic_ns())] if self.trace else None
         timeout = self.timeout if timeout is None else timeout
@@ -452,14 +456,14 @@ class Client(RestartRecovery):
             raise ValueError(f"parent must be one {DIGEST_BYTES}-byte chunk hash, got {len(parent)} bytes")
         if handle.copier is not None:
             stream_ptr = self._stream_ptr(handle, stream) if handle.events is not None else 0
-            return self._engine.store(handle, packed, ids, salt, stream_ptr, timeout, stamps, parent)
+            return self._engine.store(handle, packed, ids, salt, stream_ptr, timeout, stamps, parent, shared)
         event, ev_handle, settled = None, b"", None
         if handle.events is not None:
             event, ev_handle = handle.events.record(self._stream_ptr(handle, stream))
             if event is not None:
                 settled = lambda: handle.events.give_back(event)  # noqa: E731
         msg = p.Store(kv_id=handle.kv_id, hashes=packed, block_ids=ids, salt=salt, event=ev_handle,
-                      client_id=self.client_id, deadline=deadline, parent=parent)
+                      client_id=self.client_id, deadline=deadline, parent=parent, shared=shared)
 
         def convert(reply: Any) -> StoreResult:
             r = self._checked(reply, p.StoreReply)

@@ -4,6 +4,7 @@ whose handshake this client failed: CURVE keys missing or wrong)."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -66,8 +67,11 @@ def unreachable_hint(ctx: zmq.Context, url: str, curve: bool, wait: float = 1.0)
         monitor.close()
         sock.close()
     if zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen:
+        if not curve:  # NULL on ipc:// with a ZAP handler: a server with tenants, by uid/gid
+            return (f"the server refused this process (status {auth_status}): its tenants file names neither this "
+                    f"user (uid {os.getuid()}) nor its group (gid {os.getgid()})")
         return (f"the server refused this client's CURVE key (status {auth_status}): its --curve-clients folder "
-                "lacks this client's public key")
+                "or tenants file lacks this client's public key")
     if seen & set(_FAILED):
         if curve:
             return ("the ZeroMQ handshake failed: is the server's public key (curve_server_key, "

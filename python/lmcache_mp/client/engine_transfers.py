@@ -153,7 +153,7 @@ class EngineTransfers:
     # ---- stores ------------------------------------------------------------------------------
 
     def store(self, handle, packed: bytes, ids: bytes, salt: bytes, stream_ptr: int, timeout: float,
-              stamps: list | None, parent: bytes = b"") -> Future:
+              stamps: list | None, parent: bytes = b"", shared: bool = False) -> Future:
         c = self._client
         out = CopyFuture()
         out.trace = stamps  # the request's stages when traced (its RESERVE's), as other futures have
@@ -162,7 +162,7 @@ class EngineTransfers:
         if handle.events is not None:
             event, _ = handle.events.record(stream_ptr)
         msg = p.Reserve(kv_id=handle.kv_id, hashes=packed, client_id=c.client_id, salt=salt, deadline=deadline,
-                        parent=parent)
+                        parent=parent, shared=shared)
         reserving = c._async(msg, timeout, lambda r: c._checked(r, p.ReserveReply), None, expires=False,
                              stamps=stamps)
         try:

@@ -14,47 +14,16 @@ or a client without CURVE).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
-import time
 
 import zmq
 import zmq.auth
-from zmq.utils import z85
+
+from lmcache_mp.server.refusals import RefusalLog, fingerprint  # noqa: F401 (fingerprint: re-exported)
 
 logger = logging.getLogger(__name__)
-
-LOG_EVERY_S = 60.0  # refusals of one kind: a line at most this often
-
-
-def fingerprint(z85_public_key: bytes | str) -> str:
-    """A short name of a CURVE public key for logs (its SHA-256, 12 hex digits)."""
-    key = z85_public_key.encode() if isinstance(z85_public_key, str) else z85_public_key
-    return hashlib.sha256(z85.decode(key)).hexdigest()[:12]
-
-
-class RefusalLog:
-    """WARNING lines of refused clients, at most one a LOG_EVERY_S of each kind."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._quiet: dict[str, int] = {}
-        self.count = 0
-
-    def refused(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self.count += 1
-            if now - self._last.get(kind, -LOG_EVERY_S) < LOG_EVERY_S:
-                self._quiet[kind] = self._quiet.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            quiet = self._quiet.pop(kind, 0)
-        logger.warning("refused a client: %s%s", message, f" ({quiet} more refused like it since the last line)"
-                       if quiet else "")
 
 
 class CurveServer:
@@ -62,7 +31,7 @@ class CurveServer:
     a ZeroMQ context of its own (`context`, for the server's socket too): a context has one ZAP
     endpoint, so two servers in one process each need theirs."""
 
-    def __init__(self, secret_key_file: str, clients_dir: str = ""):
+    def __init__(self, secret_key_file: str, clients_dir: str = "", tenancy=None):
         from zmq.auth.thread import ThreadAuthenticator
 
         public, secret = zmq.auth.load_certificate(secret_key_file)
@@ -74,6 +43,14 @@ class CurveServer:
         self.refusals = RefusalLog()
         self._clients_dir = clients_dir
         self.context = zmq.Context()
+        self._auth = self._gate = None
+        self._monitor: threading.Thread | None = None
+        if tenancy is not None:  # the tenants file says which keys get in, and as whom
+            from lmcache_mp.server.tenant_gate import TenantGate
+
+            self._gate = TenantGate(self.context, tenancy, self.refusals)
+            logger.info("CURVE: server key %s, clients with a key of a tenant in %s", public.decode(), tenancy.path)
+            return
         self._auth = ThreadAuthenticator(self.context, log=logging.getLogger("lmcache_mp.auth"))
         self._auth.start()
         if clients_dir:
@@ -81,7 +58,6 @@ class CurveServer:
             self._auth.configure_curve_callback(domain="*", credentials_provider=self)
         else:
             self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
-        self._monitor: threading.Thread | None = None
         logger.info("CURVE: server key %s, clients %s", public.decode(),
                     f"with a key in {clients_dir} ({len(self._allowed)})" if clients_dir else "that know the server key")
 
@@ -124,7 +100,10 @@ class CurveServer:
         """After the server's socket: the context ends once that socket is closed."""
         if self._monitor is not None:
             self._monitor.join(5)  # (its socket's close ended the events)
-        self._auth.stop()
+        if self._auth is not None:
+            self._auth.stop()
+        if self._gate is not None:
+            self._gate.stop()
         threading.Thread(target=self.context.term, name="lmcache-mp-curve-term", daemon=True).start()
 
 

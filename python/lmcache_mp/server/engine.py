@@ -50,6 +50,8 @@ from lmcache_mp.storage.events import EventLog
 from lmcache_mp.storage.l1 import L1Store
 from lmcache_mp.storage.l1_journal import L1Journal
 from lmcache_mp.storage.l2.tiers import L2Tiers
+from lmcache_mp.storage.tenant_quotas import L1Quotas
+from lmcache_mp.server.tenancy import Tenancy, TenantState, shown
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,9 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
                 journal.close()
             raise
         self.l1 = L1Store(self.arena, policy=config.eviction_policy)
+        self.tenancy: Tenancy | None = None  # with --tenants: set by attach_tenancy before requests come
+        if config.tenants:  # before the journal re-attaches chunks: each is counted to its tenant
+            self.l1.quotas = L1Quotas()
         self.l1.on_commit = made_long_lived  # (a no-op unless this process is only a server)
         self.events = EventLog(config.kv_events)
         self.l1.events = self.events if config.kv_events else None
@@ -163,12 +168,72 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise RequestFailure(p.ErrorCode.UNKNOWN_OP, f"unsupported request {type(msg).__name__}")
+            if self.tenancy is not None:
+                self._scope(msg, reply)
             handler(self, msg, reply)
         except RequestFailure as e:
             reply(p.Error(code=int(e.code), message=str(e)))
         except Exception as e:
             logger.exception("internal error handling %s", type(msg).__name__)
             reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
+
+    def _scope(self, msg: p._Msg, reply: Reply) -> None:
+        """A request of a server with tenants: within its tenant's limits, in its namespace."""
+        tenant: TenantState | None = getattr(reply, "tenant", None)
+        if tenant is None:  # (the transport names every request's tenant; anything else is refused)
+            raise RequestFailure(p.ErrorCode.PERMISSION_DENIED, "a request without a tenant")
+        if tenant.inflight > tenant.tenant.max_inflight:
+            self.tenancy.audit.denied(tenant.name, type(msg).__name__, "max_inflight")
+            raise RequestFailure(p.ErrorCode.LIMIT_EXCEEDED,
+                                 f"tenant {tenant.name} has {tenant.inflight - 1} requests in flight, the most its "
+                                 "tenants file entry allows (max_inflight)")
+        try:
+            self.tenancy.scope(msg, tenant, reply.credential)
+        except RequestFailure as e:
+            if e.code == p.ErrorCode.PERMISSION_DENIED:
+                self.tenancy.audit.denied(tenant.name, type(msg).__name__, str(e))
+            raise
+        if type(msg) is p.Lookup:
+            tenant.counters["lookup_chunks"] += len(msg.hashes) // 16
+
+    def attach_tenancy(self, tenancy: Tenancy, revoke_lane: Callable[[str], None]) -> None:
+        """Tenants (server/tenancy.py): their L1 shares now and on every reload; a credential
+        removed by a reload loses its lane connections and its clients' leases and registrations."""
+        self.tenancy = tenancy
+
+        def limits(state: TenantState) -> None:
+            self.l1.set_quota(state.name, state.tenant.l1_min, state.tenant.l1_max)
+
+        def revoked(credential: str, clients: list[bytes]) -> None:
+            revoke_lane(credential)
+            self._bulk.submit(lambda: [self._forget_client(c) for c in clients])
+
+        tenancy.on_limits, tenancy.on_revoked = limits, revoked
+        self.l1.quotas.on_breach = lambda name, quota, used, limit: tenancy.audit.breach(
+            name, quota, bytes=used, limit=limit)
+        for state in tenancy.states():
+            limits(state)
+
+    def tenants_status(self) -> dict[str, dict]:
+        """Per tenant: its limits, L1 share, requests and registrations."""
+        if self.tenancy is None:
+            return {}
+        l1 = self.l1.quota_stats()
+        with self._lock:
+            models = [e.ctx.reg.model for e in self._entries.values()]
+        out = {}
+        for state in self.tenancy.states():
+            t = state.tenant
+            out[state.name] = {
+                "l1": l1.get(state.name, {"bytes": 0, "objects": 0, "evicted": {}, "skipped": 0}),
+                "limits": {"l1_min": t.l1_min, "l1_max": t.l1_max, "max_registrations": t.max_registrations,
+                           "max_inflight": t.max_inflight, "shared": t.shared},
+                "inflight": state.inflight, "registrations": sum(m.startswith(state.prefix) for m in models),
+                **state.counters,
+            }
+        if "shared" in l1:
+            out["shared"] = {"l1": l1["shared"]}
+        return out
 
     @staticmethod
     def _job(reply: Reply, fn: Callable[[], None]) -> Callable[[], None]:
@@ -215,7 +280,11 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         reply(p.PingReply(session_id=self.session_id))
 
     def _status(self, msg: p.Status, reply: Reply) -> None:
-        status = self.status()
+        tenant: TenantState | None = getattr(reply, "tenant", None)
+        if tenant is not None and not tenant.tenant.admin:
+            status = self._tenant_view(tenant)  # what other tenants hold is not this one's business
+        else:
+            status = self.status()
         if msg.client_id:
             with self._lock:
                 status["mine"] = [kv for kv, e in self._entries.items() if e.ctx.reg.client_id == msg.client_id]
@@ -223,7 +292,17 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
 
     def _events_since(self, msg: p.Events, reply: Reply) -> None:
         self._touch(check.client_id(msg.client_id, required=False))
-        reply(event_feed.answer(self.events, self.session_id, msg))
+        tenant = getattr(reply, "tenant", None)
+        reply(event_feed.answer(self.events, self.session_id, msg, tenant.prefix if tenant is not None else ""))
+
+    def _tenant_view(self, tenant: TenantState) -> dict:
+        """STATUS for a tenant's client: the server's settings, its own registrations and figures."""
+        full = self.status()
+        mine = tenant.name + "/"
+        regs = [dict(r, model=r["model"][len(mine):]) for r in full["registrations"] if r["model"].startswith(mine)]
+        keep = ("version", "device", "chunk_size", "url")
+        return {**{k: full[k] for k in keep}, "tenant": tenant.name, "registrations": regs,
+                "tenants": {tenant.name: full["tenants"][tenant.name]}}
 
     def _clear(self, msg: p.Clear, reply: Reply) -> None:
         self._bulk.submit(self._job(reply, lambda: reply(p.ClearReply(removed=self.clear()))))
@@ -290,7 +369,7 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         with self._lock:
             regs = [
                 {"id": f"{kv & 0xFFFF:04x}",  # a tag (as in thread names): the kv_id is the client's secret
-                 "model": e.ctx.reg.model, "rank": e.ctx.reg.rank, "world_size": e.ctx.reg.world_size,
+                 "model": shown(e.ctx.reg.model), "rank": e.ctx.reg.rank, "world_size": e.ctx.reg.world_size,
                  "layout": e.ctx.reg.spec.kind, "layers": e.ctx.reg.spec.model_layers,
                  "copy_bytes": e.ctx.reg.spec.segment_bytes, "device": e.ctx.device,
                  "transfer_mode": e.ctx.transfer_mode, "transfer_mode_reason": e.ctx.mode_reason,
@@ -317,6 +396,8 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         if self.l2 is not None:
             out["l2"] = self.l2.stats()
         out["engine_copies"] = self.engine_copies_status()
+        if self.tenancy is not None:
+            out["tenants"] = self.tenants_status()
         return out
 
     def _reattach(self, journal: L1Journal) -> None:

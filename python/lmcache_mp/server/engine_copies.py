@@ -38,7 +38,7 @@ from lmcache_mp.processes import process_start
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.replies import Reply, mark
 from lmcache_mp.server.server_copies import INLINE_CHUNKS
-from lmcache_mp.server.validation import RequestFailure, chunk_keys, over_limit, parent_key
+from lmcache_mp.server.validation import RequestFailure, chunk_keys, over_limit, parent_key, shared_keys
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,8 @@ class EngineCopies:
         reg = entry.ctx.reg
         keys = chunk_keys(reg, msg.hashes, msg.salt)
         parent = parent_key(reg, msg.parent, msg.salt)
+        if msg.shared:
+            keys, parent = shared_keys(reg, keys), parent and shared_keys(reg, [parent])[0]
         self._check_deadline(msg)
         with self._holders_lock:
             holder = self._holder(msg.client_id)

@@ -16,9 +16,10 @@ def check(msg: p.Events) -> None:
         raise invalid(f"since must not be negative and max_events in [1, {p.MAX_EVENTS}]")
 
 
-def answer(log: EventLog, session_id: bytes, msg: p.Events) -> p.EventsReply:
+def answer(log: EventLog, session_id: bytes, msg: p.Events, prefix: str = "") -> p.EventsReply:
     """Scans at most max_events events (fewer are returned when the filter drops some); `next`
-    says where the scan stopped."""
+    says where the scan stopped. prefix: a tenant's (server/tenancy.py): only its namespace's
+    events, its models named as its clients name them."""
     check(msg)
     first, nxt, events = log.read(msg.since, msg.max_events)
     if events:
@@ -27,9 +28,10 @@ def answer(log: EventLog, session_id: bytes, msg: p.Events) -> p.EventsReply:
     index: dict[str, int] = {}
     out = []
     for seq, kind, key in events:
-        if wanted and key.model not in wanted:
+        if wanted and key.model not in wanted or prefix and not key.model.startswith(prefix):
             continue
         i = index.setdefault(key.model, len(index))
         out.append(p.ChunkEvent(seq=seq, kind=kind, model=i, world_size=key.world_size, rank=key.rank,
                                 digest=key.digest, salt=key.salt))
-    return p.EventsReply(session_id=session_id, first=first, next=nxt, models=list(index), events=out)
+    models = [m[len(prefix):] for m in index] if prefix else list(index)
+    return p.EventsReply(session_id=session_id, first=first, next=nxt, models=models, events=out)

@@ -34,7 +34,7 @@ MAX_CONNECTIONS = 4096  # beyond this, new connections are closed at once (those
 class LaneConn:
     """One client's connection. Sends come from any thread; the lock keeps a send off a closed fd."""
 
-    __slots__ = ("sock", "fd", "_lock", "_open", "_peer")
+    __slots__ = ("sock", "fd", "_lock", "_open", "_peer", "credential")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -42,6 +42,7 @@ class LaneConn:
         self._lock = threading.Lock()
         self._open = True
         self._peer = None
+        self.credential: str | None = None  # with tenants: the peer's (uid:N or gid:N), read at accept
 
     @property
     def peer(self) -> tuple[int, int, int]:
@@ -78,7 +79,11 @@ def lane_path(zmq_url: str) -> str | None:
 
 
 class Lane:
-    def __init__(self, zmq_url: str, ipc_group: str = ""):
+    def __init__(self, zmq_url: str, ipc_group: str = "", tenancy=None):
+        from lmcache_mp.server.refusals import RefusalLog
+
+        self._tenancy = tenancy
+        self._refusals = RefusalLog()
         self._path = lane_path(zmq_url)
         if self._path:  # (claimed with the endpoint's before either is bound: Transport)
             bind_to = self._path
@@ -118,8 +123,36 @@ class Lane:
                     self._full_logged = True
                 continue
             sock.setblocking(False)
-            self.conns.append(LaneConn(sock))
+            conn = LaneConn(sock)
+            if self._tenancy is not None and not self._admit(conn):
+                conn.close()
+                continue
+            self.conns.append(conn)
             self.version += 1
+
+    def _admit(self, conn: LaneConn) -> bool:
+        """With tenants: the peer's uid (else gid) must be a tenant's credential."""
+        from lmcache_mp.server.tenants import credential_fingerprint
+
+        pid, uid, gid = conn.peer
+        cred = self._tenancy.peer_credential(uid, gid)
+        state = self._tenancy.state_of(cred)
+        peer = f"pid {pid} uid {uid} gid {gid}"
+        if state is None:
+            self._refusals.refused("lane", f"a local-lane connection of {peer}: in no tenant of {self._tenancy.path}")
+            self._tenancy.audit.refused(cred, transport="lane", peer=peer, fingerprint=credential_fingerprint(cred),
+                                        reason="credential in no tenant")
+            return False
+        conn.credential = cred
+        self._tenancy.audit.write("connection_accepted", tenant=state.name, transport="lane", peer=peer,
+                                  fingerprint=credential_fingerprint(cred))
+        return True
+
+    def drop(self, conn: LaneConn) -> None:
+        if conn in self.conns:
+            self.conns.remove(conn)
+            self.version += 1
+        conn.close()
 
     def read(self, conn: LaneConn) -> Iterator[bytes]:
         """The datagrams waiting on conn (a batch), each as soon as it is read: the first request

@@ -19,7 +19,7 @@ INLINE_LOOKUP_KEYS = 2048  # lookups of at most this many keys (hashes x ranks) 
 
 
 class LookupHandling:
-    """Expects MPCacheEngine's config, l1, l2, _bulk, _job and _touch."""
+    """Expects MPCacheEngine's config, l1, l2, tenancy, _bulk, _job and _touch."""
 
     def lookup(self, msg: p.Lookup, reply: Reply) -> None:
         cost = check.lookup_cost(msg)
@@ -29,7 +29,8 @@ class LookupHandling:
             digests = check.digests(msg.hashes)
             try:
                 hits, lease = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt,
-                                             lock=msg.lock, owner=msg.client_id, ttl=self.config.lease_ttl)
+                                             lock=msg.lock, owner=msg.client_id, ttl=self.config.lease_ttl,
+                                             fallback_model=self._shared_of(msg.model))
             except TooManyLeases as e:
                 raise over_limit(str(e)) from None
             if self.l2 is not None and hits < len(digests):
@@ -60,11 +61,13 @@ class LookupHandling:
         passed): the leading chunks in L1 now, leased."""
         try:
             if lease:
-                more, still = self.l1.lookup(msg.model, msg.world_size, digests[hits:], msg.salt, extend=lease)
+                more, still = self.l1.lookup(msg.model, msg.world_size, digests[hits:], msg.salt, extend=lease,
+                                             fallback_model=self._shared_of(msg.model))
                 reply(p.LookupReply(hits=hits + more if still else 0, lease=still, from_l2=more if still else 0))
             else:
                 got, new = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt, lock=True,
-                                          owner=msg.client_id, ttl=self.config.lease_ttl)
+                                          owner=msg.client_id, ttl=self.config.lease_ttl,
+                                          fallback_model=self._shared_of(msg.model))
                 reply(p.LookupReply(hits=got, lease=new, from_l2=max(0, got - hits)))
         except TooManyLeases as e:
             reply(p.Error(code=int(p.ErrorCode.LIMIT_EXCEEDED), message=str(e)))
@@ -96,9 +99,18 @@ class LookupHandling:
 
         def run() -> None:
             digests = check.digests(msg.hashes) if msg.hashes else None
+            if self.tenancy is not None:  # another tenant's lease (ids are secrets: one that leaked) is unknown
+                held = self.l1.lease(msg.lease)
+                if held is not None and held.owner[:2] != msg.client_id[:2]:
+                    reply(p.ReleaseReply(released=0))
+                    return
             reply(p.ReleaseReply(released=self.l1.release(msg.lease, digests)))
 
         self._bulk.submit(self._job(reply, run))
+
+    def _shared_of(self, model: str) -> str:
+        """Where a lookup of this model continues: the shared namespace, for a tenant that reads it."""
+        return self.tenancy.shared_of(model) if self.tenancy is not None else ""
 
     def clear(self) -> int:
         removed = self.l1.clear()

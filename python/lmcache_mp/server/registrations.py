@@ -28,6 +28,7 @@ from lmcache_mp.layout import describe_kind
 from lmcache_mp.server.gc_pauses import settle
 from lmcache_mp.server.policy import choose_transfer_mode
 from lmcache_mp.server.replies import Reply
+from lmcache_mp.server.tenancy import shown, strip
 from lmcache_mp.server.validation import RequestFailure, invalid, over_limit
 from lmcache_mp.completions import CompletionWaiter
 from lmcache_mp.server.workers import SerialWorker
@@ -102,8 +103,15 @@ class RegistrationHandling:
                 f"this server runs on the {self.device} device; it cannot take a {msg.device} KV cache",
             )
         self._touch(cid)
+        tenant = getattr(reply, "tenant", None)
         with self._lock:
             mine = sum(e.ctx.reg.client_id == cid for e in self._entries.values())
+            tenants = 0 if tenant is None else sum(e.ctx.reg.model.startswith(tenant.prefix)
+                                                   for e in self._entries.values())
+        if tenant is not None and tenants >= tenant.tenant.max_registrations:
+            self.tenancy.audit.denied(tenant.name, "register", "max_registrations")
+            raise over_limit(f"tenant {tenant.name} has {tenants} KV caches registered, the most its tenants file "
+                             "entry allows (max_registrations)")
         if mine >= self.config.max_registrations_per_client:
             raise over_limit(f"this client has {mine} KV caches registered, the most allowed "
                              "(max_registrations_per_client); unregister one first")
@@ -116,7 +124,7 @@ class RegistrationHandling:
         def open_context() -> None:  # on the registration's own thread: the socket thread goes on
             ctx = None
             try:
-                reg = self._registration(kv_id, msg)
+                reg = self._registration(kv_id, msg, tenant.shared_model(msg.model) if tenant else "")
                 if engine_copies:
                     ctx = EngineCopyContext(reg, msg)
                 elif self.device == "cpu":
@@ -159,8 +167,11 @@ class RegistrationHandling:
                 return
             settle()  # the registration's objects live until it ends
             spec = reg.spec
+            if tenant is not None:
+                self.tenancy.audit.write("registration", tenant=tenant.name, model=strip(reg.model),
+                                         kv=f"{kv_id & 0xFFFF:04x}", world_size=reg.world_size, rank=reg.rank)
             logger.info("registered %s KV cache: model %s rank %d/%d, %d layers x %d blocks of %d tokens, "
-                        "%s, %s per chunk, transfer mode %s (%s)", describe_kind(spec), reg.model, reg.rank,
+                        "%s, %s per chunk, transfer mode %s (%s)", describe_kind(spec), shown(reg.model), reg.rank,
                         reg.world_size, spec.model_layers, spec.num_blocks, spec.block_size, spec.dtype,
                         format_size(reg.object_bytes), ctx.transfer_mode, ctx.mode_reason)
             reply(p.RegisterReply(kv_id=kv_id, layout=spec.kind, object_bytes=reg.object_bytes,
@@ -169,13 +180,13 @@ class RegistrationHandling:
 
         worker.submit(open_context)
 
-    def _registration(self, kv_id: int, msg: p.RegisterKVCache) -> Registration:
+    def _registration(self, kv_id: int, msg: p.RegisterKVCache, shared_model: str = "") -> Registration:
         spec = describe_layers(msg)
         if self.config.chunk_size % spec.block_size:
             raise RegistrationError(f"block size {spec.block_size} does not divide the chunk size "
                                     f"{self.config.chunk_size}")
         reg = Registration(kv_id=kv_id, client_id=msg.client_id, model=msg.model, world_size=msg.world_size,
-                           rank=msg.rank, spec=spec, chunk_size=self.config.chunk_size)
+                           rank=msg.rank, spec=spec, chunk_size=self.config.chunk_size, shared_model=shared_model)
         if reg.object_bytes > self.arena.slab_bytes:
             raise RegistrationError(f"one chunk of this cache is {format_size(reg.object_bytes)}, more than a slab "
                                     f"({format_size(self.arena.slab_bytes)}): raise --slab-size or lower "
@@ -219,7 +230,7 @@ class RegistrationHandling:
                     waiter.stop()
             entry.ctx.close()
             entry.worker.stop()
-            logger.info("unregistered KV cache of model %s rank %d", entry.ctx.reg.model, entry.ctx.reg.rank)
+            logger.info("unregistered KV cache of model %s rank %d", shown(entry.ctx.reg.model), entry.ctx.reg.rank)
             if reply is not None:
                 reply(p.UnregisterReply(kv_id=msg.kv_id))
 

@@ -6,10 +6,15 @@ import logging
 import signal
 import threading
 
+import zmq
+
 from lmcache_mp.config import ServerConfig, format_size
 from lmcache_mp.server.engine import MPCacheEngine
 from lmcache_mp.server.gc_pauses import settle
 from lmcache_mp.server.resources import check_start, memory_note
+from lmcache_mp.server.audit import open_audit_log
+from lmcache_mp.server.tenancy import Tenancy
+from lmcache_mp.server.tenant_gate import TenantGate
 from lmcache_mp.server.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -31,24 +36,40 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
         if "arena" in str(e):  # e.g. mmap: Cannot allocate memory (where overcommit is off)
             raise RuntimeError(f"{e} (L1 of {format_size(config.l1_size)}; {memory_note()})") from None
         raise
-    curve = None
+    curve = tenancy = gate = None
+    stops: list = []  # what was started, to stop if a later part fails
     try:
+        audit = open_audit_log(config.audit_log)
+        stops.append(audit.close)
+        if config.tenants:
+            tenancy = Tenancy(config.tenants, audit)
         if config.curve_secret_key:
             from lmcache_mp.server.curve import CurveServer
 
-            curve = CurveServer(config.curve_secret_key, config.curve_clients)
-        transport = Transport(config.url, engine, context=curve.context if curve else None, spin_us=config.spin_us,
-                              lane=config.local_lane, ipc_group=config.ipc_group, curve=curve)
+            curve = CurveServer(config.curve_secret_key, config.curve_clients, tenancy)
+            stops.append(curve.stop)
+            context = curve.context
+        elif tenancy is not None:  # ipc:// peers by uid/gid: the ZAP handler on a context of its own
+            context = zmq.Context()
+            gate = TenantGate(context, tenancy)
+            stops += [lambda: threading.Thread(target=context.term, daemon=True).start(), gate.stop]
+        else:
+            context = None
+        transport = Transport(config.url, engine, context=context, spin_us=config.spin_us,
+                              lane=config.local_lane, ipc_group=config.ipc_group, curve=curve, tenancy=tenancy)
     except Exception:
-        if curve is not None:
-            curve.stop()
+        for stop in reversed(stops):
+            stop()
         engine.close()
         raise
+    if tenancy is not None:
+        engine.attach_tenancy(tenancy, transport.revoke)
+        audit.write("server_start", tenants_file=config.tenants, tenants=len(tenancy.table), url=transport.url)
     engine.url = transport.url
     engine.lane = transport.lane.address if transport.lane is not None else ""
     engine.add_close_hook(transport.stop)
-    if curve is not None:  # after the socket closes: no handshake goes unchecked meanwhile
-        engine.add_close_hook(curve.stop)
+    for stop in reversed(stops):  # after the socket closes: no handshake goes unchecked meanwhile
+        engine.add_close_hook(stop)
     http = None
     try:
         http = _http_endpoint(config, engine, transport, setting("http_addr"))
@@ -68,6 +89,9 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    if tenancy is not None:  # the reload runs on a thread of its own, not in the signal handler
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, frame: threading.Thread(
+            target=tenancy.reload, name="lmcache-tenants-reload", daemon=True).start())
     logger.info("ready: serving on %s", transport.url)
     try:
         while not stop.wait(3600):

@@ -91,10 +91,13 @@ class ServerCopies:
         self._check_open(entry)
         reg = entry.ctx.reg
         keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
+        parent = parent_key(reg, msg.parent, msg.salt)
+        if msg.shared:
+            keys, parent = check.shared_keys(reg, keys), parent and check.shared_keys(reg, [parent])[0]
         mark(reply, "checked")
         self._touch(reg.client_id)
         self._check_deadline(msg)
-        plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key, parent_key(reg, msg.parent, msg.salt))
+        plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key, parent)
         mark(reply, "in L1")
         if plan.skipped:
             logger.debug("store skipped %d chunks: no evictable memory", plan.skipped)
@@ -185,7 +188,8 @@ class ServerCopies:
             mark(reply, "checked")
             self._touch(reg.client_id)
             self._check_deadline(msg)
-            objs = self.l1.begin_read(keys, reg.format_key, msg.lease)
+            objs = self.l1.begin_read(keys, reg.format_key, msg.lease,
+                                      check.shared_keys(reg, keys) if reg.shared_model else None)
             mark(reply, "in L1")
         finally:
             if held:

@@ -34,7 +34,7 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum 
 class Responder:
     """The `Reply` of one request (see server/replies.py)."""
 
-    __slots__ = ("_transport", "_identity", "_req_id", "stamps", "op", "t0")
+    __slots__ = ("_transport", "_identity", "_req_id", "stamps", "op", "t0", "tenant", "credential")
 
     def __init__(self, transport: "Transport", identity: bytes, req_id: bytes, stamps: list | None):
         self._transport = transport
@@ -42,19 +42,22 @@ class Responder:
         self._req_id = req_id
         self.stamps = stamps
         self.op, self.t0 = "invalid", time.monotonic()  # the op once decoded
+        self.tenant = self.credential = None  # with tenants: the request's TenantState (server/tenancy.py)
 
     def __call__(self, msg: p._Msg) -> None:
         if self.stamps is not None:
             self.stamps.append(("replied", time.monotonic_ns()))
         self._transport._responded(self._identity, self._req_id, p.encode(msg), self.stamps)
         self._transport.stats.done(self.op, self.t0, msg)  # counted once the client can have it
+        if self.tenant is not None:
+            self.tenant.done(msg)
 
 
 class LaneResponder:
     """The `Reply` of one request that came on the local lane. `conn` is its connection (the
     peer's credentials); a handler may set `fds` to pass file descriptors with the reply."""
 
-    __slots__ = ("conn", "_req_id", "stamps", "op", "t0", "_stats", "fds")
+    __slots__ = ("conn", "_req_id", "stamps", "op", "t0", "_stats", "fds", "tenant", "credential")
 
     def __init__(self, conn: LaneConn, req_id: int, stamps: list | None, stats: RequestStats):
         self.conn = conn
@@ -62,6 +65,7 @@ class LaneResponder:
         self.stamps = stamps
         self.op, self.t0, self._stats = "invalid", time.monotonic(), stats
         self.fds: tuple[int, ...] = ()
+        self.tenant = self.credential = None
 
     def __call__(self, msg: p._Msg) -> None:
         body = p.encode(msg)
@@ -77,12 +81,16 @@ class LaneResponder:
             datagram = p.pack_lane(self._req_id, p.encode(err))
         self.conn.send(datagram, self.fds)
         self._stats.done(self.op, self.t0, msg)  # counted once the client can have it
+        if self.tenant is not None:
+            self.tenant.done(msg)
 
 
 class Transport:
     def __init__(self, url: str, engine, context: zmq.Context | None = None, spin_us: int = 0,
-                 lane: bool = True, ipc_group: str = "", curve=None):
+                 lane: bool = True, ipc_group: str = "", curve=None, tenancy=None):
         self.engine = engine
+        self.tenancy = tenancy  # with tenants: every request's tenant comes from its connection's credential
+        self._revoked: list[str] = []  # credentials whose lane connections the loop closes
         self.stats = RequestStats()
         self._spin = spin_us / 1e6
         lane = lane and curve is None  # the lane has no authentication: only ZeroMQ with CURVE
@@ -101,6 +109,10 @@ class Transport:
             self._sock.setsockopt(zmq.IPV6, 1)
         if curve is not None:
             curve.apply(self._sock)
+        if tenancy is not None:
+            from lmcache_mp.server.tenant_gate import TenantGate
+
+            TenantGate.apply(self._sock)
         with socket_files_private():
             self._sock.bind(url)
         self.url = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -114,7 +126,7 @@ class Transport:
         # mailbox eventfd, which then aborts the process): close and write under one lock.
         self._wake_lock = threading.Lock()
         self._wake_open = True
-        self.lane = Lane(self.url, ipc_group) if lane else None
+        self.lane = Lane(self.url, ipc_group, tenancy) if lane else None
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="lmcache-socket", daemon=True)
         self._ident: int | None = None
@@ -152,15 +164,20 @@ class Transport:
             return self._open and bool(self._sock.get(_EVENTS) & _POLLIN)
 
     def _recv(self) -> list | None:
-        """The next request, or None when there is none (then the fd will signal the next one)."""
+        """The next request, or None when there is none (then the fd will signal the next one).
+        With tenants, its last item is the credential its connection's handshake proved."""
         with self._sock_lock:
             if not self._sock.get(_EVENTS) & _POLLIN:
                 return None
-            return self._sock.recv_multipart(zmq.NOBLOCK)
+            if self.tenancy is None:
+                return self._sock.recv_multipart(zmq.NOBLOCK)
+            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        return [f.bytes for f in frames] + [frames[-1].get("User-Id")]
 
     # ---- the loop ----------------------------------------------------------------------------
 
     def _handle(self, frames: list[bytes]) -> None:
+        credential = frames.pop() if self.tenancy is not None else None
         identity = frames[0]
         traced = len(frames) == 4 and frames[3] == p.TRACE_FRAME
         if not (len(frames) == 3 or traced) or len(frames[1]) != 8:
@@ -171,7 +188,20 @@ class Transport:
             self._send(identity, req_id, p.encode(err))
             return
         reply = Responder(self, identity, frames[1], [("received", time.monotonic_ns())] if traced else None)
+        if credential is not None and not self._admit(reply, credential):
+            return
         self._dispatch(frames[2], reply)
+
+    def _admit(self, reply, credential: str) -> bool:
+        """The request's tenant, from its connection's credential (refused: revoked since the handshake)."""
+        state = self.tenancy.state_of(credential)
+        if state is None:
+            reply(p.Error(code=int(p.ErrorCode.PERMISSION_DENIED),
+                          message="this connection's credential is no longer in the tenants file"))
+            return False
+        reply.tenant, reply.credential = state, credential
+        state.begin()
+        return True
 
     def _handle_lane(self, conn: LaneConn, datagram: bytes) -> None:
         try:
@@ -179,8 +209,18 @@ class Transport:
         except ValueError:
             logger.debug("ignored a malformed lane datagram")
             return
-        self._dispatch(body, LaneResponder(conn, req_id, [("received", time.monotonic_ns())] if traced else None,
-                                           self.stats))
+        reply = LaneResponder(conn, req_id, [("received", time.monotonic_ns())] if traced else None, self.stats)
+        if conn.credential is not None and not self._admit(reply, conn.credential):
+            self.lane.drop(conn)
+            return
+        self._dispatch(body, reply)
+
+    def revoke(self, credential: str) -> None:
+        """Close the local-lane connections of a credential removed from the tenants file (from
+        any thread: the loop closes them, as it owns the lane)."""
+        with self._wake_lock:
+            self._revoked.append(credential)
+        self._wakeup()
 
     def _dispatch(self, body: bytes, reply) -> None:
         try:
@@ -245,6 +285,12 @@ class Transport:
         """The wake eventfd (1), the lane's listener (2) and lane connections (3...) that are ready."""
         if 1 in ready:
             os.eventfd_read(self._wake)
+            if self._revoked and self.lane is not None:
+                with self._wake_lock:
+                    revoked, self._revoked = set(self._revoked), []
+                for conn in [c for c in self.lane.conns if c.credential in revoked]:
+                    self.lane.drop(conn)
+                return  # (the fds changed: the loop polls again)
         conns = [self.lane.conns[i - 3] for i in ready if i > 2]  # before reads drop closed ones
         if 2 in ready:
             self.lane.accept()

@@ -97,6 +97,14 @@ def parent_key(reg: Registration, parent: bytes, salt: bytes) -> ObjectKey | Non
     return chunk_keys(reg, parent, salt)[0]
 
 
+def shared_keys(reg: Registration, keys: list[ObjectKey]) -> list[ObjectKey]:
+    """The keys of a registration's chunks in the shared namespace (server/tenancy.py)."""
+    if not reg.shared_model:
+        raise invalid("the shared namespace is a tenants' one: it needs a server with --tenants and a tenant "
+                      "with shared = \"write\"")
+    return [k._replace(model=reg.shared_model) for k in keys]
+
+
 def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: bytes, distinct: bool = False,
                   scratch: bytes = b""):
     """The object keys and the `[chunks, blocks per chunk]` block ids of a store or retrieve,

@@ -42,6 +42,7 @@ from lmcache_mp.storage.index import PART_MASK, OffsetShards, Shards
 from lmcache_mp.storage.leases import Lease, LeaseTable
 from lmcache_mp.storage.objects import SHARED_RANK, L1Object, ObjectKey  # noqa: F401 (re-exported)
 from lmcache_mp.storage.slab_moves import MAX_MOVES, SlabMove, SlabMoves
+from lmcache_mp.storage.tenant_quotas import L1Quotas
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "lookup_chunks": 0, "moved": 0, "slab_moves": 0,
                          "cleared": 0, "replaced": 0, "format_mismatches": 0}
         self._mismatches_logged: set[str] = set()
+        self.quotas: L1Quotas | None = None  # tenants' shares (storage/tenant_quotas.py), set before any store
 
     def _pause(self) -> None:
         """Between slices of one request: let a waiting thread take the lock (and the GIL)."""
@@ -106,6 +108,9 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
             space = self._spaces[self._space_of(obj.key)] = Shards()
         space[obj.key.digest] = obj
         self._at[obj.offset] = obj
+        if self.quotas is not None:
+            obj.owner = self.quotas.owner_of(obj.key.model)
+            self.quotas.added(obj.owner, obj.nbytes)
 
     @staticmethod
     def _parkable(obj: L1Object) -> bool:
@@ -152,6 +157,8 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                 self.journal.write([free_record(obj.offset)])
         del self._at[obj.offset]
         self.arena.free(obj.offset)
+        if obj.owner >= 0:
+            self.quotas.removed(obj.owner, obj.nbytes)
 
     def _size_class(self, object_bytes: int) -> int:
         cls = self._classes.get(object_bytes)
@@ -183,6 +190,7 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
             used: list[L1Object] = []
             # the object of the chunk before: its prefix, for L2 writes
             last = self._l2_parent(parent, format_key) if parent is not None else None
+            owner = self.quotas.owner_of(keys[0].model) if self.quotas is not None and keys else -1
             while i < len(keys):
                 if i and i % SLICE == 0:
                     self._pause()
@@ -209,13 +217,15 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                     last = obj
                     i += 1
                     continue
-                got = self._allocate(cls, moves < MAX_MOVES)
+                got = self._allocate(cls, moves < MAX_MOVES, owner)
                 if isinstance(got, SlabMove):
                     moves += 1
                     self._run_move(got)
                     continue  # the same key again: the index may have changed meanwhile
                 if got < 0:
                     plan.skipped = len(keys) - i
+                    if owner >= 0:
+                        self.quotas.skipped[owner] += plan.skipped
                     break
                 obj = L1Object(key=key, offset=got, size_class=cls, nbytes=slot_bytes, format_key=format_key,
                                prev=last)
@@ -299,9 +309,11 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
 
     # ---- read --------------------------------------------------------------------------------
 
-    def begin_read(self, keys: Sequence[ObjectKey], format_key: tuple, lease: int = 0) -> list[L1Object]:
+    def begin_read(self, keys: Sequence[ObjectKey], format_key: tuple, lease: int = 0,
+                   fallback: Sequence[ObjectKey] | None = None) -> list[L1Object]:
         """Pin the leading committed objects of this format; a read under `lease` consumes one
-        use of each object that lease holds (other leases on them are untouched)."""
+        use of each object that lease holds (other leases on them are untouched). fallback[i]:
+        the key read when keys[i] is not held (a tenant's reads of the shared namespace)."""
         out: list[L1Object] = []
         with self._lock:
             held = self._leases.get(lease)
@@ -310,6 +322,8 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                     self._pause()
                     held = self._leases.get(lease)  # it may have expired meanwhile
                 obj = self._get(key)
+                if fallback is not None and (obj is None or not obj.committed):
+                    obj = self._get(fallback[i])
                 if obj is None or not obj.committed:
                     break
                 if obj.format_key != format_key:
@@ -356,11 +370,13 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         owner: bytes = b"",
         ttl: float = 30.0,
         extend: int = 0,
+        fallback_model: str = "",
     ) -> tuple[int, int]:
         """(leading chunks present for every rank or as one shared object, lease id). With lock
         and at least one hit, the found prefix is leased under that id, else the id is 0.
         extend: a live lease to add the found chunks to instead (returns (0, 0) if it ended).
-        Raises TooManyLeases when the owner holds too many leases."""
+        fallback_model: a chunk not found under model is looked for under it (a tenant's reads
+        of the shared namespace). Raises TooManyLeases when the owner holds too many leases."""
         hits = 0
         empty = _NO_SPACE.parts
         with self._lock:
@@ -382,22 +398,15 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                     if lease is not None and self._leases.get(lease.lease_id) is not lease:
                         break  # it ended meanwhile (TTL, owner gone): report what it covered
                 if spaces is None:  # the indexes of a namespace come and go with its objects
-                    shared = self._parts_of((model, world_size, SHARED_RANK, salt), empty)
-                    spaces = [self._parts_of((model, world_size, r, salt), empty) for r in range(world_size)]
+                    spaces = [self._namespace(m, world_size, salt, empty) for m in (model, fallback_model) if m]
                 budget -= world_size
                 part = hash(digest) & PART_MASK
-                obj = shared[part].get(digest)
-                if obj is not None and obj.committed:
-                    found = [(obj, world_size)]
-                else:
-                    found = []
-                    for space in spaces:
-                        obj = space[part].get(digest)
-                        if obj is None or not obj.committed:
-                            break
-                        found.append((obj, 1))
-                    if len(found) != world_size:
+                for shared, ranks in spaces:
+                    found = self._found(shared, ranks, part, digest, world_size)
+                    if found:
                         break
+                if not found:
+                    break
                 hits += 1
                 if lease is not None:
                     for obj, _ in found:
@@ -418,6 +427,25 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                 return hits, 0
             self._leases.close(lease)  # no-op unless it holds nothing
             return hits, (lease.lease_id if hits else 0)
+
+    def _namespace(self, model: str, world_size: int, salt: bytes, empty: list) -> tuple[list, list[list]]:
+        """The index parts of a namespace: its objects shared by every rank, and each rank's."""
+        return (self._parts_of((model, world_size, SHARED_RANK, salt), empty),
+                [self._parts_of((model, world_size, r, salt), empty) for r in range(world_size)])
+
+    @staticmethod
+    def _found(shared: list, ranks: list[list], part: int, digest: bytes, world_size: int) -> list:
+        """[(object, ranks it serves)] of a chunk present for every rank, else []."""
+        obj = shared[part].get(digest)
+        if obj is not None and obj.committed:
+            return [(obj, world_size)]
+        found = []
+        for space in ranks:
+            obj = space[part].get(digest)
+            if obj is None or not obj.committed:
+                return []
+            found.append((obj, 1))
+        return found
 
     def _unhold(self, parts: list[Collection]) -> int:
         """Let go of objects leases no longer hold (one collection per lease), a slice at a time
@@ -467,6 +495,15 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                     break
                 self._pause()
         return removed
+
+    def set_quota(self, tenant: str, l1_min: int, l1_max: int) -> None:
+        """A tenant's share of L1 (storage/tenant_quotas.py; L1 must have been given quotas)."""
+        with self._lock:
+            self.quotas.set_limits(tenant, l1_min, l1_max)
+
+    def quota_stats(self) -> dict[str, dict]:
+        with self._lock:
+            return self.quotas.stats() if self.quotas is not None else {}
 
     # ---- introspection -----------------------------------------------------------------------
 

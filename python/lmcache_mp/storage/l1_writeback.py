@@ -35,8 +35,10 @@ and drops nothing; a write-back tier's spare bandwidth goes to the chunks neares
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import Callable
 
+QUOTA_SCAN = 16384  # candidates a store of a tenant looks through past others' protected objects
 EVICTION_WINDOW = 64  # oldest evictable objects looked through for a clean one before a dirty one goes
 MAX_CHAIN = 64  # predecessors followed (a longer unwritten run is written from there on)
 SCAN = 1024  # objects a write-back pass looks at, at most (under the lock: a bounded walk)
@@ -91,12 +93,17 @@ class L1Writeback:
         missing = self._l2_missing(obj)
         return missing & ~self._l2_lost_before(obj, missing) if missing else 0
 
-    def _victim(self):
-        """The object to evict next (lock held), or None when nothing is evictable."""
+    def _victim(self, owner: int = -1, own_only: bool = False):
+        """The object to evict next (lock held), or None when nothing is evictable. owner: the
+        tenant that needs the room (L1Quotas): objects of others below their l1_min are passed
+        over (own_only: only its own objects), within QUOTA_SCAN candidates."""
+        candidates = self._policy.candidates()
+        if owner >= 0:
+            candidates = self._allowed(candidates, owner, own_only)
         if not self.l2_wanted:
-            return next((obj for obj in self._policy.candidates() if not busy(obj)), None)
+            return next((obj for obj in candidates if not busy(obj)), None)
         first, seen = None, 0
-        for obj in self._policy.candidates():
+        for obj in candidates:
             if busy(obj):
                 continue
             if not self._l2_dirty(obj):
@@ -107,6 +114,12 @@ class L1Writeback:
             if seen >= EVICTION_WINDOW:
                 break
         return first
+
+    def _allowed(self, candidates, owner: int, own_only: bool):
+        quotas = self.quotas
+        for obj in itertools.islice(candidates, QUOTA_SCAN):
+            if obj.owner == owner if own_only else not quotas.protected(obj.owner, obj.nbytes, owner):
+                yield obj
 
     def _evicting(self, victim) -> None:
         """victim leaves L1 for room (lock held, before it is freed): count the writes it drops."""

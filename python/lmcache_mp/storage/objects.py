@@ -34,6 +34,7 @@ class L1Object:
     l2_copies: int = 0  # bits of the L2 tiers that hold a copy (written there or loaded from there)
     l2_writing: int = 0  # bits of the L2 tiers writing it now: not freed or moved until they have read it
     l2_lost: int = 0  # bits of the L2 tiers it never reaches (left L1 unwritten, or a write failed)
+    owner: int = -1  # its tenant's index in L1Quotas (-1: L1 has no quotas)
     checksum: int | None = None  # of its bytes, once summed for the journal (storage/l1_persist.py)
     # The eviction policy's (storage/eviction/base.py): neighbours in the list it is parked in
     # (index.Lru; newer is None while it is not parked), and its own marks.

@@ -38,13 +38,21 @@ class SlabMove:
 
 class SlabMoves:
     """Allocation across sizes for L1Store: expects its `arena`, `_lock`, `_policy`, `_at`, `_free`,
-    `_victim`, `_evicting`, `_evicted` and `counters`; every method but size_stats runs with the lock held."""
+    `_victim`, `_evicting`, `_evicted`, `quotas` and `counters`; every method but size_stats runs with the lock held."""
 
-    def _allocate(self, cls: int, may_move: bool) -> int | SlabMove:
+    def _allocate(self, cls: int, may_move: bool, owner: int = -1) -> int | SlabMove:
         """A slot of class cls: its offset, -1 when nothing evictable is left, or a slab move
-        the caller runs without the lock (then asks again)."""
+        the caller runs without the lock (then asks again). owner: the tenant storing (L1Quotas):
+        past its l1_max it evicts its own objects first; it never evicts another's below l1_min."""
         donors = None  # listed only when the arena has no free slot of cls (not the usual case)
+        quotas = self.quotas if owner >= 0 else None
         while True:
+            if quotas is not None and quotas.over_max(owner, self.arena.slot_bytes(cls)):
+                victim = self._victim(owner, own_only=True)
+                if victim is None:
+                    return -1
+                self._evict(victim, "l1_max")
+                continue
             off = self.arena.allocate(cls)
             if off >= 0:
                 return off
@@ -54,15 +62,20 @@ class SlabMoves:
                 move = self._plan_slab_move(donor)
                 if move is not None:
                     return move
-            victim = self._victim()
+            victim = self._victim(owner)
             if victim is None or (not may_move and victim.size_class != cls):
                 return -1  # nothing to evict, or only victims whose memory could not reach cls
-            self._evicting(victim)
-            self._policy.evicted(victim)
-            self._free(victim)
-            self.counters["evicted"] += 1
-            self._evicted[victim.size_class] = self._evicted.get(victim.size_class, 0) + 1
+            self._evict(victim, "pressure")
             donors = [victim.size_class] if victim.size_class != cls else []
+
+    def _evict(self, victim, cause: str) -> None:
+        self._evicting(victim)
+        self._policy.evicted(victim)
+        if victim.owner >= 0:
+            self.quotas.evicted[victim.owner][cause] += 1
+        self._free(victim)
+        self.counters["evicted"] += 1
+        self._evicted[victim.size_class] = self._evicted.get(victim.size_class, 0) + 1
 
     def _plan_slab_move(self, cls: int) -> SlabMove | None:
         """When class cls holds a slab's worth of free slots, drain its emptiest slab whose

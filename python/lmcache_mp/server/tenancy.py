@@ -1,0 +1,202 @@
+"""Tenants at run time (--tenants FILE): whose each request is, and the namespace it lives in.
+
+The server decides, never the client. A connection's credential (its CURVE key, checked in the
+handshake; the kernel's uid/gid of a local peer) names its tenant: ZeroMQ's ZAP handler
+(tenant_gate.py) lets in only credentials of the tenants file and stamps each message with it;
+the local lane reads the peer's credentials when it accepts. Every request is then *scoped*
+before the engine sees it:
+
+- model names become `TENANT<SEP>model`, so keys, registrations, events, L2 objects and the L1
+  journal of two tenants never meet, whatever model and salt a client sends;
+- client ids become `tag + keyed hash(client id)`: one tenant's client cannot speak for (release
+  the leases of, say goodbye for, commit the reservations of) another's, even knowing its id;
+- what only an operator may do (CLEAR) needs `admin`; engine-side copies (which map all of L1)
+  are refused: their memory is not separated by tenant yet.
+
+The `shared` namespace (`shared<SEP>model`) is read by tenants with `shared = "read"` after their
+own, and written by stores that ask for it from tenants with `shared = "write"`.
+
+SIGHUP re-reads the file (reload): new credentials work at once; the clients seen with a removed
+credential are forgotten (registrations, leases, reservations) and its later requests refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import struct
+import threading
+from typing import Callable
+
+from lmcache_mp import protocol as p
+from lmcache_mp.server import validation as check
+from lmcache_mp.server.tenants import SHARED, Tenant, TenantsFileError, TenantTable, credential_fingerprint, load_tenants
+from lmcache_mp.server.validation import RequestFailure
+from lmcache_mp.storage.tenant_quotas import SEP
+
+logger = logging.getLogger(__name__)
+
+_NAMED_CLIENT = (p.Hello, p.RegisterKVCache, p.UnregisterKVCache, p.Store, p.Retrieve, p.Lookup, p.Release, p.Ping,
+                 p.Status, p.Bye, p.Events, p.MapArena, p.Reserve, p.Commit, p.Read, p.ReadDone)
+
+
+def denied(message: str) -> RequestFailure:
+    return RequestFailure(p.ErrorCode.PERMISSION_DENIED, message)
+
+
+def strip(model: str) -> str:
+    """The client's own name of a scoped model."""
+    return model.split(SEP, 1)[-1]
+
+
+def shown(model: str) -> str:
+    """A scoped model's name for logs: TENANT/model."""
+    return model.replace(SEP, "/", 1)
+
+
+class TenantState:
+    """One tenant while the server runs: its current limits, requests in flight, counters."""
+
+    __slots__ = ("name", "tag", "prefix", "tenant", "inflight", "counters", "_lock")
+
+    def __init__(self, name: str, index: int, tenant: Tenant):
+        self.name = name
+        self.tag = struct.pack(">H", index)
+        self.prefix = name + SEP
+        self.tenant = tenant
+        self.inflight = 0
+        self.counters = {"requests": 0, "denied": 0, "lookup_chunks": 0, "hit_chunks": 0}
+        self._lock = threading.Lock()
+
+    def begin(self) -> int:
+        """A request arrived (its reply calls done): the requests in flight now, this one included."""
+        with self._lock:
+            self.inflight += 1
+            self.counters["requests"] += 1
+            return self.inflight
+
+    def done(self, reply: p._Msg) -> None:
+        with self._lock:
+            self.inflight -= 1
+            if type(reply) is p.LookupReply:
+                self.counters["hit_chunks"] += reply.hits
+            elif type(reply) is p.Error and reply.code in (p.ErrorCode.PERMISSION_DENIED, p.ErrorCode.LIMIT_EXCEEDED):
+                self.counters["denied"] += 1
+
+    def shared_model(self, scoped: str) -> str:
+        """The shared namespace's name of one of this tenant's models ("" when it may not read it)."""
+        return SHARED + SEP + scoped[len(self.prefix):] if self.tenant.reads_shared else ""
+
+
+class Tenancy:
+    def __init__(self, path: str, audit):
+        self.path = path
+        self.audit = audit
+        self._key = secrets.token_bytes(32)  # of client ids' hashes: a client cannot aim at another's
+        self._lock = threading.Lock()
+        self._states: dict[str, TenantState] = {}
+        self._by_credential: dict[str, TenantState] = {}
+        self._clients: dict[str, set[bytes]] = {}  # credential -> scoped client ids seen with it
+        self.table = load_tenants(path)
+        self._apply(self.table)
+        self.on_limits: Callable[[TenantState], None] | None = None  # (state) limits changed: L1 quotas
+        self.on_revoked: Callable[[str, list[bytes]], None] | None = None  # (credential, clients) to forget
+        logger.info("tenants: %d from %s (%s)", len(self.table), path, ", ".join(self.table.tenants))
+
+    def _apply(self, table: TenantTable) -> None:
+        by_credential = {}
+        for cred, name in table.credentials().items():
+            state = self._states.get(name)
+            if state is None:
+                state = self._states[name] = TenantState(name, len(self._states) + 1, table.tenants[name])
+            state.tenant = table.tenants[name]
+            by_credential[cred] = state
+        self._by_credential = by_credential  # one assignment: readers see the old table or the new
+
+    def shared_of(self, scoped: str) -> str:
+        """The shared namespace's name of a scoped model, if its tenant reads it now ("" if not)."""
+        state = self._states.get(scoped.split(SEP, 1)[0])
+        return state.shared_model(scoped) if state is not None else ""
+
+    def states(self) -> list[TenantState]:
+        return [s for s in self._states.values() if s.name in self.table.tenants]
+
+    # ---- credentials -------------------------------------------------------------------------
+
+    def state_of(self, credential: str) -> TenantState | None:
+        """The tenant of a credential now (None: not, or no longer, in the tenants file)."""
+        return self._by_credential.get(credential)
+
+    def curve_credential(self, z85_key: bytes) -> str:
+        return "curve:" + z85_key.decode("ascii", "replace")
+
+    def peer_credential(self, uid: int, gid: int) -> str:
+        """The credential a local peer is let in with: its uid's when a tenant names it, else its gid's."""
+        cred = f"uid:{uid}"
+        return cred if cred in self._by_credential else f"gid:{gid}"
+
+    def seen(self, credential: str, client: bytes) -> None:
+        if client:
+            clients = self._clients.get(credential)
+            if clients is None:
+                with self._lock:
+                    clients = self._clients.setdefault(credential, set())
+            clients.add(client)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def scope(self, msg: p._Msg, state: TenantState, credential: str) -> None:
+        """Rewrite a request into its tenant's namespace, in place; raise what it may not do."""
+        if isinstance(msg, _NAMED_CLIENT) and msg.client_id:
+            cid = check.client_id(msg.client_id)
+            msg.client_id = state.tag + hashlib.blake2b(cid, digest_size=14, key=self._key).digest()
+            self.seen(credential, msg.client_id)
+        kind = type(msg)
+        if kind is p.Lookup or kind is p.RegisterKVCache:
+            check.names(msg.model)
+            msg.model = state.prefix + msg.model
+            if kind is p.RegisterKVCache and msg.transfer == "engine":
+                raise denied("engine-side copies (transfer='engine') map all of L1, which a server with tenants "
+                             "does not allow: register with transfer='server'")
+        elif kind is p.Events:
+            msg.models = [state.prefix + m for m in msg.models]
+        elif kind is p.Clear and not state.tenant.admin:
+            raise denied(f"tenant {state.name} may not clear the cache (admin = true in the tenants file)")
+        elif kind is p.MapArena:
+            raise denied("engine-side copies map all of L1, which a server with tenants does not allow")
+        elif (kind is p.Store or kind is p.Reserve) and msg.shared and not state.tenant.writes_shared:
+            raise denied(f"tenant {state.name} may not write the shared namespace (shared = \"write\")")
+
+    # ---- reloads -----------------------------------------------------------------------------
+
+    def reload(self) -> bool:
+        """Re-read the tenants file (SIGHUP). A bad file keeps the running configuration."""
+        try:
+            table = load_tenants(self.path)
+        except TenantsFileError as e:
+            logger.error("tenants file not reloaded, the running configuration stays: %s", e)
+            self.audit.write("tenants_reload_failed", file=self.path, error=str(e))
+            return False
+        old, old_creds = self.table, set(self._by_credential)
+        with self._lock:
+            self._apply(table)
+            self.table = table
+            revoked = old_creds - set(self._by_credential)
+            gone = {c: sorted(self._clients.pop(c, ())) for c in revoked}
+        added = sorted(set(table.tenants) - set(old.tenants))
+        removed = sorted(set(old.tenants) - set(table.tenants))
+        changed = sorted(n for n in set(table.tenants) & set(old.tenants) if table.tenants[n] != old.tenants[n])
+        logger.info("tenants file reloaded: %d tenants (added %s, removed %s, changed %s), %d credentials revoked",
+                    len(table), added or "none", removed or "none", changed or "none", len(revoked))
+        self.audit.write("tenants_reloaded", file=self.path, added=added, removed=removed, changed=changed)
+        for state in self.states():
+            if self.on_limits is not None:
+                self.on_limits(state)
+        for cred, clients in gone.items():
+            owner = old.credentials().get(cred, "")
+            self.audit.write("credential_revoked", tenant=owner, fingerprint=credential_fingerprint(cred),
+                             clients=len(clients))
+            if self.on_revoked is not None:
+                self.on_revoked(cred, clients)
+        return True

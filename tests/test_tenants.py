@@ -1,0 +1,427 @@
+"""Tenants (docs/tenants.md): two tenants on one server see nothing of each other's, whatever they send.
+
+The adversary B knows A's exact chunk hashes, model name and salt. Each tenant has its own CURVE
+key (and, on ipc://, its own uid). Everything runs on the CPU device (shared-memory KV caches).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import cpu_workers as w
+from lmcache_mp import Client, Server, ServerConfig, chunk_hashes
+from lmcache_mp.errors import RequestError, ServerUnavailable
+from lmcache_mp.server.cli import main as cli_main
+from lmcache_mp.server.tenants import TenantsFileError
+from test_server_e2e import CHUNK, no_internal_errors, wait_until  # noqa: F401
+
+
+BPC = CHUNK // 8  # blocks per chunk (block size 8)
+
+
+@pytest.fixture
+def keys(tmp_path):
+    d = tmp_path / "keys"
+    assert cli_main(["keygen", str(d)]) == 0
+    for name in ("b", "c", "w"):
+        assert cli_main(["keygen", str(d), "--client", name]) == 0
+    return d
+
+
+def tenants_file(tmp_path, keys, extra: dict[str, str] | None = None, body: str | None = None) -> str:
+    path = tmp_path / "tenants.toml"
+    extra = extra or {}
+    text = body if body is not None else "".join(
+        f'[tenants.{name}]\ncurve_keys = ["{keys}/clients/{key}.key"]\n{extra.get(name, "")}\n'
+        for name, key in (("alice", "client"), ("bob", "b")))
+    path.write_text(text)
+    return str(path)
+
+
+class Setup:
+    def __init__(self, tmp_path, keys, url="tcp://127.0.0.1:0", l1_size="64MiB", extra=None, **settings):
+        self.tmp, self.keys = tmp_path, keys
+        self.tenants = tenants_file(tmp_path, keys, extra)
+        self.audit = str(tmp_path / "audit.jsonl")
+        self.settings = dict(url=url, device="cpu", l1_size=l1_size, chunk_size=CHUNK, tenants=self.tenants,
+                             curve_secret_key=f"{keys}/server.key_secret", audit_log=self.audit, http_addr="off",
+                             **settings)
+        self.server = Server(ServerConfig(**self.settings)).start()
+        self.clients: list[Client] = []
+
+    def client(self, key: str, **kw) -> Client:
+        kw.setdefault("heartbeat_interval", 0.25)
+        c = Client(self.server.url, curve_server_key=f"{self.keys}/server.key",
+                   curve_client_key=f"{self.keys}/client-secret/{key}.key_secret", **kw)
+        self.clients.append(c)
+        return c
+
+    def restart(self) -> None:
+        self.close_clients()
+        self.server.stop()
+        self.server = Server(ServerConfig(**self.settings)).start()
+
+    def audit_lines(self) -> list[dict]:
+        with open(self.audit) as f:
+            return [json.loads(line) for line in f]
+
+    def close_clients(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.clients = []
+
+    def close(self) -> None:
+        self.close_clients()
+        self.server.stop()
+
+
+@pytest.fixture
+def setups():
+    made: list[Setup] = []
+
+    def make(*args, **kw) -> Setup:
+        s = Setup(*args, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def engine_of(client: Client, seed: int, chunks: int, model="m", blocks=64):
+    """A registered KV cache holding the prompt `seed`'s KV in its first blocks; its hashes."""
+    kv = w.make_kv("mha", blocks, 8)
+    handle = client.register_kv_cache(kv, model=model)
+    ref = w.reference(seed, "mha", chunks * CHUNK)
+    ids = list(range(chunks * BPC))
+    w.write_tokens(kv, "mha", ids, ref)
+    return kv, handle, ref, chunk_hashes(w.prompt(seed, chunks), CHUNK), ids
+
+
+def test_a_tenant_finds_loads_overwrites_and_releases_nothing_of_another(tmp_path, keys, setups,
+                                                                         no_internal_errors):  # noqa: F811
+    s = setups(tmp_path, keys)
+    a, b = s.client("client"), s.client("b")
+    kv_a, h_a, ref_a, hashes, ids = engine_of(a, seed=1, chunks=3)
+    assert a.store(h_a, hashes, ids, salt=b"s").result().stored == 3
+    lease = a.lookup(hashes, model="m", salt=b"s", lock=True)
+    assert lease.hits == 3 and lease.lease
+
+    kv_b, h_b, _, _, _ = engine_of(b, seed=2, chunks=3)  # B: the same model, A's hashes and salt
+    assert b.lookup(hashes, model="m", salt=b"s").hits == 0
+    assert b.lookup(hashes, model="m", salt=b"s", lock=True).hits == 0
+    w.fill_blocks(kv_b, "mha", ids, 7)
+    assert b.retrieve(h_b, hashes, ids, salt=b"s").result().loaded == 0
+    assert w.blocks_equal(kv_b, "mha", ids, 7)  # nothing of A's came in
+    # B stores other bytes under A's keys: its own copy, A's stays
+    assert b.store(h_b, hashes, ids, salt=b"s").result().stored == 3
+    w.fill_blocks(kv_a, "mha", ids, 0)
+    assert a.retrieve(h_a, hashes, ids, salt=b"s").result().loaded == 3
+    assert np.array_equal(w.read_tokens(kv_a, "mha", ids), ref_a)
+    # A's lease, named by B (a lease id that leaked): B releases nothing of it
+    from lmcache_mp import protocol as p
+
+    assert b.release(lease=lease.lease) == 0
+    assert s.server.engine.l1.lease(lease.lease) is not None
+    # B saying goodbye with A's client id drops nothing of A's
+    b._call(p.Bye(client_id=a.client_id), p.ByeReply)
+    assert s.server.engine.l1.lease(lease.lease) is not None
+    assert a.lookup(hashes, model="m", salt=b"s").hits == 3
+
+
+def test_events_and_status_show_a_tenant_only_its_own(tmp_path, keys, setups, no_internal_errors):  # noqa: F811
+    s = setups(tmp_path, keys, kv_events=4096)
+    a, b = s.client("client"), s.client("b")
+    _, h_a, _, hashes, ids = engine_of(a, seed=1, chunks=2, model="secret-model")
+    a.store(h_a, hashes, ids).result()
+    _, h_b, _, hashes_b, ids_b = engine_of(b, seed=2, chunks=1, model="m")
+    b.store(h_b, hashes_b, ids_b).result()
+    mine = b.events()
+    assert mine.models == ["m"] and len(mine.events) == 1 and mine.events[0].digest == hashes_b[0]
+    assert b.events(models=["secret-model"]).events == []
+    theirs = a.events()
+    assert theirs.models == ["secret-model"] and len(theirs.events) == 2
+    status = b.status()
+    assert status["tenant"] == "bob" and [r["model"] for r in status["registrations"]] == ["m"]
+    assert set(status["tenants"]) == {"bob"} and "l1" not in status
+    assert "secret-model" not in json.dumps(status)
+    full = s.server.engine.status()  # the operator's view (HTTP /status): every tenant
+    assert full["tenants"]["alice"]["l1"]["objects"] == 2 and full["tenants"]["bob"]["l1"]["objects"] == 1
+
+
+def test_unknown_keys_are_refused_at_the_handshake_and_audited(tmp_path, keys, setups):
+    s = setups(tmp_path, keys)
+    with pytest.raises(ServerUnavailable, match="tenants file"):
+        Client(s.server.url, connect_timeout=1, curve_server_key=f"{keys}/server.key",
+               curve_client_key=f"{keys}/client-secret/c.key_secret")
+    a = s.client("client")
+    a.ping()
+    events = s.audit_lines()
+    refused = [e for e in events if e["event"] == "connection_refused"]
+    accepted = [e for e in events if e["event"] == "connection_accepted"]
+    assert refused and refused[0]["reason"] == "credential in no tenant" and refused[0]["fingerprint"].startswith("curve:")
+    assert accepted and all(e["tenant"] == "alice" for e in accepted)
+    assert events[0]["event"] == "server_start"
+
+
+def test_admin_only_clear_and_no_engine_side_copies(tmp_path, keys, setups):
+    s = setups(tmp_path, keys, extra={"alice": "admin = true"})
+    a, b = s.client("client"), s.client("b")
+    with pytest.raises(RequestError, match="PERMISSION_DENIED.*clear"):
+        b.clear()
+    assert a.clear() == 0
+
+
+def test_engine_side_copies_are_refused_to_tenants(tmp_path, socket_dir, shm_files):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f"[tenants.me]\nuids = [{os.getuid()}]\n")
+    with Server(ServerConfig(url=f"ipc://{socket_dir}/srv.sock", device="cpu", l1_size="16MiB", chunk_size=CHUNK,
+                             tenants=str(tenants), http_addr="off")) as srv, Client(srv.url) as c:
+        assert c.status()["tenant"] == "me"
+        with pytest.raises(RequestError, match="PERMISSION_DENIED.*engine-side copies"):
+            c.register_kv_cache(w.make_kv("mha", 16, 8), model="m", transfer="engine")
+
+
+def test_a_removed_key_is_cut_off_within_a_second_and_a_bad_reload_changes_nothing(tmp_path, keys, setups):
+    s = setups(tmp_path, keys)
+    a, b = s.client("client"), s.client("b")
+    _, h_b, _, hashes, ids = engine_of(b, seed=2, chunks=2)
+    b.store(h_b, hashes, ids).result()
+    lease = b.lookup(hashes, model="m", lock=True).lease
+    tenancy = s.server.engine.tenancy
+
+    with open(s.tenants, "a") as f:
+        f.write("[tenants.carol\n")  # broken: the running configuration stays
+    assert not tenancy.reload()
+    assert b.lookup(hashes, model="m").hits == 2
+    assert s.audit_lines()[-1]["event"] == "tenants_reload_failed"
+
+    tenants_file(tmp_path, keys, body=f'[tenants.alice]\ncurve_keys = ["{keys}/clients/client.key"]\n'
+                                        f'[tenants.carol]\ncurve_keys = ["{keys}/clients/c.key"]\n')
+    t0 = time.monotonic()
+    assert tenancy.reload()
+    with pytest.raises(RequestError, match="PERMISSION_DENIED"):
+        b.lookup(hashes, model="m")
+    deadline = t0 + 1.0
+    while s.server.engine.l1.lease(lease) is not None or s.server.engine.status()["registrations"]:
+        assert time.monotonic() < deadline, "bob's lease and registration outlived its key by a second"
+        time.sleep(0.01)
+    c = s.client("c")  # a key added by the reload gets in
+    assert c.lookup(hashes, model="m").hits == 0
+    assert a.ping() >= 0
+    events = [e["event"] for e in s.audit_lines()]
+    assert "tenants_reloaded" in events and "credential_revoked" in events
+
+
+def _store_prompts(client, handle, kv, seeds, chunks):
+    ids = list(range(chunks * BPC))
+    for seed in seeds:
+        w.write_tokens(kv, "mha", ids, w.reference(seed, "mha", chunks * CHUNK))
+        client.store(handle, chunk_hashes(w.prompt(seed, chunks), CHUNK), ids).result()
+
+
+@pytest.mark.parametrize("protected", [True, False])
+def test_a_flood_of_stores_leaves_another_tenants_l1_min_fully_cached(tmp_path, keys, setups, protected):
+    # One chunk of this cache is 4 KiB; L1 holds 2 MiB (512 chunks). A keeps 40 chunks under an
+    # l1_min of 256 KiB; B stores 1000 chunks. Without the l1_min the flood evicts A's (the control).
+    chunks = 8
+    extra = {"alice": 'l1_min = "256KiB"'} if protected else {}
+    s = setups(tmp_path, keys, l1_size="2MiB", extra=extra)
+    a, b = s.client("client"), s.client("b")
+    kv_a, h_a = w.make_kv("mha", 256, 8), None
+    h_a = a.register_kv_cache(kv_a, model="m")
+    _store_prompts(a, h_a, kv_a, range(5), chunks)
+    working_set = [chunk_hashes(w.prompt(seed, chunks), CHUNK) for seed in range(5)]
+    assert all(a.lookup(hs, model="m").hits == chunks for hs in working_set)
+    kv_b = w.make_kv("mha", 256, 8)
+    h_b = b.register_kv_cache(kv_b, model="m")
+    _store_prompts(b, h_b, kv_b, range(100, 225), chunks)
+    hits = sum(a.lookup(hs, model="m").hits for hs in working_set)
+    if protected:
+        assert hits == 5 * chunks
+        stats = s.server.engine.tenants_status()
+        assert stats["bob"]["l1"]["evicted"]["pressure"] > 0 and stats["alice"]["l1"]["evicted"]["pressure"] == 0
+    else:
+        assert hits < 5 * chunks
+
+
+def test_l1_max_makes_a_tenant_evict_its_own_chunks_first(tmp_path, keys, setups):
+    s = setups(tmp_path, keys, l1_size="4MiB", extra={"bob": 'l1_max = "512KiB"'})
+    a, b = s.client("client"), s.client("b")
+    kv_a = w.make_kv("mha", 256, 8)
+    h_a = a.register_kv_cache(kv_a, model="m")
+    _store_prompts(a, h_a, kv_a, range(5), 8)
+    kv_b = w.make_kv("mha", 256, 8)
+    h_b = b.register_kv_cache(kv_b, model="m")
+    _store_prompts(b, h_b, kv_b, range(100, 150), 8)
+    stats = s.server.engine.tenants_status()
+    assert stats["bob"]["l1"]["bytes"] <= 512 << 10
+    assert stats["bob"]["l1"]["evicted"]["l1_max"] > 0
+    assert stats["alice"]["l1"]["objects"] == 40
+    assert any(e["event"] == "quota_breach" and e["tenant"] == "bob" for e in s.audit_lines())
+
+
+def test_the_shared_namespace_is_read_and_written_only_as_allowed(tmp_path, keys, setups,
+                                                                    no_internal_errors):  # noqa: F811
+    s = setups(tmp_path, keys, extra={"alice": 'shared = "read"'})
+    with open(s.tenants, "a") as f:
+        f.write(f'[tenants.writer]\ncurve_keys = ["{keys}/clients/w.key"]\nshared = "write"\n')
+    assert s.server.engine.tenancy.reload()
+    a, b, wr = s.client("client"), s.client("b"), s.client("w")
+    kv_w, h_w, ref, hashes, ids = engine_of(wr, seed=9, chunks=2, model="m")
+    assert wr.store(h_w, hashes, ids, shared=True).result().stored == 2
+    kv_a, h_a, _, _, _ = engine_of(a, seed=1, chunks=2, model="m")
+    assert a.lookup(hashes, model="m").hits == 2  # found in shared
+    w.fill_blocks(kv_a, "mha", ids, 0)
+    assert a.retrieve(h_a, hashes, ids).result().loaded == 2
+    assert np.array_equal(w.read_tokens(kv_a, "mha", ids), ref)
+    _, h_b, _, _, _ = engine_of(b, seed=2, chunks=2, model="m")
+    assert b.lookup(hashes, model="m").hits == 0  # bob does not read shared
+    assert b.retrieve(h_b, hashes, ids).result().loaded == 0
+    for who, h in ((a, h_a), (b, h_b)):
+        with pytest.raises(RequestError, match="PERMISSION_DENIED"):
+            who.store(h, hashes, ids, shared=True).result()
+
+
+def test_tenants_stay_apart_across_a_warm_restart_and_on_disk(tmp_path, keys, setups):
+    disk = tmp_path / "disk"
+    s = setups(tmp_path, keys, l1_persist=str(tmp_path / "l1.arena"), l2_disk=str(disk), l2_disk_size="64MiB",
+               l2_write="all")
+    a = s.client("client")
+    _, h_a, ref, hashes, ids = engine_of(a, seed=1, chunks=2)
+    a.store(h_a, hashes, ids).result()
+    wait_until(lambda: s.server.engine.status()["l2"]["idle"], 10, "the L2 writes")
+    s.restart()
+    a, b = s.client("client"), s.client("b")
+    kv_b, h_b, _, _, _ = engine_of(b, seed=2, chunks=2)
+    assert b.lookup(hashes, model="m").hits == 0
+    assert b.retrieve(h_b, hashes, ids).result().loaded == 0
+    kv_a, h_a, _, _, _ = engine_of(a, seed=3, chunks=2)
+    assert a.lookup(hashes, model="m").hits == 2  # A's chunks came back for A
+    wait_until(lambda: s.server.engine.status()["l2"]["idle"], 10, "the L2 writes")
+    s.server.engine.l1.clear()  # only the disk tier holds them now
+    assert s.server.engine.status()["l1"]["objects"] == 0
+    assert a.lookup(hashes, model="m").hits == 2
+    assert b.lookup(hashes, model="m").hits == 0 and b.lookup(hashes, model="m", lock=True).hits == 0
+    w.fill_blocks(kv_a, "mha", ids, 0)
+    assert a.retrieve(h_a, hashes, ids).result().loaded == 2
+    assert np.array_equal(w.read_tokens(kv_a, "mha", ids), ref)
+
+
+def test_lookups_of_another_tenants_hashes_take_the_time_of_random_ones(tmp_path, keys, setups):
+    s = setups(tmp_path, keys)
+    a, b = s.client("client"), s.client("b")
+    kv_a = w.make_kv("mha", 256, 8)
+    h_a = a.register_kv_cache(kv_a, model="m")
+    _store_prompts(a, h_a, kv_a, range(8), 8)
+    theirs = [chunk_hashes(w.prompt(seed, 8), CHUNK) for seed in range(8)]
+    rng = np.random.default_rng(0)
+    randoms = [[rng.bytes(16) for _ in range(8)] for _ in range(8)]
+    times = {"theirs": [], "random": []}
+    for i in range(1200):  # interleaved: the machine's load falls on both alike
+        for kind, sets in (("theirs", theirs), ("random", randoms)) if i % 2 else (("random", randoms),
+                                                                                 ("theirs", theirs)):
+            t0 = time.perf_counter()
+            assert b.lookup(sets[i % 8], model="m").hits == 0
+            times[kind].append(time.perf_counter() - t0)
+    t, r = np.array(times["theirs"][100:]), np.array(times["random"][100:])
+    for q in (25, 50, 75):
+        ratio = np.percentile(t, q) / np.percentile(r, q)
+        assert 0.8 < ratio < 1.25, (q, ratio)
+
+
+def test_local_peers_are_tenants_by_uid(tmp_path, socket_dir):
+    if os.getuid() != 0:
+        pytest.skip("needs root: a client process of another uid")
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("[tenants.root]\nuids = [0]\n[tenants.nobody]\nuids = [65534]\n")
+    os.chmod(socket_dir, 0o755)
+    srv = Server(ServerConfig(url=f"ipc://{socket_dir}/srv.sock", device="cpu", l1_size="64MiB", chunk_size=CHUNK,
+                              tenants=str(tenants), ipc_group="65534", http_addr="off")).start()
+    try:
+        a = Client(srv.url)
+        _, h_a, _, hashes, ids = engine_of(a, seed=1, chunks=2)
+        a.store(h_a, hashes, ids).result()
+        assert a.lookup(hashes, model="m").hits == 2
+        # (imports first: the interpreter's files may not be readable by that user)
+        code = ("import importlib.machinery, os, sys; sys.path.insert(0, 'tests')\n"
+                "from lmcache_mp import Client, chunk_hashes\nimport cpu_workers as w\n"
+                "import lmcache_mp.client.endpoint, zmq.utils.monitor\n"
+                "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+                f"c = Client({srv.url!r}); hs = chunk_hashes(w.prompt(1, 2), {CHUNK})\n"
+                "print('hits', c.lookup(hs, model='m').hits, 'lane', c.status().get('tenant')); c.close()")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert out.returncode == 0, out.stderr
+        assert "hits 0 lane nobody" in out.stdout
+        tenants.write_text("[tenants.root]\nuids = [0]\n")
+        assert srv.engine.tenancy.reload()
+        out = subprocess.run([sys.executable, "-c", code.replace("Client(", "Client(connect_timeout=1, url=")],
+                             capture_output=True, text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert out.returncode != 0 and "tenants file names neither this user" in out.stderr
+        a.close()
+    finally:
+        srv.stop()
+
+
+def test_a_bad_tenants_file_is_one_clear_line(tmp_path, keys, caplog):
+    bad = tmp_path / "tenants.toml"
+    bad.write_text(f'[tenants.alice]\ncurve_keys = ["{keys}/clients/client.key"]\nl1_min = "lots"\n')
+    with pytest.raises(TenantsFileError, match=r"tenants.toml:3: tenants.alice.l1_min"):
+        Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="16MiB", tenants=str(bad),
+                            curve_secret_key=f"{keys}/server.key_secret", http_addr="off")).start()
+    rc = cli_main(["--url", "tcp://127.0.0.1:0", "--device", "cpu", "--l1-size", "16MiB", "--tenants", str(bad),
+                   "--curve-secret-key", f"{keys}/server.key_secret", "--http-addr", "off"])
+    err = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert rc != 0 and len(err) == 1 and "tenants.toml:3: tenants.alice.l1_min" in err[0], err
+    with pytest.raises(ValueError, match="tenants need credentials"):
+        ServerConfig(url="tcp://127.0.0.1:0", tenants=str(bad))
+    with pytest.raises(ValueError, match="curve_keys"):
+        ServerConfig(url="tcp://127.0.0.1:0", tenants=str(bad), curve_secret_key=f"{keys}/server.key_secret",
+                     curve_clients=f"{keys}/clients")
+
+
+def test_sighup_reloads_the_tenants_file_of_a_running_server(tmp_path, keys):
+    tenants = tenants_file(tmp_path, keys)
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", "tcp://127.0.0.1:0",
+                             "--device", "cpu", "--l1-size", "16MiB", "--http-addr", "off", "--tenants", tenants,
+                             "--curve-secret-key", f"{keys}/server.key_secret"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in proc.stderr:
+            if "ready: serving on" in line:
+                url = line.rsplit(" ", 1)[-1].strip()
+                break
+        assert url, "the server did not start"
+        kw = dict(curve_server_key=f"{keys}/server.key", heartbeat_interval=0.25)
+        b = Client(url, curve_client_key=f"{keys}/client-secret/b.key_secret", **kw)
+        assert b.ping() >= 0
+        tenants_file(tmp_path, keys, body=f'[tenants.carol]\ncurve_keys = ["{keys}/clients/c.key"]\n')
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGHUP)
+        while True:
+            try:
+                b.lookup([b"x" * 16], model="m")
+            except RequestError as e:
+                assert "PERMISSION_DENIED" in str(e)
+                break
+            assert time.monotonic() - t0 < 1.0, "the removed key still worked a second after SIGHUP"
+            time.sleep(0.02)
+        b.close()
+        c = Client(url, curve_client_key=f"{keys}/client-secret/c.key_secret", **kw)
+        assert c.ping() >= 0
+        c.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
