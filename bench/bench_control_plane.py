@@ -4,7 +4,10 @@ pyzmq DEALER/ROUTER round trip of the same message size measured in the same run
 The server (CPU device) and the bare echo peer each run in their own process, like a real
 deployment; the client side runs here, one thread.
 
-    python bench/bench_control_plane.py [--iters 3000] [--chunks 1,32,128] [--json out.json]
+    python bench/bench_control_plane.py [--iters 3000] [--chunks 1,32,128] [--tenants] [--json out.json]
+
+--tenants: the server runs with a tenants file naming this process's uid (docs/tenants.md), so every
+request is checked against its connection's credential and scoped into the tenant's namespace.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=3000)
     ap.add_argument("--chunks", default="1,32,128", help="chunk hashes per lookup")
+    ap.add_argument("--tenants", action="store_true", help="a server with a tenants file (this uid's tenant)")
     ap.add_argument("--json")
     args = ap.parse_args()
     import torch
@@ -71,11 +75,16 @@ def main() -> int:
 
     tmp = tempfile.mkdtemp(prefix="lmcache-cp-")
     server_url, echo_url = f"ipc://{tmp}/server", f"ipc://{tmp}/echo"
+    tenants = []
+    if args.tenants:
+        with open(f"{tmp}/tenants.toml", "w") as f:
+            f.write(f"[tenants.bench]\nuids = [{os.getuid()}]\n")
+        tenants = ["--tenants", f"{tmp}/tenants.toml"]
     server = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", server_url, "--device", "cpu",
-                               "--l1-size", "256MiB", "--chunk-size", "16", "--log-level", "WARNING"])
+                               "--l1-size", "256MiB", "--chunk-size", "16", "--log-level", "WARNING", *tenants])
     echo = subprocess.Popen([sys.executable, "-c", ECHO, echo_url])
     results: dict = {"benchmark": "bench_control_plane", "date": time.strftime("%Y-%m-%d"), "iters": args.iters,
-                     "rows": []}
+                     "tenants": args.tenants, "rows": []}
     try:
         wait_for(server_url, server)
         client = Client(server_url)
@@ -129,7 +138,8 @@ def main() -> int:
         server.terminate()
         echo.kill()
         server.wait(30)
-    print(f"control plane, {os.cpu_count()} cores, {args.iters} iterations, server and echo peer in own processes")
+    print(f"control plane, {os.cpu_count()} cores, {args.iters} iterations, server and echo peer in own processes"
+          f"{', server with tenants' if args.tenants else ''}")
     print(f"{'op':18s} {'chunks':>6s} {'bytes':>6s} {'bare p50/p99 us':>18s} {'client p50/p99 us':>19s} {'x bare':>7s}")
     for r in results["rows"]:
         print(f"{r['op']:18s} {r['chunks']:6d} {r['bytes']:6d} {r['bare']['p50_us']:8.1f}/{r['bare']['p99_us']:8.1f} "

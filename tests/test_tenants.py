@@ -157,6 +157,14 @@ def test_events_and_status_show_a_tenant_only_its_own(tmp_path, keys, setups, no
     assert "secret-model" not in json.dumps(status)
     full = s.server.engine.status()  # the operator's view (HTTP /status): every tenant
     assert full["tenants"]["alice"]["l1"]["objects"] == 2 and full["tenants"]["bob"]["l1"]["objects"] == 1
+    from lmcache_mp.server.metrics import StatusCollector
+
+    series = {(x.name, tuple(sorted(x.labels.items()))): x.value
+              for m in StatusCollector(s.server.engine).collect() for x in m.samples}
+    assert series[("lmcache_mp_tenant_l1_objects", (("tenant", "alice"),))] == 2
+    assert series[("lmcache_mp_tenant_l1_objects", (("tenant", "bob"),))] == 1
+    assert series[("lmcache_mp_tenant_hit_chunks_total", (("tenant", "bob"),))] == 0
+    assert series[("lmcache_mp_tenant_evicted_total", (("cause", "pressure"), ("tenant", "alice")))] == 0
 
 
 def test_unknown_keys_are_refused_at_the_handshake_and_audited(tmp_path, keys, setups):
@@ -425,3 +433,22 @@ def test_sighup_reloads_the_tenants_file_of_a_running_server(tmp_path, keys):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_l2_disk_max_keeps_a_tenant_within_its_share_of_the_disk(tmp_path, keys, setups):
+    # A chunk's file is 8 KiB (4 KiB of KV and a 4 KiB header). Bob may hold 256 KiB (32 files).
+    s = setups(tmp_path, keys, l1_size="8MiB", l2_disk=str(tmp_path / "disk"), l2_disk_size="64MiB",
+               l2_write="all", extra={"bob": 'l2_disk_max = "256KiB"'})
+    a, b = s.client("client"), s.client("b")
+    kv_a = w.make_kv("mha", 256, 8)
+    h_a = a.register_kv_cache(kv_a, model="m")
+    _store_prompts(a, h_a, kv_a, range(5), 8)
+    kv_b = w.make_kv("mha", 256, 8)
+    h_b = b.register_kv_cache(kv_b, model="m")
+    _store_prompts(b, h_b, kv_b, range(100, 150), 8)
+    wait_until(lambda: s.server.engine.status()["l2"]["idle"], 20, "the L2 writes")
+    stats = s.server.engine.tenants_status()
+    assert 0 < stats["bob"]["l2_disk_bytes"] <= 256 << 10
+    assert stats["alice"]["l2_disk_bytes"] == 40 * (8 << 10)
+    s.server.engine.l1.clear()
+    assert all(a.lookup(chunk_hashes(w.prompt(seed, 8), CHUNK), model="m").hits == 8 for seed in range(5))

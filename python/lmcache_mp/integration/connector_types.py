@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
@@ -15,6 +16,33 @@ def _as_bool(v: Any) -> bool:
     if isinstance(v, str):
         return v.strip().lower() in ("1", "true", "yes", "on")
     return bool(v)
+
+
+def check_curve_keys(server_key: str, client_key: str) -> None:
+    """Settings `curve_server_key` (the server's public key file) and `curve_client_key` (this
+    engine's secret key file, whose public half names its tenant on a server with tenants): each
+    given file must be a key file of its kind, said at once, naming the setting. Empty settings
+    leave the client to LMCACHE_MP_CURVE_SERVER_KEY / LMCACHE_MP_CURVE_CLIENT_KEY (client/curve.py)."""
+    for name, path in (("curve_server_key", server_key), ("curve_client_key", client_key)):
+        if not path:
+            continue
+        setting = CONFIG_PREFIX + name
+        if not os.path.isfile(path):
+            what = "is not a file" if os.path.exists(path) else "does not exist"
+            raise ValueError(f"{setting}: {path} {what}")
+        import zmq.auth  # (only where keys are given)
+
+        try:
+            _, secret = zmq.auth.load_certificate(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{setting}: {path} is not a CURVE key file (lmcache-mp-server keygen makes them): "
+                             f"{e}") from None
+        if name == "curve_client_key" and secret is None:
+            raise ValueError(f"{setting}: {path} holds no secret key (the engine needs its .key_secret file, "
+                             "made by lmcache-mp-server keygen)")
+    if client_key and not server_key and not os.environ.get("LMCACHE_MP_CURVE_SERVER_KEY"):
+        raise ValueError(f"{CONFIG_PREFIX}curve_client_key needs the server's public key: set "
+                         f"{CONFIG_PREFIX}curve_server_key too")
 
 
 @dataclass
@@ -39,6 +67,11 @@ class ConnectorConfig:
     stores: bool = True  # store (vLLM: kv_role kv_both or kv_producer)
     recompute_on_load_error: bool = True  # engine recomputes what a load missed (else fails it)
     kv_events_interval: float = 0.5  # how often the scheduler reads the server's chunk events (KV events on)
+    # CURVE credentials of every connection (scheduler's and workers'): the server's public key
+    # file and this engine's secret key file (its tenant on a server with tenants). Empty: the
+    # LMCACHE_MP_CURVE_SERVER_KEY / LMCACHE_MP_CURVE_CLIENT_KEY environment variables, if set.
+    curve_server_key: str = ""
+    curve_client_key: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, **base: Any) -> "ConnectorConfig":
@@ -63,6 +96,7 @@ class ConnectorConfig:
             setattr(cfg, name, value)
         if cfg.block_size <= 0 or cfg.world_size <= 0:
             raise ValueError("block_size and world_size must be positive")
+        check_curve_keys(cfg.curve_server_key, cfg.curve_client_key)
         return cfg
 
 

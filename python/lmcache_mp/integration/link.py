@@ -55,6 +55,8 @@ class ClientLink:
         connect_timeout: float = 5.0,
         retry_interval: float = 5.0,
         on_connect: Callable[[Any], None] | None = None,
+        curve_server_key: str = "",
+        curve_client_key: str = "",
         client_factory: Callable[[str, float, float], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -63,6 +65,9 @@ class ClientLink:
         self.request_timeout = float(request_timeout)
         self.connect_timeout = float(connect_timeout)
         self.retry_interval = float(retry_interval)
+        # CURVE key files for the client (empty: the client's LMCACHE_MP_CURVE_* environment variables)
+        self.curve_server_key = curve_server_key
+        self.curve_client_key = curve_client_key
         self._on_connect = on_connect
         self._factory = client_factory or self._make_client
         self._probe = client_factory is None  # (a test's factory may need no server)
@@ -81,7 +86,8 @@ class ClientLink:
     def _make_client(self, url: str, timeout: float, connect_timeout: float):
         from lmcache_mp import Client
 
-        return Client(url, timeout=timeout, connect_timeout=connect_timeout, name=self.name.removeprefix("lmcache-mp "))
+        return Client(url, timeout=timeout, connect_timeout=connect_timeout, name=self.name.removeprefix("lmcache-mp "),
+                      curve_server_key=self.curve_server_key or None, curve_client_key=self.curve_client_key or None)
 
     # ---- state -------------------------------------------------------------------------------
 

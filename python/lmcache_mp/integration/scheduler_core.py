@@ -72,6 +72,8 @@ class SchedulerCore:
             request_timeout=config.request_timeout,
             connect_timeout=config.connect_timeout,
             retry_interval=config.retry_interval,
+            curve_server_key=config.curve_server_key,
+            curve_client_key=config.curve_client_key,
         )
         # A block whose contents nobody reads (vLLM: the null block); see Transfer.
         self.scratch_block_id: int | None = None

@@ -41,7 +41,6 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from lmcache_mp.errors import RequestError, ServerUnavailable
 from lmcache_mp.protocol import ErrorCode
-from lmcache_mp.integration.link import ClientLink
 from lmcache_mp.integration.sglang_keys import namespace, page_digest, page_digests
 from lmcache_mp.integration.sglang_pages import PagePlan, UnsupportedPool, plan_pages
 from lmcache_mp.integration.sglang_settings import SGLangStorageSettings
@@ -76,10 +75,7 @@ class LMCacheMPStorage(HiCacheStorage):
         self._handle = None
         self._handle_client = None
         self._fatal: UnsupportedPool | None = None
-        self.link = ClientLink(self.settings.url, name=f"lmcache-mp sglang tp{c.tp_rank}",
-                               request_timeout=self.settings.request_timeout,
-                               connect_timeout=self.settings.connect_timeout,
-                               retry_interval=self.settings.retry_interval, on_connect=self._register)
+        self.link = self.settings.make_link(f"lmcache-mp sglang tp{c.tp_rank}", on_connect=self._register)
 
     # ---- host pools --------------------------------------------------------------------------
 

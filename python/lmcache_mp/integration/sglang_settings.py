@@ -9,9 +9,10 @@ connector's are.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from lmcache_mp.integration.connector_types import CONFIG_PREFIX, DEFAULT_URL, _as_bool
+from lmcache_mp.integration.connector_types import CONFIG_PREFIX, DEFAULT_URL, _as_bool, check_curve_keys
+from lmcache_mp.integration.link import ClientLink
 
 LAUNCH_EXAMPLE = ('{"backend_name": "lmcache_mp", "module_path": "lmcache_mp.integration.sglang", '
                   '"class_name": "LMCacheMPStorage", "interface_v1": 1, "lmcache_mp.url": "' + DEFAULT_URL + '"}')
@@ -24,6 +25,10 @@ class SGLangStorageSettings:
     request_timeout: float = 5.0  # longest one lookup, store or load waits for the server
     connect_timeout: float = 5.0  # how long start-up waits for the first connection
     retry_interval: float = 5.0  # least time between connection attempts / after a failure
+    # CURVE key files: the server's public key and this instance's secret key (its tenant on a
+    # server with tenants). Empty: LMCACHE_MP_CURVE_SERVER_KEY / LMCACHE_MP_CURVE_CLIENT_KEY, if set.
+    curve_server_key: str = ""
+    curve_client_key: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "SGLangStorageSettings":
@@ -44,4 +49,12 @@ class SGLangStorageSettings:
         for name in ("request_timeout", "connect_timeout", "retry_interval"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"{CONFIG_PREFIX}{name} must be positive")
+        check_curve_keys(cfg.curve_server_key, cfg.curve_client_key)
         return cfg
+
+    def make_link(self, name: str, on_connect: Callable[[Any], None] | None = None) -> ClientLink:
+        """The backend's connection to the server, with these settings."""
+        return ClientLink(self.url, name=name, request_timeout=self.request_timeout,
+                          connect_timeout=self.connect_timeout, retry_interval=self.retry_interval,
+                          on_connect=on_connect, curve_server_key=self.curve_server_key,
+                          curve_client_key=self.curve_client_key)

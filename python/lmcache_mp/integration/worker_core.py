@@ -56,6 +56,8 @@ class WorkerCore:
             connect_timeout=config.connect_timeout,
             retry_interval=config.retry_interval,
             on_connect=self._register,
+            curve_server_key=config.curve_server_key,
+            curve_client_key=config.curve_client_key,
         )
         self._tensors: list[list] = []  # per group
         self._shared: list = []

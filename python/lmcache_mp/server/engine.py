@@ -50,7 +50,7 @@ from lmcache_mp.storage.events import EventLog
 from lmcache_mp.storage.l1 import L1Store
 from lmcache_mp.storage.l1_journal import L1Journal
 from lmcache_mp.storage.l2.tiers import L2Tiers
-from lmcache_mp.storage.tenant_quotas import L1Quotas
+from lmcache_mp.storage.tenant_quotas import CAUSES, L1Quotas
 from lmcache_mp.server.tenancy import Tenancy, TenantState, shown
 
 logger = logging.getLogger(__name__)
@@ -203,6 +203,8 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
 
         def limits(state: TenantState) -> None:
             self.l1.set_quota(state.name, state.tenant.l1_min, state.tenant.l1_max)
+            if self.l2 is not None:
+                self.l2.set_disk_quota(state.name, state.tenant.l2_disk_max)
 
         def revoked(credential: str, clients: list[bytes]) -> None:
             revoke_lane(credential)
@@ -219,15 +221,18 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         if self.tenancy is None:
             return {}
         l1 = self.l1.quota_stats()
+        disk = self.l2.disk_tenant_bytes() if self.l2 is not None else {}
         with self._lock:
             models = [e.ctx.reg.model for e in self._entries.values()]
         out = {}
         for state in self.tenancy.states():
             t = state.tenant
             out[state.name] = {
-                "l1": l1.get(state.name, {"bytes": 0, "objects": 0, "evicted": {}, "skipped": 0}),
-                "limits": {"l1_min": t.l1_min, "l1_max": t.l1_max, "max_registrations": t.max_registrations,
-                           "max_inflight": t.max_inflight, "shared": t.shared},
+                "l1": l1.get(state.name, {"bytes": 0, "objects": 0, "evicted": dict.fromkeys(CAUSES, 0), "skipped": 0}),
+                "l2_disk_bytes": disk.get(state.name, 0),
+                "limits": {"l1_min": t.l1_min, "l1_max": t.l1_max, "l2_disk_max": t.l2_disk_max,
+                           "max_registrations": t.max_registrations, "max_inflight": t.max_inflight,
+                           "shared": t.shared},
                 "inflight": state.inflight, "registrations": sum(m.startswith(state.prefix) for m in models),
                 **state.counters,
             }

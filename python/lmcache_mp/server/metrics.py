@@ -89,6 +89,54 @@ class StatusCollector:
                                   value=st["gc"]["seconds"])
         if "l2" in st:
             yield from _l2_metrics(st["l2"])
+        if "tenants" in st:
+            yield from _tenant_metrics(st["tenants"])
+
+
+def _tenant_metrics(tenants: dict):
+    """Per tenant (a server with --tenants), the tenant as a label; "shared": the shared namespace."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    gauges = (("l1_bytes", "L1 bytes held by the tenant's chunks", lambda t: t["l1"]["bytes"]),
+              ("l1_objects", "the tenant's chunk objects in L1", lambda t: t["l1"]["objects"]))
+    for suffix, help_, value in gauges:
+        g = GaugeMetricFamily(f"lmcache_mp_tenant_{suffix}", help_, labels=["tenant"])
+        for name, t in tenants.items():
+            g.add_metric([name], value(t))
+        yield g
+    tenants = {name: t for name, t in tenants.items() if "limits" in t}  # ("shared" has L1 figures only)
+    gauges = (("l1_min_bytes", "L1 bytes no other tenant's stores may evict (l1_min)", lambda t: t["limits"]["l1_min"]),
+              ("l1_max_bytes", "L1 bytes beyond which the tenant evicts its own chunks (l1_max; 0: none)",
+               lambda t: t["limits"]["l1_max"]),
+              ("l1_max_ratio", "quota pressure: the tenant's L1 bytes / its l1_max (0 without one)",
+               lambda t: t["l1"]["bytes"] / t["limits"]["l1_max"] if t["limits"]["l1_max"] else 0.0),
+              ("l2_disk_bytes", "bytes of the tenant's files on the L2 disk tier", lambda t: t["l2_disk_bytes"]),
+              ("l2_disk_max_bytes", "the tenant's cap on the L2 disk tier (l2_disk_max; 0: none)",
+               lambda t: t["limits"]["l2_disk_max"]),
+              ("inflight", "the tenant's requests in flight", lambda t: t["inflight"]),
+              ("registrations", "the tenant's registered KV caches", lambda t: t["registrations"]))
+    for suffix, help_, value in gauges:
+        g = GaugeMetricFamily(f"lmcache_mp_tenant_{suffix}", help_, labels=["tenant"])
+        for name, t in tenants.items():
+            g.add_metric([name], value(t))
+        yield g
+    counters = (("requests", "requests of the tenant", lambda t: t["requests"]),
+                ("denied", "requests refused: not allowed, or over a limit of the tenant", lambda t: t["denied"]),
+                ("lookup_chunks", "chunks the tenant's lookups asked for", lambda t: t["lookup_chunks"]),
+                ("hit_chunks", "chunks the tenant's lookups found", lambda t: t["hit_chunks"]),
+                ("store_skipped_chunks", "chunks of the tenant's stores not placed (its l1_max, or no room)",
+                 lambda t: t["l1"]["skipped"]))
+    for suffix, help_, value in counters:
+        c = CounterMetricFamily(f"lmcache_mp_tenant_{suffix}", help_, labels=["tenant"])
+        for name, t in tenants.items():
+            c.add_metric([name], value(t))
+        yield c
+    c = CounterMetricFamily("lmcache_mp_tenant_evicted", "the tenant's chunks evicted from L1, by cause (pressure: "
+                            "another store needed room; l1_max: its own cap)", labels=["tenant", "cause"])
+    for name, t in tenants.items():
+        for cause, n in t["l1"]["evicted"].items():
+            c.add_metric([name, cause], n)
+    yield c
 
 
 def _l2_metrics(l2: dict):

@@ -15,6 +15,12 @@ SEP = "\x1f"  # between a tenant's name and the client's model name (not in any 
 CAUSES = ("pressure", "l1_max")  # why an object was evicted: another store needed room, its owner's cap
 
 
+def tenant_of(model: str) -> str:
+    """The tenant whose namespace a model name is in ("" for a name of a server without tenants)."""
+    cut = model.find(SEP)
+    return model[:cut] if cut >= 0 else ""
+
+
 class L1Quotas:
     """Owners by index (stable for the process: objects keep theirs across reloads of limits)."""
 
@@ -29,8 +35,7 @@ class L1Quotas:
         self.on_breach: Callable[[str, str, int, int], None] | None = None  # (owner, quota, bytes, limit)
 
     def owner_of(self, model: str) -> int:
-        cut = model.find(SEP)
-        name = model[:cut] if cut >= 0 else ""
+        name = tenant_of(model)
         i = self._index.get(name)
         if i is None:
             i = self._index[name] = len(self.names)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import itertools
 import shutil
 import threading
 
@@ -27,11 +28,13 @@ from lmcache_mp.config import format_size
 from lmcache_mp.storage.eviction import DEFAULT_POLICY, make_policy
 from lmcache_mp.storage.l2 import CORRUPT, MISS, L2Backend
 from lmcache_mp.storage.objects import ObjectKey
+from lmcache_mp.storage.tenant_quotas import tenant_of
 
 logger = logging.getLogger(__name__)
 
 FREE_SPACE_SHARE = 0.9  # of the filesystem's free space, when no size is given
 HEADER_BYTES = 4096  # of every file, besides its payload
+QUOTA_SCAN = 16384  # files a write over its tenant's cap looks through for its own to evict
 
 
 def _bytes_in(path: str) -> int:
@@ -55,10 +58,11 @@ def policy_key(blob: bytes) -> ObjectKey:
 class _File:
     """What the policy sees of a file (storage/eviction/base.py)."""
 
-    __slots__ = ("key", "blob", "nbytes", "older", "newer", "queue", "freq", "stamp", "since", "prev")
+    __slots__ = ("key", "blob", "nbytes", "older", "newer", "queue", "freq", "stamp", "since", "prev", "owner")
 
     def __init__(self, blob: bytes, nbytes: int, prev: "_File | None" = None):
         self.key, self.blob, self.nbytes, self.prev = policy_key(blob), blob, nbytes, prev
+        self.owner = tenant_of(self.key.model)
         self.older = self.newer = None
         self.queue = self.freq = self.stamp = self.since = 0
 
@@ -81,6 +85,9 @@ class DiskTier(L2Backend):
         self._policy = make_policy(policy)
         self._files: dict[bytes, _File] = {}
         self._used = self._reserved = self._evicted = 0
+        self._caps: dict[str, int] = {}  # tenant -> its l2_disk_max (a server with tenants)
+        self._owned: dict[str, int] = {}  # tenant -> bytes of its files
+        self._refused = 0  # chunks not written: their tenant's cap, and none of its own files to evict
         for blob, payload in self._store.entries():  # least recently used first
             self._add([_File(blob, HEADER_BYTES + payload)])
         st = self._store.stats()
@@ -95,12 +102,14 @@ class DiskTier(L2Backend):
             self._drop(self._files.get(f.blob))
             self._files[f.blob] = f
             self._used += f.nbytes
+            self._owned[f.owner] = self._owned.get(f.owner, 0) + f.nbytes
         self._policy.admit(files)
 
     def _drop(self, f: _File | None) -> None:
         if f is not None and self._files.get(f.blob) is f:
             del self._files[f.blob]
             self._used -= f.nbytes
+            self._owned[f.owner] -= f.nbytes
             self._policy.remove(f)
 
     def _make_room(self, need: int) -> list[bytes]:
@@ -116,19 +125,70 @@ class DiskTier(L2Backend):
         self._evicted += len(victims)
         return victims
 
+    def _within_caps(self, keys, sizes) -> tuple[list[int], list[bytes]]:
+        """The writes that fit their tenants' l2_disk_max once those tenants' own files make
+        room (their indices), and the keys of the files that go for it."""
+        if not self._caps:
+            return list(range(len(keys))), []
+        keep, victims, want = [], [], {}
+        for i, blob in enumerate(keys):
+            want.setdefault(tenant_of(policy_key(blob).model), []).append(i)
+        for owner, idx in want.items():
+            cap = self._caps.get(owner, 0)
+            need = sum(HEADER_BYTES + sizes[i] for i in idx)
+            if cap:
+                if need > cap:
+                    self._refused += len(idx)
+                    continue
+                own = (f for f in itertools.islice(self._policy.candidates(), QUOTA_SCAN) if f.owner == owner)
+                while self._owned.get(owner, 0) + need > cap:
+                    f = next(own, None)
+                    if f is None:
+                        break
+                    self._policy.evicted(f)
+                    self._drop(f)
+                    victims.append(f.blob)
+                    own = (f for f in itertools.islice(self._policy.candidates(), QUOTA_SCAN) if f.owner == owner)
+                if self._owned.get(owner, 0) + need > cap:
+                    self._refused += len(idx)
+                    continue
+            keep += idx
+        self._evicted += len(victims)
+        return sorted(keep), victims
+
+    def set_quota(self, tenant: str, l2_disk_max: int) -> None:
+        """A tenant's cap on this tier (0: none): beyond it, its writes evict its own files first."""
+        with self._lock:
+            if l2_disk_max:
+                self._caps[tenant] = l2_disk_max
+            else:
+                self._caps.pop(tenant, None)
+
+    def tenant_bytes(self) -> dict[str, int]:
+        with self._lock:
+            return {t: n for t, n in self._owned.items() if t}
+
     # ---- L2Backend ---------------------------------------------------------------------------------
 
     def put(self, keys, formats, ptrs, sizes):
-        need = sum(HEADER_BYTES + s for s in sizes)
         with self._lock:
             for blob in keys:  # a file written again replaces the old one
                 self._drop(self._files.get(blob))
-            victims = self._make_room(need)
+            keep, victims = self._within_caps(keys, sizes)
+            need = sum(HEADER_BYTES + sizes[i] for i in keep)
+            victims += self._make_room(need)
             self._reserved += need
+        if len(keep) < len(keys):
+            pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
+            ok = dict(zip(keep, self._put(pick(keys), pick(formats), pick(ptrs), pick(sizes), victims, need)))
+            return [ok.get(i, False) for i in range(len(keys))]
+        return self._put(keys, formats, ptrs, sizes, victims, need)
+
+    def _put(self, keys, formats, ptrs, sizes, victims, need):
         try:
             if victims:
                 self._store.remove(victims)
-            ok = self._store.put(keys, formats, ptrs, sizes)
+            ok = self._store.put(keys, formats, ptrs, sizes) if keys else []
         finally:
             with self._lock:
                 self._reserved -= need
@@ -169,7 +229,7 @@ class DiskTier(L2Backend):
             evicted = self._evicted
         st = dict(self._store.stats())
         st["evictions"] += evicted
-        return {"path": self.path, **st, "eviction": policy}
+        return {"path": self.path, **st, "eviction": policy, "over_tenant_cap": self._refused}
 
     def close(self) -> None:
         self._store = None

@@ -376,6 +376,18 @@ class L2Tiers:
 
     # ---- status ------------------------------------------------------------------------------
 
+    def _disk(self):
+        """The disk tier (under its codec), or None."""
+        return next((getattr(t, "inner", t) for t in self.tiers if t.name == "disk"), None)
+
+    def set_disk_quota(self, tenant: str, nbytes: int) -> None:
+        """A tenant's l2_disk_max on the disk tier (0: none)."""
+        if (disk := self._disk()) is not None:
+            disk.set_quota(tenant, nbytes)
+
+    def disk_tenant_bytes(self) -> dict[str, int]:
+        return disk.tenant_bytes() if (disk := self._disk()) is not None else {}
+
     def stats(self) -> dict:
         with self._cv:
             prefetching = self._prefetching
