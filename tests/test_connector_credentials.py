@@ -46,6 +46,11 @@ def creds(keys: str, client: str = "b") -> dict:
             "lmcache_mp.curve_client_key": f"{keys}/client-secret/{client}.key_secret"}
 
 
+def cpu_cache() -> list:
+    """A small KV cache of vLLM's CPU layout (per layer: blocks, heads, block size, 2 x head size)."""
+    return [torch.zeros(8, 2, 16, 32, dtype=torch.bfloat16) for _ in range(2)]
+
+
 # ---- parsing ---------------------------------------------------------------------------------
 
 
@@ -91,7 +96,7 @@ def test_wrong_key_files_are_refused_when_parsed(keys, tmp_path, parse):
 
 def test_without_keys_the_server_refuses(server):
     with pytest.raises(ServerUnavailable):
-        Client(server.url, connect_timeout=1).close()
+        Client(server.url, connect_timeout=0.5).close()
 
 
 def test_vllm_scheduler_and_worker_connect_with_the_configured_key(server, keys, tmp_path):
@@ -104,7 +109,7 @@ def test_vllm_scheduler_and_worker_connect_with_the_configured_key(server, keys,
         client = sched.link.get()
         assert client is not None and client.curve and client.ping(timeout=5) >= 0
         # the worker's link, as it connects once its KV cache is known (here: a small CPU cache)
-        worker.register_kv_caches([torch.zeros(8, 2, 16, 32, dtype=torch.bfloat16) for _ in range(2)])
+        worker.register_kv_caches(cpu_cache())
         client = worker.link.get()
         assert client is not None and client.curve and client.ping(timeout=5) >= 0
     finally:
@@ -112,7 +117,7 @@ def test_vllm_scheduler_and_worker_connect_with_the_configured_key(server, keys,
         sched.close()
 
     # the same config without keys: the scheduler's link never connects (a miss, not an error)
-    plain = ConnectorConfig.from_extra_config({"lmcache_mp.url": server.url, "lmcache_mp.connect_timeout": 1},
+    plain = ConnectorConfig.from_extra_config({"lmcache_mp.url": server.url, "lmcache_mp.connect_timeout": 0.5},
                                               block_size=16)
     sched = SchedulerCore(plain)
     try:
@@ -121,7 +126,7 @@ def test_vllm_scheduler_and_worker_connect_with_the_configured_key(server, keys,
     finally:
         sched.close()
     with pytest.raises(ServerUnavailable):
-        sched.link._make_client(server.url, 1.0, 1.0)
+        sched.link._make_client(server.url, 1.0, 0.5)
 
 
 def test_sglang_link_connects_with_the_configured_key(server, keys):
@@ -133,26 +138,45 @@ def test_sglang_link_connects_with_the_configured_key(server, keys):
     finally:
         link.close()
     plain = SGLangStorageSettings.from_extra_config({**SGLANG_BASE, "lmcache_mp.url": server.url,
-                                                    "lmcache_mp.connect_timeout": 1})
+                                                    "lmcache_mp.connect_timeout": 0.5})
     link = plain.make_link("lmcache-mp sglang tp0")
     try:
         assert link.connect(wait=3) is None
         with pytest.raises(ServerUnavailable):
-            link._make_client(server.url, 1.0, 1.0)
+            link._make_client(server.url, 1.0, 0.5)
     finally:
         link.close()
 
 
-def test_two_engines_connect_as_different_clients(server, keys):
-    """One process, two configs, two client keys (the point of taking them from the config)."""
-    links = []
+def test_the_client_key_decides_the_tenant(keys, tmp_path):
+    """One process, a vLLM engine and an SGLang instance configured with different client keys:
+    on a server with tenants each connection is its key's tenant (the point of taking the keys
+    from the integrations' configs, not the process's environment)."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.alice]\ncurve_keys = ["{keys}/clients/client.key"]\n'
+                       f'[tenants.bob]\ncurve_keys = ["{keys}/clients/b.key"]\n')
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="16MiB", http_addr="off",
+                              curve_secret_key=f"{keys}/server.key_secret", tenants=str(tenants))).start()
+    sched = worker = link = None
     try:
-        for name in ("client", "b"):
-            s = SGLangStorageSettings.from_extra_config({**SGLANG_BASE, "lmcache_mp.url": server.url,
-                                                        **creds(keys, name)})
-            links.append(s.make_link(f"lmcache-mp sglang {name}"))
-            client = links[-1].connect(wait=5)
-            assert client is not None and client.ping(timeout=5) >= 0
+        cfg = ConnectorConfig.from_extra_config({"lmcache_mp.url": srv.url, **creds(keys, "client")}, model="tiny",
+                                                block_size=16)
+        sched = SchedulerCore(cfg)
+        sched.start()
+        worker = WorkerCore(cfg, rank=0)
+        worker.register_kv_caches(cpu_cache())
+        assert worker.link.get() is not None  # registered (server-side copies), as alice
+        s = SGLangStorageSettings.from_extra_config({**SGLANG_BASE, "lmcache_mp.url": srv.url, **creds(keys, "b")})
+        link = s.make_link("lmcache-mp sglang tp0")
+        vllm_client, sglang_client = sched.link.get(), link.connect(wait=5)
+        assert vllm_client is not None and sglang_client is not None
+        assert vllm_client.status(timeout=5)["tenant"] == "alice"
+        assert sglang_client.status(timeout=5)["tenant"] == "bob"
     finally:
-        for link in links:
+        if link is not None:
             link.close()
+        if worker is not None:
+            worker.close()
+        if sched is not None:
+            sched.close()
+        srv.stop()

@@ -198,6 +198,10 @@ def test_engine_side_copies_are_refused_to_tenants(tmp_path, socket_dir, shm_fil
         assert c.status()["tenant"] == "me"
         with pytest.raises(RequestError, match="PERMISSION_DENIED.*engine-side copies"):
             c.register_kv_cache(w.make_kv("mha", 16, 8), model="m", transfer="engine")
+        from lmcache_mp import protocol as p
+
+        with pytest.raises(RequestError, match="PERMISSION_DENIED"):  # L1's memory is never handed out
+            c._call(p.MapArena(client_id=c.client_id), p.MapArenaReply)
 
 
 def test_a_removed_key_is_cut_off_within_a_second_and_a_bad_reload_changes_nothing(tmp_path, keys, setups):

@@ -851,3 +851,45 @@ def test_vllm_serve_stores_restarts_loads_and_leaves_nothing_behind(prompts, bas
             api.kill()
         sub.close()
         server.stop()
+
+
+def test_engines_of_two_tenants_share_nothing_but_the_shared_namespace(run, prompts, baseline, model_dir, workdir):
+    """A server with a tenants file (docs/tenants.md): a publisher engine stores P into the shared
+    namespace; alice (who reads it) hits P but not bob's own prompts; bob (who does not) hits
+    nothing of P, and his own chunks only for himself. Each engine's key is in its connector config."""
+    from lmcache_mp.server.cli import main as cli_main
+
+    P, Q, _ = prompts
+    keys = workdir / "tenant-keys"
+    assert cli_main(["keygen", str(keys)]) == 0
+    for name in ("alice", "bob", "publisher"):
+        assert cli_main(["keygen", str(keys), "--client", name]) == 0
+    tenants = workdir / "tenants.toml"
+    tenants.write_text(f'[tenants.alice]\ncurve_keys = ["{keys}/clients/alice.key"]\nshared = "read"\n'
+                       f'[tenants.bob]\ncurve_keys = ["{keys}/clients/bob.key"]\n'
+                       f'[tenants.publisher]\ncurve_keys = ["{keys}/clients/publisher.key"]\nshared = "write"\n')
+    server = ServerProcess(free_port(), workdir / "server-tenants.log", "--tenants", str(tenants),
+                           "--curve-secret-key", f"{keys}/server.key_secret", "--http-addr", "off")
+
+    def config(name: str, **more) -> str:
+        return json.dumps({"lmcache_mp.curve_server_key": f"{keys}/server.key",
+                           "lmcache_mp.curve_client_key": f"{keys}/client-secret/{name}.key_secret", **more})
+
+    try:
+        pub = run("tenant_publisher", P, server.url, "--extra-config", config("publisher", **{
+            "lmcache_mp.store_shared": True}))
+        assert pub["outputs"] == baseline["outputs"][: len(P)]
+        bob = run("tenant_bob", P + Q, server.url, "--extra-config", config("bob"))
+        assert bob["num_cached_tokens"] == [0] * len(P + Q)  # nothing of the shared namespace, nothing of alice's
+        assert bob["outputs"] == baseline["outputs"]
+        alice = run("tenant_alice", P, server.url, "--extra-config", config("alice"))
+        assert alice["num_cached_tokens"] == [expected_hit(len(p), len(p)) for p in P]  # the publisher's, shared
+        assert alice["outputs"] == baseline["outputs"][: len(P)]
+        alice_q = run("tenant_alice_q", Q, server.url, "--extra-config", config("alice"))
+        assert alice_q["num_cached_tokens"] == [expected_hit(len(q), n) for q, n in zip(Q, prompts[2])]
+        bob_again = run("tenant_bob_again", Q, server.url, "--extra-config", config("bob"))
+        assert bob_again["num_cached_tokens"] == [expected_hit(len(q), len(q)) for q in Q]  # his own, from before
+        log = (workdir / "server-tenants.log").read_text()
+        assert "Traceback" not in log
+    finally:
+        server.stop()

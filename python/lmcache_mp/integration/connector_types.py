@@ -63,6 +63,7 @@ class ConnectorConfig:
     transfer: str = "auto"  # who copies: "server", or "engine" (the workers, in their CUDA context; docs/engine-copies.md)
     flush_timeout: float = 30.0  # longest shutdown (or a preemption) waits for stores in flight
     store_decode: bool = False  # also store chunks completed by generated tokens
+    store_shared: bool = False  # store into the shared namespace (a server with tenants: docs/tenants.md)
     loads: bool = True  # look up and load (vLLM: kv_role kv_both or kv_consumer)
     stores: bool = True  # store (vLLM: kv_role kv_both or kv_producer)
     recompute_on_load_error: bool = True  # engine recomputes what a load missed (else fails it)

@@ -229,7 +229,8 @@ class WorkerCore:
                     # The server starts no copy after the deadline and keeps none that ended after
                     # it, so a store's blocks go back to vLLM at the latest then (finished()).
                     fut = client.store(self._handles[t.group], t.hashes, self._tensor_block_ids(t.block_ids, t.group),
-                                       timeout=self.cfg.store_timeout, parent=t.parent)
+                                       timeout=self.cfg.store_timeout, parent=t.parent,
+                                       shared=self.cfg.store_shared)
                 except (LMCacheMPError, ValueError) as exc:
                     self._store_failed(exc)
                 else:

@@ -45,6 +45,7 @@ class CurveServer:
         self.context = zmq.Context()
         self._auth = self._gate = None
         self._monitor: threading.Thread | None = None
+        self._stopping = threading.Event()
         if tenancy is not None:  # the tenants file says which keys get in, and as whom
             from lmcache_mp.server.tenant_gate import TenantGate
 
@@ -85,7 +86,9 @@ class CurveServer:
         from zmq.utils.monitor import recv_monitor_message
 
         try:
-            while True:
+            while not self._stopping.is_set():  # (the socket's close does not always end the events)
+                if not monitor.poll(200):
+                    continue
                 event = recv_monitor_message(monitor)
                 if event["event"] == zmq.EVENT_MONITOR_STOPPED:
                     return
@@ -99,7 +102,8 @@ class CurveServer:
     def stop(self) -> None:
         """After the server's socket: the context ends once that socket is closed."""
         if self._monitor is not None:
-            self._monitor.join(5)  # (its socket's close ended the events)
+            self._stopping.set()
+            self._monitor.join(5)
         if self._auth is not None:
             self._auth.stop()
         if self._gate is not None:
