@@ -283,17 +283,25 @@ def test_l1_max_makes_a_tenant_evict_its_own_chunks_first(tmp_path, keys, setups
     assert any(e["event"] == "quota_breach" and e["tenant"] == "bob" for e in s.audit_lines())
 
 
-def test_the_shared_namespace_is_read_and_written_only_as_allowed(tmp_path, keys, setups,
+@pytest.mark.parametrize("tier", ["l1", "disk"])
+def test_the_shared_namespace_is_read_and_written_only_as_allowed(tmp_path, keys, setups, tier,
                                                                     no_internal_errors):  # noqa: F811
-    s = setups(tmp_path, keys, extra={"alice": 'shared = "read"'})
+    disk = dict(l2_disk=str(tmp_path / "disk"), l2_disk_size="64MiB", l2_write="all") if tier == "disk" else {}
+    s = setups(tmp_path, keys, extra={"alice": 'shared = "read"'}, **disk)
     with open(s.tenants, "a") as f:
         f.write(f'[tenants.writer]\ncurve_keys = ["{keys}/clients/w.key"]\nshared = "write"\n')
     assert s.server.engine.tenancy.reload()
     a, b, wr = s.client("client"), s.client("b"), s.client("w")
     kv_w, h_w, ref, hashes, ids = engine_of(wr, seed=9, chunks=2, model="m")
     assert wr.store(h_w, hashes, ids, shared=True).result().stored == 2
+    if tier == "disk":  # the shared chunks are found, and loaded, from the disk tier
+        wait_until(lambda: s.server.engine.status()["l2"]["idle"], 10, "the L2 writes")
+        s.server.engine.l1.clear()
     kv_a, h_a, _, _, _ = engine_of(a, seed=1, chunks=2, model="m")
     assert a.lookup(hashes, model="m").hits == 2  # found in shared
+    if tier == "disk":
+        assert s.server.engine.status()["l1"]["objects"] == 0  # (a lookup without lock loads nothing)
+        assert a.lookup(hashes, model="m", lock=True).hits == 2  # loaded into L1, leased
     w.fill_blocks(kv_a, "mha", ids, 0)
     assert a.retrieve(h_a, hashes, ids).result().loaded == 2
     assert np.array_equal(w.read_tokens(kv_a, "mha", ids), ref)

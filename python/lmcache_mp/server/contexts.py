@@ -55,7 +55,6 @@ class Registration:
     rank: int
     spec: LayoutSpec
     chunk_size: int
-    shared_model: str = ""  # with tenants: the model's name in the shared namespace, if the tenant reads it
 
     @functools.cached_property
     def shared(self) -> bool:

@@ -142,7 +142,8 @@ class EngineCopies:
         keys = chunk_keys(reg, msg.hashes, msg.salt)
         parent = parent_key(reg, msg.parent, msg.salt)
         if msg.shared:
-            keys, parent = shared_keys(reg, keys), parent and shared_keys(reg, [parent])[0]
+            shared = self._shared_of(reg.model)
+            keys, parent = shared_keys(shared, keys), parent and shared_keys(shared, [parent])[0]
         self._check_deadline(msg)
         with self._holders_lock:
             holder = self._holder(msg.client_id)

@@ -53,8 +53,8 @@ class LookupHandling:
             else:
                 reply(p.LookupReply(hits=hits + (n or 0), lease=0, from_l2=n or 0))
 
-        self.l2.lookup_remote(lambda: self.l2.find(msg.model, msg.world_size, digests[hits:], msg.salt), msg.lock,
-                              found_in_l2)
+        self.l2.lookup_remote(lambda: self.l2.find(msg.model, msg.world_size, digests[hits:], msg.salt,
+                                                   self._shared_of(msg.model)), msg.lock, found_in_l2)
 
     def _answer_leased(self, msg: p.Lookup, digests: list[bytes], hits: int, lease: int, reply: Reply) -> None:
         """The reply of a lookup with lock once its L2 chunks were brought in (or its deadline
@@ -79,7 +79,7 @@ class LookupHandling:
         """The lookup goes on into L2 after the L1 prefix. Without lock it counts what L2 holds
         (a retrieve loads it); with lock the L2 chunks are loaded into L1 and the reply, which
         leases what is resident, waits until they are in or the prefetch deadline passed."""
-        found = self.l2.find(msg.model, msg.world_size, digests[hits:], msg.salt)
+        found = self.l2.find(msg.model, msg.world_size, digests[hits:], msg.salt, self._shared_of(msg.model))
         if not found:
             reply(p.LookupReply(hits=hits, lease=lease))
             return

@@ -124,7 +124,7 @@ class RegistrationHandling:
         def open_context() -> None:  # on the registration's own thread: the socket thread goes on
             ctx = None
             try:
-                reg = self._registration(kv_id, msg, tenant.shared_model(msg.model) if tenant else "")
+                reg = self._registration(kv_id, msg)
                 if engine_copies:
                     ctx = EngineCopyContext(reg, msg)
                 elif self.device == "cpu":
@@ -180,13 +180,13 @@ class RegistrationHandling:
 
         worker.submit(open_context)
 
-    def _registration(self, kv_id: int, msg: p.RegisterKVCache, shared_model: str = "") -> Registration:
+    def _registration(self, kv_id: int, msg: p.RegisterKVCache) -> Registration:
         spec = describe_layers(msg)
         if self.config.chunk_size % spec.block_size:
             raise RegistrationError(f"block size {spec.block_size} does not divide the chunk size "
                                     f"{self.config.chunk_size}")
         reg = Registration(kv_id=kv_id, client_id=msg.client_id, model=msg.model, world_size=msg.world_size,
-                           rank=msg.rank, spec=spec, chunk_size=self.config.chunk_size, shared_model=shared_model)
+                           rank=msg.rank, spec=spec, chunk_size=self.config.chunk_size)
         if reg.object_bytes > self.arena.slab_bytes:
             raise RegistrationError(f"one chunk of this cache is {format_size(reg.object_bytes)}, more than a slab "
                                     f"({format_size(self.arena.slab_bytes)}): raise --slab-size or lower "

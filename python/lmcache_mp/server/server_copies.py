@@ -93,7 +93,8 @@ class ServerCopies:
         keys, ids = chunk_request(reg, msg.hashes, msg.block_ids, msg.salt)
         parent = parent_key(reg, msg.parent, msg.salt)
         if msg.shared:
-            keys, parent = check.shared_keys(reg, keys), parent and check.shared_keys(reg, [parent])[0]
+            shared = self._shared_of(reg.model)
+            keys, parent = check.shared_keys(shared, keys), parent and check.shared_keys(shared, [parent])[0]
         mark(reply, "checked")
         self._touch(reg.client_id)
         self._check_deadline(msg)
@@ -188,8 +189,9 @@ class ServerCopies:
             mark(reply, "checked")
             self._touch(reg.client_id)
             self._check_deadline(msg)
-            objs = self.l1.begin_read(keys, reg.format_key, msg.lease,
-                                      check.shared_keys(reg, keys) if reg.shared_model else None)
+            shared_model = self._shared_of(reg.model)
+            shared = check.shared_keys(shared_model, keys) if shared_model else None
+            objs = self.l1.begin_read(keys, reg.format_key, msg.lease, shared)
             mark(reply, "in L1")
         finally:
             if held:
@@ -197,10 +199,11 @@ class ServerCopies:
         if held is None and self.l2 is not None and len(objs) < len(keys):
             # Load what L2 has, then run again (the chunks found in L1 and those loaded stay
             # pinned meanwhile); a remote tier is asked from the L2 reader thread, not from here.
+            spare = shared[len(objs):] if shared else None
             if self.l2.remote:
-                self.l2.load_keys(keys[len(objs):], lambda loaded: again(objs + loaded))
+                self.l2.load_keys(keys[len(objs):], lambda loaded: again(objs + loaded), spare)
                 return None
-            found = self.l2.find_keys(keys[len(objs):])
+            found = self.l2.find_keys(keys[len(objs):], spare)
             if found:
                 self.l2.load(found, lambda loaded: again(objs + loaded))
                 return None

@@ -117,7 +117,7 @@ class Tenancy:
     def shared_of(self, scoped: str) -> str:
         """The shared namespace's name of a scoped model, if its tenant reads it now ("" if not)."""
         state = self._states.get(scoped.split(SEP, 1)[0])
-        return state.shared_model(scoped) if state is not None else ""
+        return state.shared_model(scoped) if state is not None and state.name in self.table.tenants else ""
 
     def states(self) -> list[TenantState]:
         return [s for s in self._states.values() if s.name in self.table.tenants]

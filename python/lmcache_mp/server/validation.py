@@ -97,12 +97,12 @@ def parent_key(reg: Registration, parent: bytes, salt: bytes) -> ObjectKey | Non
     return chunk_keys(reg, parent, salt)[0]
 
 
-def shared_keys(reg: Registration, keys: list[ObjectKey]) -> list[ObjectKey]:
-    """The keys of a registration's chunks in the shared namespace (server/tenancy.py)."""
-    if not reg.shared_model:
+def shared_keys(shared_model: str, keys: list[ObjectKey]) -> list[ObjectKey]:
+    """The keys of a request's chunks in the shared namespace (server/tenancy.py: shared_of)."""
+    if not shared_model:
         raise invalid("the shared namespace is a tenants' one: it needs a server with --tenants and a tenant "
                       "with shared = \"write\"")
-    return [k._replace(model=reg.shared_model) for k in keys]
+    return [k._replace(model=shared_model) for k in keys]
 
 
 def chunk_request(reg: Registration, hashes: bytes, block_ids: bytes, salt: bytes, distinct: bool = False,

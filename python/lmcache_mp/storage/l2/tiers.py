@@ -177,29 +177,37 @@ class L2Tiers:
                     out[i] = Found(keys[i], t, got[0], got[1])
         return out
 
-    def find(self, model: str, world_size: int, digests: Sequence[bytes], salt: bytes = b"") -> list[list[Found]]:
+    def find(self, model: str, world_size: int, digests: Sequence[bytes], salt: bytes = b"",
+             fallback_model: str = "") -> list[list[Found]]:
         """The objects of the leading chunks the tiers hold for every rank (or as one shared
-        object), chunk by chunk."""
-        shared = self._locate([ObjectKey(model, world_size, SHARED_RANK, d, salt) for d in digests])
+        object), chunk by chunk; a chunk not held under model is looked for under fallback_model
+        (a tenant's reads of the shared namespace)."""
+        models = [m for m in (model, fallback_model) if m]
+        shared = [self._locate([ObjectKey(m, world_size, SHARED_RANK, d, salt) for d in digests]) for m in models]
         chunks: list[list[Found]] = []
         for i, d in enumerate(digests):
-            if shared[i] is not None:
-                chunks.append([shared[i]])
-                continue
-            ranks = self._locate([ObjectKey(model, world_size, r, d, salt) for r in range(world_size)])
-            if any(f is None for f in ranks):
+            for m, held in zip(models, shared):
+                if held[i] is not None:
+                    chunks.append([held[i]])
+                    break
+                ranks = self._locate([ObjectKey(m, world_size, r, d, salt) for r in range(world_size)])
+                if all(f is not None for f in ranks):
+                    chunks.append(ranks)  # type: ignore[arg-type]
+                    break
+            else:
                 break
-            chunks.append(ranks)  # type: ignore[arg-type]
         self.counters["lookup_hits"] += len(chunks)
         return chunks
 
-    def find_keys(self, keys: Sequence[ObjectKey]) -> list[Found]:
-        """The leading objects of these keys the tiers hold."""
+    def find_keys(self, keys: Sequence[ObjectKey], fallback: Sequence[ObjectKey] | None = None) -> list[Found]:
+        """The leading objects of these keys the tiers hold (fallback[i]: looked for when
+        keys[i] is not held, as L1Store.begin_read)."""
         out = []
-        for f in self._locate(keys):
-            if f is None:
+        spare = self._locate(fallback) if fallback is not None else [None] * len(keys)
+        for f, g in zip(self._locate(keys), spare):
+            if f is None and g is None:
                 break
-            out.append(f)
+            out.append(f or g)
         return out
 
     def prefetch(self, chunks: list[list[Found]], answer: Callable[[], None]) -> bool:
@@ -288,13 +296,14 @@ class L2Tiers:
 
         self._reads.put(run)
 
-    def load_keys(self, keys: Sequence[ObjectKey], then: Callable[[list[L1Object]], None]) -> None:
+    def load_keys(self, keys: Sequence[ObjectKey], then: Callable[[list[L1Object]], None],
+                  fallback: Sequence[ObjectKey] | None = None) -> None:
         """find_keys and load on the reader thread, then then(pinned) there (as load)."""
 
         def run() -> None:
             held: list[L1Object] = []
             try:
-                found = self.find_keys(keys)
+                found = self.find_keys(keys, fallback)
                 if found:
                     self._load(found, held)
             finally:
