@@ -464,3 +464,26 @@ def test_l2_disk_max_keeps_a_tenant_within_its_share_of_the_disk(tmp_path, keys,
     assert stats["alice"]["l2_disk_bytes"] == 40 * (8 << 10)
     s.server.engine.l1.clear()
     assert all(a.lookup(chunk_hashes(w.prompt(seed, 8), CHUNK), model="m").hits == 8 for seed in range(5))
+
+
+def test_two_nodes_sharing_valkey_keep_tenants_apart(tmp_path, keys, setups):
+    from test_l2_valkey import Valkey
+
+    valkey = Valkey()
+    try:
+        one = setups(tmp_path, keys, l2_redis=valkey.url)  # (written through: the default)
+        two = setups(tmp_path, keys, l2_redis=valkey.url)
+        a1 = one.client("client")
+        _, h, ref, hashes, ids = engine_of(a1, seed=1, chunks=2)
+        a1.store(h, hashes, ids).result()
+        wait_until(lambda: one.server.engine.status()["l2"]["idle"], 10, "the L2 writes")
+        b2, a2 = two.client("b"), two.client("client")
+        _, h_b, _, _, _ = engine_of(b2, seed=2, chunks=2)
+        assert b2.lookup(hashes, model="m").hits == 0 and b2.lookup(hashes, model="m", lock=True).hits == 0
+        assert b2.retrieve(h_b, hashes, ids).result().loaded == 0
+        kv_a, h_a, _, _, _ = engine_of(a2, seed=3, chunks=2)
+        w.fill_blocks(kv_a, "mha", ids, 0)
+        assert a2.retrieve(h_a, hashes, ids).result().loaded == 2  # alice's, on the other node, through Valkey
+        assert np.array_equal(w.read_tokens(kv_a, "mha", ids), ref)
+    finally:
+        valkey.stop()
