@@ -190,18 +190,72 @@ def test_admin_only_clear_and_no_engine_side_copies(tmp_path, keys, setups):
     assert a.clear() == 0
 
 
-def test_engine_side_copies_are_refused_to_tenants(tmp_path, socket_dir, shm_files):
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(f"[tenants.me]\nuids = [{os.getuid()}]\n")
-    with Server(ServerConfig(url=f"ipc://{socket_dir}/srv.sock", device="cpu", l1_size="16MiB", chunk_size=CHUNK,
-                             tenants=str(tenants), http_addr="off")) as srv, Client(srv.url) as c:
-        assert c.status()["tenant"] == "me"
-        with pytest.raises(RequestError, match="PERMISSION_DENIED.*engine-side copies"):
-            c.register_kv_cache(w.make_kv("mha", 16, 8), model="m", transfer="engine")
-        from lmcache_mp import protocol as p
+_WINDOW_PROBE = """
+import importlib.machinery, json, os, sys
+sys.path.insert(0, "tests")
+import numpy as np
+from lmcache_mp import Client, chunk_hashes
+import cpu_workers as w
+import lmcache_mp.client.endpoint, lmcache_mp.client.engine_copy, lmcache_mp.client.engine_transfers, zmq.utils.monitor
+import torch
+url, chunk = sys.argv[1], int(sys.argv[2])
+kv = [torch.zeros((2, 64, 8, w.HEADS, w.HEAD_SIZE), dtype=torch.float16) for _ in range(w.LAYERS)]  # private memory
+os.setgroups([]); os.setgid(65534); os.setuid(65534)  # (everything imported: the interpreter's files may be closed to it)
+c = Client(url)
+h = c.register_kv_cache(kv, model="m", transfer="engine")
+ids = list(range(2 * chunk // 8))
+theirs = chunk_hashes(w.prompt(1, 2), chunk)
+out = {"tenant": c.status()["tenant"], "lookup": c.lookup(theirs, model="m").hits,
+       "read": c.retrieve(h, theirs, ids).result().loaded}
+ref = w.reference(2, "mha", 2 * chunk)
+w.write_tokens(kv, "mha", ids, ref)
+mine = chunk_hashes(w.prompt(2, 2), chunk)
+out["stored"] = c.store(h, mine, ids).result().stored
+w.fill_blocks(kv, "mha", ids, 0)
+out["loaded"] = c.retrieve(h, mine, ids).result().loaded
+out["exact"] = bool(np.array_equal(w.read_tokens(kv, "mha", ids), ref))
+window = bytes(c._engine._use.arena._view)  # all this process has mapped of the server
+out["window_bytes"] = len(window)
+out["own_found"] = window.find(ref[0, 0, :chunk].tobytes()) >= 0
+theirs_ref = w.reference(1, "mha", 2 * chunk)
+out["theirs_found"] = any(window.find(theirs_ref[l, s, i * chunk:(i + 1) * chunk].tobytes()) >= 0
+                          for l in range(theirs_ref.shape[0]) for s in range(2) for i in range(2))
+print(json.dumps(out))
+c.close()
+"""
 
-        with pytest.raises(RequestError, match="PERMISSION_DENIED"):  # L1's memory is never handed out
-            c._call(p.MapArena(client_id=c.client_id), p.MapArenaReply)
+
+def test_engine_side_copies_map_the_tenants_own_window_never_l1(tmp_path, socket_dir):
+    if os.getuid() != 0:
+        pytest.skip("needs root: a client process of another uid")
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenants.root]\nuids = [0]\nengine_window = "4MiB"\n[tenants.nobody]\nuids = [65534]\n'
+                       'engine_window = "4MiB"\n')
+    os.chmod(socket_dir, 0o755)
+    with Server(ServerConfig(url=f"ipc://{socket_dir}/srv.sock", device="cpu", l1_size="64MiB", chunk_size=CHUNK,
+                             tenants=str(tenants), ipc_group="65534", http_addr="off")) as srv, Client(srv.url) as a:
+        kv = w.make_kv("mha", 64, 8)
+        h = a.register_kv_cache(kv, model="m", transfer="engine")
+        assert h.transfer_mode == "engine"
+        ids = list(range(2 * BPC))
+        ref = w.reference(1, "mha", 2 * CHUNK)
+        w.write_tokens(kv, "mha", ids, ref)
+        hashes = chunk_hashes(w.prompt(1, 2), CHUNK)
+        assert a.store(h, hashes, ids).result().stored == 2
+        w.fill_blocks(kv, "mha", ids, 0)
+        assert a.retrieve(h, hashes, ids).result().loaded == 2  # through root's window, byte exact
+        assert np.array_equal(w.read_tokens(kv, "mha", ids), ref)
+        out = subprocess.run([sys.executable, "-c", _WINDOW_PROBE, srv.url, str(CHUNK)], capture_output=True,
+                             text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got["tenant"] == "nobody" and got["lookup"] == 0 and got["read"] == 0
+        assert got["stored"] == 2 and got["loaded"] == 2 and got["exact"]
+        windows = srv.engine.status()["engine_copies"]["tenant_windows"]
+        assert got["window_bytes"] == windows["nobody"]["capacity"] < srv.engine.arena.capacity  # not L1
+        assert got["own_found"] and not got["theirs_found"]  # the scan sees its own bytes and none of root's
+        assert set(windows) == {"root", "nobody"} and all(w_["bytes_used"] == 0 for w_ in windows.values())
+        a.unregister_kv_cache(h)
 
 
 def test_a_removed_key_is_cut_off_within_a_second_and_a_bad_reload_changes_nothing(tmp_path, keys, setups):

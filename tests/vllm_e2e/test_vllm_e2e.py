@@ -56,8 +56,9 @@ def assert_loaded(result: dict, want: list[int]) -> None:
 class ServerProcess:
     """lmcache-mp-server in its own process."""
 
-    def __init__(self, port: int, log: Path, *extra: str):
+    def __init__(self, port: int, log: Path, *extra: str, client_kw: dict | None = None):
         self.url = f"tcp://127.0.0.1:{port}"
+        self.client_kw = client_kw or {}  # how a client gets in (CURVE keys)
         exe = Path(sys.executable).with_name("lmcache-mp-server")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "lmcache_mp.server.cli"]
         cmd += ["--url", self.url, "--device", "cpu", "--chunk-size", str(CHUNK), "--l1-size", "1GiB", *extra]
@@ -73,7 +74,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"lmcache-mp-server exited with {self.proc.returncode}:\n{log.read_text()}")
             try:
-                Client(self.url, connect_timeout=0.5).close()
+                Client(self.url, connect_timeout=0.5, **self.client_kw).close()
                 return
             except ServerUnavailable:
                 time.sleep(0.2)
@@ -869,7 +870,9 @@ def test_engines_of_two_tenants_share_nothing_but_the_shared_namespace(run, prom
                        f'[tenants.bob]\ncurve_keys = ["{keys}/clients/bob.key"]\n'
                        f'[tenants.publisher]\ncurve_keys = ["{keys}/clients/publisher.key"]\nshared = "write"\n')
     server = ServerProcess(free_port(), workdir / "server-tenants.log", "--tenants", str(tenants),
-                           "--curve-secret-key", f"{keys}/server.key_secret", "--http-addr", "off")
+                           "--curve-secret-key", f"{keys}/server.key_secret", "--http-addr", "off",
+                           client_kw=dict(curve_server_key=f"{keys}/server.key",
+                                          curve_client_key=f"{keys}/client-secret/bob.key_secret"))
 
     def config(name: str, **more) -> str:
         return json.dumps({"lmcache_mp.curve_server_key": f"{keys}/server.key",

@@ -456,6 +456,7 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
             self.l1.close_journal()
         else:
             self.l1.clear()
+        self._windows.close()
         for hook in self._close_hooks:  # e.g. stop the transport once the last replies are out
             hook()
         self.gc_pauses.close()

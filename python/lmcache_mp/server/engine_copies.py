@@ -14,7 +14,9 @@ and the arena; the server allocates, indexes, leases and commits, and never touc
 Trust: whoever maps L1 can read and write every chunk in it. MAP_ARENA is answered only on the
 local lane (a unix socket: for an ipc:// endpoint, a file of mode 0600, or 0660 of --ipc-group)
 and only to processes of this server's user, root, or --ipc-group (the kernel's credentials of
-the connecting process).
+the connecting process). On a server with tenants, a process maps its tenant's window instead of
+L1 (tenant_windows.py): the offsets of RESERVE and READ replies are into the window, and the
+server copies between it and L1.
 
 A client that goes away (BYE, its heartbeats stop) has its reads ended at once; its
 reservations are held until its process is gone (a copy of it may still be landing in those
@@ -38,6 +40,8 @@ from lmcache_mp.processes import process_start
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.replies import Reply, mark
 from lmcache_mp.server.server_copies import INLINE_CHUNKS
+from lmcache_mp.server.tenant_windows import Slots, TenantWindows
+from lmcache_mp.storage.l1 import StorePlan
 from lmcache_mp.server.validation import RequestFailure, chunk_keys, over_limit, parent_key, shared_keys
 
 logger = logging.getLogger(__name__)
@@ -52,8 +56,8 @@ class Holder:
 
     pid: int = 0
     start: int | None = None
-    reservations: dict = field(default_factory=dict)  # id -> (plan, object_bytes)
-    reads: dict = field(default_factory=dict)  # id -> objects
+    reservations: dict = field(default_factory=dict)  # id -> (plan, object_bytes, window Slots or None)
+    reads: dict = field(default_factory=dict)  # id -> the L1 objects read (or, with tenants, window Slots)
     gone_at: float = 0.0  # when the client was forgotten (0: it is not)
 
     def process_gone(self) -> bool:
@@ -68,6 +72,7 @@ class EngineCopies:
         self._holders: dict[bytes, Holder] = {}
         self._holders_lock = threading.Lock()
         self._held_ids = itertools.count(1)
+        self._windows = TenantWindows(self.arena.slab_bytes)  # (used on a server with tenants only)
         self._group_gid = None
         if self.config.ipc_group:
             g = self.config.ipc_group
@@ -96,17 +101,19 @@ class EngineCopies:
                                  "descriptor cannot cross ZeroMQ)")
         check.client_id(msg.client_id)
         pid, uid, gid = conn.peer
-        if not self._may_map(pid, uid, gid):
+        tenant = getattr(reply, "tenant", None)
+        if tenant is None and not self._may_map(pid, uid, gid):
             raise RequestFailure(p.ErrorCode.UNSUPPORTED, f"a process of user {uid} may not map this server's L1 "
                                  "(only its own user, root or --ipc-group may): copies stay in the server")
         self._touch(msg.client_id)
         with self._holders_lock:
             h = self._holders.setdefault(msg.client_id, Holder())
             h.pid, h.start = pid, process_start(pid) if pid else None
-        reply.fds = (self.arena.fd,)
-        logger.debug("L1 mapped by pid %d (client %s)", pid, msg.client_id.hex()[:8])
-        reply(p.MapArenaReply(capacity=self.arena.capacity, slab_bytes=self.arena.slab_bytes,
-                              session_id=self.session_id))
+        arena = self._windows.of(tenant.name, tenant.tenant.engine_window).arena if tenant is not None else self.arena
+        reply.fds = (arena.fd,)
+        logger.debug("%s mapped by pid %d (client %s)", f"tenant {tenant.name}'s window" if tenant else "L1", pid,
+                     msg.client_id.hex()[:8])
+        reply(p.MapArenaReply(capacity=arena.capacity, slab_bytes=arena.slab_bytes, session_id=self.session_id))
 
     # ---- stores ------------------------------------------------------------------------------
 
@@ -149,6 +156,7 @@ class EngineCopies:
             holder = self._holder(msg.client_id)
         plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key, parent)
         mark(reply, "in L1")
+        slots = self._window_slots(reply, plan, reg.object_bytes)
         if not plan.objects:
             def answer(failed: int) -> None:  # once the chunks others were writing landed
                 reply(p.ReserveReply(reservation=0, chunks=b"", offsets=b"", object_bytes=reg.object_bytes,
@@ -159,9 +167,9 @@ class EngineCopies:
             return
         rid = next(self._held_ids)
         with self._holders_lock:
-            holder.reservations[rid] = (plan, reg.object_bytes)
+            holder.reservations[rid] = (plan, reg.object_bytes, slots)
         reply(p.ReserveReply(reservation=rid, chunks=p.pack_block_ids(plan.indices),
-                             offsets=p.pack_offsets([o.offset for o in plan.objects]),
+                             offsets=p.pack_offsets(slots.offsets if slots else [o.offset for o in plan.objects]),
                              object_bytes=reg.object_bytes, present=plan.present, skipped=plan.skipped))
 
     def _commit(self, msg: p.Commit, reply: Reply) -> None:
@@ -172,11 +180,14 @@ class EngineCopies:
         if held is None:
             raise RequestFailure(p.ErrorCode.INVALID_ARGUMENT, f"no reservation {msg.reservation} of this client "
                                  "(committed already, or the server restarted)")
-        plan, object_bytes = held
+        plan, object_bytes, slots = held
         if not msg.ok:
-            self.l1.abort(plan)
+            self._abort(plan, slots)
             reply(p.CommitReply(stored=0, present=plan.present, skipped=plan.skipped + len(plan.objects)))
             return
+        if slots is not None:  # the bytes landed in the tenant's window: into L1 now, before anyone can see them
+            slots.window.copy_out(slots, self.arena.base, [o.offset for o in plan.objects], object_bytes)
+            slots.release()
         self.l1.commit(plan)
         self._count_moved("store", len(plan.objects) * object_bytes)
 
@@ -199,6 +210,14 @@ class EngineCopies:
         if objs is None:
             return  # loading from L2; runs again
         reg = entry.ctx.reg
+        keep = objs  # what the read holds until its READ_DONE
+        tenant = getattr(reply, "tenant", None)
+        if tenant is not None and objs:  # copied into the tenant's window; L1's objects go at once
+            window = self._windows.of(tenant.name, tenant.tenant.engine_window)
+            keep = window.take(reg.object_bytes, len(objs))
+            window.copy_in(keep, self.arena.base, [o.offset for o in objs[:len(keep.offsets)]], reg.object_bytes)
+            self.l1.end_read(objs)
+            objs = objs[:len(keep.offsets)]
         if not objs:
             reply(p.ReadReply(read=0, offsets=b"", object_bytes=reg.object_bytes))
             return
@@ -206,12 +225,13 @@ class EngineCopies:
             with self._holders_lock:
                 holder = self._holder(msg.client_id)
                 rid = next(self._held_ids)
-                holder.reads[rid] = objs
+                holder.reads[rid] = keep
         except RequestFailure:
-            self.l1.end_read(objs)
+            self._end_read(keep)
             raise
         self._count_moved("retrieve", len(objs) * reg.object_bytes)
-        reply(p.ReadReply(read=rid, offsets=p.pack_offsets([o.offset for o in objs]), object_bytes=reg.object_bytes))
+        offsets = keep.offsets if isinstance(keep, Slots) else [o.offset for o in objs]
+        reply(p.ReadReply(read=rid, offsets=p.pack_offsets(offsets), object_bytes=reg.object_bytes))
 
     def _read_done(self, msg: p.ReadDone, reply: Reply) -> None:
         with self._holders_lock:
@@ -220,8 +240,33 @@ class EngineCopies:
         if objs is None:
             raise RequestFailure(p.ErrorCode.INVALID_ARGUMENT, f"no read {msg.read} of this client (finished "
                                  "already, or the server restarted)")
-        self.l1.end_read(objs)
-        reply(p.ReadDoneReply(released=len(objs)))
+        reply(p.ReadDoneReply(released=self._end_read(objs)))
+
+    def _end_read(self, held) -> int:
+        """A read is over: its L1 objects are let go, or its window slots given back."""
+        if isinstance(held, Slots):
+            return held.release()
+        self.l1.end_read(held)
+        return len(held)
+
+    def _abort(self, plan: StorePlan, slots: Slots | None) -> None:
+        self.l1.abort(plan)
+        if slots is not None:
+            slots.release()
+
+    def _window_slots(self, reply: Reply, plan: StorePlan, object_bytes: int) -> Slots | None:
+        """With tenants: the window slots a reservation's chunks are copied into, one per object
+        of the plan; the objects beyond what the window has free are given back (skipped)."""
+        tenant = getattr(reply, "tenant", None)
+        if tenant is None or not plan.objects:
+            return None
+        slots = self._windows.of(tenant.name, tenant.tenant.engine_window).take(object_bytes, len(plan.objects))
+        cut = len(slots.offsets)
+        if cut < len(plan.objects):
+            self.l1.abort(StorePlan(indices=plan.indices[cut:], objects=plan.objects[cut:], present=0, skipped=0))
+            plan.skipped += len(plan.objects) - cut
+            del plan.indices[cut:], plan.objects[cut:]
+        return slots
 
     # ---- clients that go away ----------------------------------------------------------------
 
@@ -234,7 +279,7 @@ class EngineCopies:
             reads, holder.reads = list(holder.reads.values()), {}
             holder.gone_at = holder.gone_at or time.monotonic()
         for objs in reads:
-            self.l1.end_read(objs)
+            self._end_read(objs)
         self._reap_reservations()
 
     def _reap_reservations(self) -> None:
@@ -249,13 +294,13 @@ class EngineCopies:
                     continue  # a live client: what it holds is its own business
                 if h.reservations and not dead and (h.pid or now - h.gone_at <= ORPHAN_HOLD_S):
                     continue  # forgotten, but its process (or one we cannot see) may still be copying
-                dropped += [plan for plan, _ in h.reservations.values()]
+                dropped += [(plan, slots) for plan, _, slots in h.reservations.values()]
                 reads += h.reads.values()
                 del self._holders[client]
         for objs in reads:
-            self.l1.end_read(objs)
-        for plan in dropped:
-            self.l1.abort(plan)
+            self._end_read(objs)
+        for plan, slots in dropped:
+            self._abort(plan, slots)
         if dropped:
             logger.info("gave back %d reservations of clients whose processes are gone (nothing of them was "
                         "committed)", len(dropped))
@@ -265,4 +310,5 @@ class EngineCopies:
             return {"clients": len(self._holders),
                     "reservations": sum(len(h.reservations) for h in self._holders.values()),
                     "reads": sum(len(h.reads) for h in self._holders.values()),
-                    "held_for_gone_clients": sum(len(h.reservations) for h in self._holders.values() if h.gone_at)}
+                    "held_for_gone_clients": sum(len(h.reservations) for h in self._holders.values() if h.gone_at),
+                    **({"tenant_windows": self._windows.stats()} if self.tenancy is not None else {})}

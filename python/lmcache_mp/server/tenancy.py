@@ -10,8 +10,8 @@ before the engine sees it:
   journal of two tenants never meet, whatever model and salt a client sends;
 - client ids become `tag + keyed hash(client id)`: one tenant's client cannot speak for (release
   the leases of, say goodbye for, commit the reservations of) another's, even knowing its id;
-- what only an operator may do (CLEAR) needs `admin`; engine-side copies (which map all of L1)
-  are refused: their memory is not separated by tenant yet.
+- what only an operator may do (CLEAR) needs `admin`; engine-side copies map the tenant's own
+  window, never L1 (tenant_windows.py).
 
 The `shared` namespace (`shared<SEP>model`) is read by tenants with `shared = "read"` after their
 own, and written by stores that ask for it from tenants with `shared = "write"`.
@@ -156,15 +156,10 @@ class Tenancy:
         if kind is p.Lookup or kind is p.RegisterKVCache:
             check.names(msg.model)
             msg.model = state.prefix + msg.model
-            if kind is p.RegisterKVCache and msg.transfer == "engine":
-                raise denied("engine-side copies (transfer='engine') map all of L1, which a server with tenants "
-                             "does not allow: register with transfer='server'")
         elif kind is p.Events:
             msg.models = [state.prefix + m for m in msg.models]
         elif kind is p.Clear and not state.tenant.admin:
             raise denied(f"tenant {state.name} may not clear the cache (admin = true in the tenants file)")
-        elif kind is p.MapArena:
-            raise denied("engine-side copies map all of L1, which a server with tenants does not allow")
         elif (kind is p.Store or kind is p.Reserve) and msg.shared and not state.tenant.writes_shared:
             raise denied(f"tenant {state.name} may not write the shared namespace (shared = \"write\")")
 

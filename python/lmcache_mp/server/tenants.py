@@ -26,7 +26,7 @@ SHARED = "shared"
 SHARED_MODES = ("none", "read", "write")
 DEFAULTS: dict[str, Any] = {
     "curve_keys": [], "uids": [], "gids": [], "shared": "none", "l1_min": 0, "l1_max": 0, "l2_disk_max": 0,
-    "max_registrations": 64, "max_inflight": 1024, "admin": False,
+    "max_registrations": 64, "max_inflight": 1024, "admin": False, "engine_window": 256 << 20,
 }
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _KEY_PART = re.compile(r"""\s*(?:([A-Za-z0-9_-]+)|"((?:[^"\\]|\\.)*)"|'([^']*)')\s*""")
@@ -47,6 +47,7 @@ class Tenant:
     max_registrations: int
     max_inflight: int
     admin: bool
+    engine_window: int = 256 << 20  # shared memory its processes map for engine-side copies (tenant_windows.py)
 
     @property
     def reads_shared(self) -> bool:
@@ -210,7 +211,7 @@ class _Checker:
                 raise self.error(at + (key,), f"got {v[key]!r}; expected an integer >= 1")
         if not isinstance(v["admin"], bool):
             raise self.error(at + ("admin",), f"got {v['admin']!r}; expected true or false")
-        sizes = {key: self.size(at + (key,), v[key]) for key in ("l1_min", "l1_max", "l2_disk_max")}
+        sizes = {key: self.size(at + (key,), v[key]) for key in ("l1_min", "l1_max", "l2_disk_max", "engine_window")}
         if sizes["l1_max"] and sizes["l1_max"] < sizes["l1_min"]:
             raise self.error(at + ("l1_max",), f"{v['l1_max']!r} is less than l1_min ({v['l1_min']!r}); "
                              "expected l1_max >= l1_min, or 0 for no cap")
