@@ -51,6 +51,7 @@ def valid_requests(kv_id: int = 7, shm_name: str = "lmcache_mp_1_ab", shm_size: 
         p.Read(kv_id=kv_id, hashes=h, client_id=owner, lease=3),
         p.ReadDone(client_id=owner, read=5),
         p.Events(client_id=CID, since=0, models=["fz"], max_events=16),
+        p.LaneClaim(ticket=os.urandom(32)),
     ]
     assert {p.peek_op(p.encode(m)) for m in msgs} == {int(op) for op in p.Op}
     return [p.encode(m) for m in msgs]

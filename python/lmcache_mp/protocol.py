@@ -79,6 +79,7 @@ class Op(enum.IntEnum):
     READ = 15
     READ_DONE = 16
     EVENTS = 17  # the chunk events feed (storage/events.py)
+    LANE_CLAIM = 18  # a local-lane connection's tenant, from its client's HELLO (no reply)
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=False, forbid_unknown_fields=False):
@@ -258,8 +259,16 @@ class ReadDone(_Msg, tag=int(Op.READ_DONE)):
     read: int
 
 
+class LaneClaim(_Msg, tag=int(Op.LANE_CLAIM)):
+    """The first datagram of a local-lane connection to a server with tenants: the ticket its
+    client's HELLO reply carried (over ZeroMQ, where CURVE proved its tenant). No reply: a bad
+    ticket closes the connection."""
+
+    ticket: bytes
+
+
 Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Store, Retrieve, Lookup, Release, Clear, Ping, Status, Bye,
-                MapArena, Reserve, Commit, Read, ReadDone, Events]
+                MapArena, Reserve, Commit, Read, ReadDone, Events, LaneClaim]
 
 # ---- replies ---------------------------------------------------------------------------------
 
@@ -278,6 +287,7 @@ class HelloReply(_Msg, tag=int(Op.HELLO)):
     capabilities: list[str] = []
     lease_ttl: float = 0.0  # seconds a lookup lease lives unless retrieves or a release end it
     lane: str = ""  # the local lane's address ("@name": abstract unix socket), "" without one
+    lane_ticket: bytes = b""  # with tenants: what this client's lane connections claim first (LaneClaim)
 
 
 class RegisterReply(_Msg, tag=int(Op.REGISTER_KV_CACHE)):

@@ -29,6 +29,7 @@ from lmcache_mp import protocol as p
 from lmcache_mp import shm
 from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_stream
 from lmcache_mp.client.curve import apply_curve
+from lmcache_mp.client.engine_copy import claim_lane
 from lmcache_mp.client.endpoint import check_url, unreachable_hint
 from lmcache_mp.client.engine_transfers import EngineTransfers
 from lmcache_mp.client.handles import KVCacheHandle
@@ -146,6 +147,7 @@ class Client(RestartRecovery):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.connect("\0" + address[1:] if address.startswith("@") else address)
+            claim_lane(sock, self.server_info.get("lane_ticket", b""))
         except OSError as e:  # e.g. another network namespace: ZeroMQ only
             sock.close()
             logger.debug("the server's local lane %s is out of reach (%s): using ZeroMQ only", address, e)

@@ -42,13 +42,23 @@ def _lane_socket_address(address: str) -> str:
     return "\0" + address[1:] if address.startswith("@") else address
 
 
-def request_arena(lane_address: str, client_id: bytes, timeout: float) -> tuple[int, p.MapArenaReply]:
+def claim_lane(sock: socket.socket, ticket: bytes) -> None:
+    """A server with tenants gave this client a lane ticket: a new lane connection claims the
+    client's tenant with it first (the uid of this process may name no tenant, or another)."""
+    if ticket:
+        sock.send(p.pack_lane(0, p.encode(p.LaneClaim(ticket=ticket))))
+
+
+def request_arena(lane_address: str, client_id: bytes, timeout: float,
+                  ticket: bytes = b"") -> tuple[int, p.MapArenaReply]:
     """(file descriptor, reply) of a MAP_ARENA, on a lane connection of its own (the reply
-    carries the descriptor; the client's own lane connection stays as it is)."""
+    carries the descriptor; the client's own lane connection stays as it is). On a server with
+    tenants the descriptor is of the tenant's window (server/tenant_windows.py), not of L1."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     try:
         sock.connect(_lane_socket_address(lane_address))
+        claim_lane(sock, ticket)
         sock.send(p.pack_lane(1, p.encode(p.MapArena(client_id=client_id))))
         data, anc, _flags, _ = sock.recvmsg(p.LANE_MAX_BYTES, socket.CMSG_SPACE(array.array("i").itemsize))
     except OSError as e:
@@ -74,8 +84,8 @@ def request_arena(lane_address: str, client_id: bytes, timeout: float) -> tuple[
 class MappedArena:
     """The server's L1 in this process: mapped, and page-locked for CUDA copies slab by slab."""
 
-    def __init__(self, lane_address: str, client_id: bytes, timeout: float = 10.0):
-        fd, info = request_arena(lane_address, client_id, timeout)
+    def __init__(self, lane_address: str, client_id: bytes, timeout: float = 10.0, ticket: bytes = b""):
+        fd, info = request_arena(lane_address, client_id, timeout, ticket)
         try:
             self._map = mmap.mmap(fd, info.capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:

@@ -103,8 +103,9 @@ class EngineTransfers:
             lane = c.server_info.get("lane", "")
             if not lane or "engine_copy" not in c.server_info.get("capabilities", ()):
                 raise RequestError(int(p.ErrorCode.UNSUPPORTED), "the server offers no engine-side copies here "
-                                   "(no local lane reachable: another machine or network namespace, or CURVE)")
-            self._use = ArenaUse(MappedArena(lane, c.client_id, c.timeout))
+                                   "(no local lane reachable: another machine or network namespace, or CURVE "
+                                   "without tenants)")
+            self._use = ArenaUse(MappedArena(lane, c.client_id, c.timeout, c.server_info.get("lane_ticket", b"")))
         if use is not None:  # the old session's mapping, once its last copy ended
             threading.Thread(target=use.close, args=(60.0,), name="lmcache-client-unmap", daemon=True).start()
         return self._use

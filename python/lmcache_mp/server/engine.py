@@ -274,7 +274,8 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
                            session_id=self.session_id, chunk_size=self.config.chunk_size, device=self.device,
                            capabilities=["lookup_lock", "reply_on_submit", "named_leases", "deadlines",
                                          "engine_copy"],
-                           lease_ttl=self.config.lease_ttl, lane=self.lane))
+                           lease_ttl=self.config.lease_ttl, lane=self.lane,
+                           lane_ticket=self.tenancy.ticket(reply.credential, msg.client_id) if self.tenancy else b""))
 
     def _ping(self, msg: p.Ping, reply: Reply) -> None:
         client = check.client_id(msg.client_id, required=False)
@@ -317,6 +318,8 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
     def _forget_client(self, client: bytes) -> tuple[int, int]:
         """Drop a client's leases and registrations; returns how many of each."""
         self._processes.forget(client)
+        if self.tenancy is not None:
+            self.tenancy.forget(client)
         with self._lock:
             self._clients.pop(client, None)
             owned = [kv for kv, e in self._entries.items() if e.ctx.reg.client_id == client]

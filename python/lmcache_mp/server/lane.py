@@ -66,6 +66,10 @@ class LaneConn:
             except OSError as e:  # gone, or not reading (a full buffer): like a dropped ZeroMQ reply
                 logger.debug("dropped a lane reply: %s", e)
 
+    @property
+    def open(self) -> bool:
+        return self._open
+
     def close(self) -> None:
         with self._lock:
             if self._open:
@@ -124,28 +128,35 @@ class Lane:
                 continue
             sock.setblocking(False)
             conn = LaneConn(sock)
-            if self._tenancy is not None and not self._admit(conn):
-                conn.close()
-                continue
+            if self._tenancy is not None:
+                self._admit(conn)
             self.conns.append(conn)
             self.version += 1
 
-    def _admit(self, conn: LaneConn) -> bool:
-        """With tenants: the peer's uid (else gid) must be a tenant's credential."""
+    def _admit(self, conn: LaneConn) -> None:
+        """With tenants: a peer whose uid (else gid) is a tenant's credential is that tenant's
+        at once; any other may still claim its client's credential (claim) before its first request."""
+        cred = self._tenancy.peer_credential(*conn.peer[1:])
+        if self._tenancy.state_of(cred) is not None:
+            self.claim(conn, cred, "peer credentials")
+
+    def claim(self, conn: LaneConn, cred: str | None, how: str = "the ticket of its client's HELLO") -> bool:
+        """Bind a connection to a credential's tenant (False, and audited: a ticket that names none)."""
         from lmcache_mp.server.tenants import credential_fingerprint
 
         pid, uid, gid = conn.peer
-        cred = self._tenancy.peer_credential(uid, gid)
-        state = self._tenancy.state_of(cred)
         peer = f"pid {pid} uid {uid} gid {gid}"
+        state = self._tenancy.state_of(cred) if cred else None
         if state is None:
-            self._refusals.refused("lane", f"a local-lane connection of {peer}: in no tenant of {self._tenancy.path}")
-            self._tenancy.audit.refused(cred, transport="lane", peer=peer, fingerprint=credential_fingerprint(cred),
-                                        reason="credential in no tenant")
+            self._refusals.refused("lane", f"a local-lane connection of {peer}: in no tenant of {self._tenancy.path}, "
+                                   "and no valid ticket")
+            fp = credential_fingerprint(self._tenancy.peer_credential(uid, gid))
+            self._tenancy.audit.refused(fp, transport="lane", peer=peer, fingerprint=fp,
+                                        reason="credential in no tenant, no valid lane ticket")
             return False
         conn.credential = cred
         self._tenancy.audit.write("connection_accepted", tenant=state.name, transport="lane", peer=peer,
-                                  fingerprint=credential_fingerprint(cred))
+                                  fingerprint=credential_fingerprint(cred), by=how)
         return True
 
     def drop(self, conn: LaneConn) -> None:
@@ -158,6 +169,8 @@ class Lane:
         """The datagrams waiting on conn (a batch), each as soon as it is read: the first request
         is handled before the read that finds nothing more; a closed connection is dropped."""
         for _ in range(READ_BATCH):
+            if not conn.open:  # dropped while its last datagram was handled (a refused claim, a revocation)
+                return
             try:
                 data = conn.sock.recv(p.LANE_MAX_BYTES)
             except BlockingIOError:
@@ -165,9 +178,7 @@ class Lane:
             except OSError:
                 data = b""
             if not data:  # the client went away
-                self.conns.remove(conn)
-                self.version += 1
-                conn.close()
+                self.drop(conn)
                 return
             yield data
 

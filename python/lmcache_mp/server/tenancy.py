@@ -98,6 +98,8 @@ class Tenancy:
         self._states: dict[str, TenantState] = {}
         self._by_credential: dict[str, TenantState] = {}
         self._clients: dict[str, set[bytes]] = {}  # credential -> scoped client ids seen with it
+        self._tickets: dict[bytes, str] = {}  # lane ticket -> the credential its client proved
+        self._ticket_of: dict[bytes, bytes] = {}  # scoped client id -> its lane ticket
         self.table = load_tenants(path)
         self._apply(self.table)
         self.on_limits: Callable[[TenantState], None] | None = None  # (state) limits changed: L1 quotas
@@ -135,6 +137,24 @@ class Tenancy:
         """The credential a local peer is let in with: its uid's when a tenant names it, else its gid's."""
         cred = f"uid:{uid}"
         return cred if cred in self._by_credential else f"gid:{gid}"
+
+    def ticket(self, credential: str, client: bytes) -> bytes:
+        """A client's lane ticket (HELLO): its lane connections claim its credential with it."""
+        with self._lock:
+            ticket = self._ticket_of.get(client)
+            if ticket is None or self._tickets.get(ticket) != credential:
+                ticket = secrets.token_bytes(32)
+                self._tickets.pop(self._ticket_of.get(client, b""), None)
+                self._tickets[ticket], self._ticket_of[client] = credential, ticket
+            return ticket
+
+    def ticket_credential(self, ticket: bytes) -> str | None:
+        return self._tickets.get(ticket)
+
+    def forget(self, client: bytes) -> None:
+        """A client went away: its lane ticket claims nothing any more."""
+        with self._lock:
+            self._tickets.pop(self._ticket_of.pop(client, b""), None)
 
     def seen(self, credential: str, client: bytes) -> None:
         if client:
@@ -179,6 +199,7 @@ class Tenancy:
             self.table = table
             revoked = old_creds - set(self._by_credential)
             gone = {c: sorted(self._clients.pop(c, ())) for c in revoked}
+            self._tickets = {t: c for t, c in self._tickets.items() if c not in revoked}
         added = sorted(set(table.tenants) - set(old.tenants))
         removed = sorted(set(old.tenants) - set(table.tenants))
         changed = sorted(n for n in set(table.tenants) & set(old.tenants) if table.tenants[n] != old.tenants[n])

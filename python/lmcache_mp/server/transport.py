@@ -93,7 +93,9 @@ class Transport:
         self._revoked: list[str] = []  # credentials whose lane connections the loop closes
         self.stats = RequestStats()
         self._spin = spin_us / 1e6
-        lane = lane and curve is None  # the lane has no authentication: only ZeroMQ with CURVE
+        # The lane has no authentication of its own: with CURVE it is there only for tenants, whose
+        # lane connections claim the tenant their client's CURVE handshake proved (LaneClaim).
+        lane = lane and (curve is None or tenancy is not None)
         if url.startswith("ipc://"):  # both files before anything is made: a refusal leaves nothing to undo
             claim_socket_file(url[len("ipc://"):], socket.SOCK_STREAM, "the endpoint")
             if lane:
@@ -210,10 +212,21 @@ class Transport:
             logger.debug("ignored a malformed lane datagram")
             return
         reply = LaneResponder(conn, req_id, [("received", time.monotonic_ns())] if traced else None, self.stats)
-        if conn.credential is not None and not self._admit(reply, conn.credential):
-            self.lane.drop(conn)
+        if self.tenancy is None:
+            self._dispatch(body, reply)
             return
-        self._dispatch(body, reply)
+        try:
+            msg = p.decode_request(body)
+        except p.FrameError:
+            msg = None
+        if type(msg) is p.LaneClaim:  # (no reply: a claim that fails closes the connection)
+            if not self.lane.claim(conn, self.tenancy.ticket_credential(msg.ticket)):
+                self.lane.drop(conn)
+            return
+        if conn.credential is None or not self._admit(reply, conn.credential):
+            self.lane.drop(conn)  # its peer is in no tenant and claimed none, or its credential was revoked
+            return
+        self._dispatch(body, reply, msg)
 
     def revoke(self, credential: str) -> None:
         """Close the local-lane connections of a credential removed from the tenants file (from
@@ -222,9 +235,9 @@ class Transport:
             self._revoked.append(credential)
         self._wakeup()
 
-    def _dispatch(self, body: bytes, reply) -> None:
+    def _dispatch(self, body: bytes, reply, msg: p._Msg | None = None) -> None:
         try:
-            msg = p.decode_request(body)
+            msg = msg or p.decode_request(body)
         except p.FrameError as e:
             reply(p.Error(code=int(e.code), message=str(e)))
             return
@@ -295,8 +308,12 @@ class Transport:
         if 2 in ready:
             self.lane.accept()
         for conn in conns:
-            for datagram in self.lane.read(conn):
-                self._guarded(self._handle_lane, conn, datagram)
+            try:
+                for datagram in self.lane.read(conn):
+                    self._guarded(self._handle_lane, conn, datagram)
+            except Exception:  # the loop must go on whatever one connection does
+                logger.exception("error reading a local-lane connection")
+                self.lane.drop(conn)
 
     @staticmethod
     def _guarded(handle, *args) -> None:
