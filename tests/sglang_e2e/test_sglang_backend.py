@@ -303,3 +303,50 @@ def test_the_benchmark_moves_pages_near_memcpy_speed(tmp_path):
     r = json.loads(out.read_text())
     assert r["pages"] == 64 and r["bytes"] == 64 * r["page_bytes"]
     assert r["batch_set_x_memcpy"] > 0.3 and r["batch_get_x_memcpy"] > 0.3, r
+
+
+def test_two_tenants_share_no_pages(backends, tmp_path):
+    """A server with a tenants file (docs/tenants.md), two SGLang instances of two tenants, each
+    with its client key in its storage config: the pages one stores are misses for the other
+    (same keys, same model), whose engine-side copies map a window of its own tenant's only."""
+    from lmcache_mp.server.cli import main as cli_main
+
+    keys = tmp_path / "keys"
+    assert cli_main(["keygen", str(keys)]) == 0
+    assert cli_main(["keygen", str(keys), "--client", "bob"]) == 0
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.alice]\ncurve_keys = ["{keys}/clients/client.key"]\n'
+                       f'[tenants.bob]\ncurve_keys = ["{keys}/clients/bob.key"]\n')
+    srv = Server(ServerConfig(url=f"ipc://{tmp_path}/srv.sock", l1_size="64MiB", device="cpu", chunk_size=CHUNK,
+                              heartbeat_timeout=5.0, tenants=str(tenants), curve_secret_key=f"{keys}/server.key_secret",
+                              http_addr="off"))
+    srv.start()
+    try:
+        def config(secret: str):
+            return storage_config(srv.url, **{"lmcache_mp.curve_server_key": f"{keys}/server.key",
+                                              "lmcache_mp.curve_client_key": f"{keys}/client-secret/{secret}"})
+
+        a_pool, a2_pool, b_pool = (host_pool("mha", "page_first") for _ in range(3))
+        fill_random(a_pool, 1)
+        fill_random(b_pool, 2)
+        a = backends(a_pool, config("client.key_secret"))
+        a2 = backends(a2_pool, config("client.key_secret"))
+        b = backends(b_pool, config("bob.key_secret"))
+        names = keys_of("tenant-", 4)
+        assert a.batch_set_v1(names, page_indices([3, 7, 4, 20])) == [True] * 4
+        assert a2.batch_exists(names) == 4  # alice's other instance finds them
+        assert a2.batch_get_v1(names, page_indices([1, 2, 5, 6])) == [True] * 4
+        assert page_bytes(a2_pool, 1) == page_bytes(a_pool, 3)
+        assert b.batch_exists(names) == 0  # bob: the same keys and model, nothing
+        before = page_bytes(b_pool, 9)
+        assert b.batch_get_v1(names[:1], page_indices([9])) == [False]
+        assert page_bytes(b_pool, 9) == before
+        assert b.batch_set_v1(names, page_indices([10, 11, 12, 13])) == [True] * 4  # his own copies
+        assert a2.batch_get_v1(names[:1], page_indices([8])) == [True] and page_bytes(a2_pool, 8) == page_bytes(
+            a_pool, 3)  # alice's pages are still alice's
+        status = srv.engine.status()
+        assert set(status["engine_copies"]["tenant_windows"]) == {"alice", "bob"}
+        assert status["tenants"]["alice"]["l1"]["objects"] == 4 and status["tenants"]["bob"]["l1"]["objects"] == 4
+    finally:
+        backends.close_all()
+        srv.stop()

@@ -89,8 +89,7 @@ class StatusCollector:
                                   value=st["gc"]["seconds"])
         if "l2" in st:
             yield from _l2_metrics(st["l2"])
-        if "tenants" in st:
-            yield from _tenant_metrics(st["tenants"])
+        yield from _tenant_metrics(st.get("tenants", {}))  # (no series without --tenants)
 
 
 def _tenant_metrics(tenants: dict):
