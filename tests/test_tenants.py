@@ -591,3 +591,15 @@ def test_curve_tenants_get_the_local_lane_and_engine_side_copies_through_their_t
     assert any(e["event"] == "connection_refused" and e["transport"] == "lane" for e in s.audit_lines())
     a.unregister_kv_cache(h_a)
     b.unregister_kv_cache(h_b)
+
+
+def test_a_server_without_tenants_lets_no_client_name_a_tenants_namespace(tmp_path):
+    # (one that shares an L1 file or an L2 tier with a server with tenants must not open it to its clients)
+    with Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="16MiB", chunk_size=CHUNK,
+                             http_addr="off")) as srv, Client(srv.url) as c:
+        for call in (lambda: c.lookup([b"x" * 16], model="alice\x1fm"),
+                     lambda: c.register_kv_cache(w.make_kv("mha", 16, 8), model="alice\x1fm"),
+                     lambda: c.events(models=["alice\x1fm"])):
+            with pytest.raises(RequestError, match="INVALID_ARGUMENT"):
+                call()
+        assert c.lookup([b"x" * 16], model="alice/m").hits == 0

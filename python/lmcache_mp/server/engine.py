@@ -50,7 +50,7 @@ from lmcache_mp.storage.events import EventLog
 from lmcache_mp.storage.l1 import L1Store
 from lmcache_mp.storage.l1_journal import L1Journal
 from lmcache_mp.storage.l2.tiers import L2Tiers
-from lmcache_mp.storage.tenant_quotas import CAUSES, L1Quotas
+from lmcache_mp.storage.tenant_quotas import CAUSES, SEP, L1Quotas
 from lmcache_mp.server.tenancy import Tenancy, TenantState, shown
 
 logger = logging.getLogger(__name__)
@@ -170,6 +170,10 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
                 raise RequestFailure(p.ErrorCode.UNKNOWN_OP, f"unsupported request {type(msg).__name__}")
             if self.tenancy is not None:
                 self._scope(msg, reply)
+            elif SEP in getattr(msg, "model", "") or type(msg) is p.Events and any(SEP in m for m in msg.models):
+                # (a tenant's namespace: a server without tenants that shares an L1 file or an L2
+                # tier with one must not let its clients name it)
+                raise RequestFailure(p.ErrorCode.INVALID_ARGUMENT, "model names must not contain \\x1f")
             handler(self, msg, reply)
         except RequestFailure as e:
             reply(p.Error(code=int(e.code), message=str(e)))

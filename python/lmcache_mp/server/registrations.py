@@ -29,6 +29,7 @@ from lmcache_mp.server.gc_pauses import settle
 from lmcache_mp.server.policy import choose_transfer_mode
 from lmcache_mp.server.replies import Reply
 from lmcache_mp.server.tenancy import shown, strip
+from lmcache_mp.storage.tenant_quotas import SEP
 from lmcache_mp.server.validation import RequestFailure, invalid, over_limit
 from lmcache_mp.completions import CompletionWaiter
 from lmcache_mp.server.workers import SerialWorker
@@ -231,6 +232,10 @@ class RegistrationHandling:
             entry.ctx.close()
             entry.worker.stop()
             logger.info("unregistered KV cache of model %s rank %d", shown(entry.ctx.reg.model), entry.ctx.reg.rank)
+            if self.tenancy is not None:
+                reg = entry.ctx.reg
+                self.tenancy.audit.write("unregistration", tenant=reg.model.split(SEP, 1)[0], model=strip(reg.model),
+                                         kv=f"{msg.kv_id & 0xFFFF:04x}", rank=reg.rank)
             if reply is not None:
                 reply(p.UnregisterReply(kv_id=msg.kv_id))
 
