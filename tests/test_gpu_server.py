@@ -323,3 +323,40 @@ def test_l1_persist_on_the_gpu_survives_sigkill(tmp_path):
         for f in (path, path + ".journal"):
             if os.path.exists(f):
                 os.unlink(f)
+
+
+def test_a_tenants_copies_on_the_gpu_go_through_its_window(tmp_path):
+    """A CUDA server with a tenants file (the test's uid is the tenant): a worker that copies
+    itself maps its tenant's window (page-locked in its own context), not L1; another copies
+    through the server. Each reads what the other stored, byte exact."""
+    import gpu_workers
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.me]\nuids = [{os.getuid()}]\nengine_window = "256MiB"\nadmin = true\n')
+    url = f"ipc://{tmp_path}/tenants.sock"
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", url, "--device", "cuda",
+                             "--l1-size", "2GiB", "--chunk-size", str(CHUNK), "--http-addr", "off",
+                             "--tenants", str(tenants)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for_server(url, proc)
+        ctx = mp.get_context("spawn")
+        barrier = ctx.Barrier(2)
+        _run([
+            (gpu_workers.roundtrip, (url, "tenant", 0, 2, "mla", 70),
+             {"token_seed": 7, "data_seed": 7, "barrier": barrier, "transfer": "engine"}),
+            (gpu_workers.roundtrip, (url, "tenant", 1, 2, "mla", 71),
+             {"token_seed": 7, "data_seed": 7, "barrier": barrier, "transfer": "server"}),
+        ])
+        from lmcache_mp import Client
+
+        with Client(url) as c:
+            status = c.status()  # (an admin tenant's: the whole server's)
+        assert status["engine_copies"]["tenant_windows"]["me"]["capacity"] == 256 << 20
+        assert status["tenants"]["me"]["l1"]["objects"] > 0
+    finally:
+        proc.terminate()
+        code = proc.wait(60)
+        log.close()
+    text = (tmp_path / "server.log").read_text()
+    assert code == 0 and "Traceback" not in text, text[-6000:]
