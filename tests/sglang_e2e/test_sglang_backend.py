@@ -9,6 +9,7 @@ from SGLang's own device pools; the backend is made by SGLang's storage factory 
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 import sys
 import time
@@ -347,6 +348,71 @@ def test_two_tenants_share_no_pages(backends, tmp_path):
         status = srv.engine.status()
         assert set(status["engine_copies"]["tenant_windows"]) == {"alice", "bob"}
         assert status["tenants"]["alice"]["l1"]["objects"] == 4 and status["tenants"]["bob"]["l1"]["objects"] == 4
+    finally:
+        backends.close_all()
+        srv.stop()
+
+
+VLLM_PYTHON = os.environ.get("LMCACHE_MP_VLLM_PYTHON", "")
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="LMCACHE_MP_VLLM_PYTHON names no Python with vLLM (.ci/run sets it)")
+def test_a_vllm_engine_and_an_sglang_instance_are_two_tenants_of_one_server(backends, tmp_path):
+    """One server with a tenants file; a real vLLM engine (in the vLLM virtualenv, its key in its
+    connector config) and an SGLang instance (its key in its storage config) store through it.
+    Each one's chunks are found with its own key and are misses with the other's; SGLang's
+    engine-side copies go through its tenant's window."""
+    import json
+    import random
+    import subprocess
+
+    from lmcache_mp.integration.sglang_keys import page_digests
+    from lmcache_mp.server.cli import main as cli_main
+
+    keys = tmp_path / "keys"
+    assert cli_main(["keygen", str(keys)]) == 0
+    for name in ("vllm", "sglang"):
+        assert cli_main(["keygen", str(keys), "--client", name]) == 0
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.vllm]\ncurve_keys = ["{keys}/clients/vllm.key"]\n'
+                       f'[tenants.sglang]\ncurve_keys = ["{keys}/clients/sglang.key"]\n')
+    srv = Server(ServerConfig(url=f"ipc://{tmp_path}/srv.sock", l1_size="256MiB", device="cpu", chunk_size=64,
+                              tenants=str(tenants), curve_secret_key=f"{keys}/server.key_secret", http_addr="off"))
+    srv.start()
+    creds = {name: dict(curve_server_key=f"{keys}/server.key",
+                        curve_client_key=f"{keys}/client-secret/{name}.key_secret") for name in ("vllm", "sglang")}
+    try:
+        vllm_e2e = Path(__file__).resolve().parents[1] / "vllm_e2e"
+        model = tmp_path / "tiny-llama"
+        subprocess.run([VLLM_PYTHON, str(vllm_e2e / "make_tiny_model.py"), str(model), "--arch", "llama"],
+                       check=True, timeout=300, stdout=subprocess.DEVNULL)
+        rng = random.Random(4)
+        prompts = [[rng.randrange(3, 512) for _ in range(300)] for _ in range(2)]
+        (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+        extra = {f"lmcache_mp.{k}": v for k, v in creds["vllm"].items()}
+        engine = subprocess.run([VLLM_PYTHON, str(vllm_e2e / "run_engine.py"), "--model", str(model), "--prompts",
+                                 str(tmp_path / "prompts.json"), "--out", str(tmp_path / "out.json"), "--max-tokens",
+                                 "4", "--connector-url", srv.url, "--extra-config", json.dumps(extra)],
+                                capture_output=True, text=True, timeout=600)
+        assert engine.returncode == 0, engine.stdout[-4000:] + engine.stderr[-4000:]
+        hashes = [chunk_hashes(p, 64) for p in prompts]
+        with Client(srv.url, **creds["vllm"]) as c:
+            assert [c.lookup(h, model=str(model)).hits for h in hashes] == [4, 4]  # stored by the engine
+        with Client(srv.url, **creds["sglang"]) as c:
+            assert [c.lookup(h, model=str(model)).hits for h in hashes] == [0, 0]
+
+        pool = host_pool("mha", "page_first")
+        fill_random(pool, 5)
+        s = backends(pool, storage_config(srv.url, **{f"lmcache_mp.{k}": v for k, v in creds["sglang"].items()}))
+        names = keys_of("both-", 4)
+        assert s.batch_set_v1(names, page_indices([2, 3, 5, 8])) == [True] * 4
+        with Client(srv.url, **creds["sglang"]) as c:
+            assert c.lookup(page_digests(names), model=s.namespace).hits == 4
+        with Client(srv.url, **creds["vllm"]) as c:
+            assert c.lookup(page_digests(names), model=s.namespace).hits == 0
+        status = srv.engine.status()
+        assert status["tenants"]["vllm"]["l1"]["objects"] == 8 and status["tenants"]["sglang"]["l1"]["objects"] == 4
+        assert set(status["engine_copies"]["tenant_windows"]) == {"sglang"}  # vLLM's CPU connector: server copies
     finally:
         backends.close_all()
         srv.stop()
