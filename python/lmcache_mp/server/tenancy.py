@@ -31,7 +31,8 @@ from typing import Callable
 
 from lmcache_mp import protocol as p
 from lmcache_mp.server import validation as check
-from lmcache_mp.server.tenants import SHARED, Tenant, TenantsFileError, TenantTable, credential_fingerprint, load_tenants
+from lmcache_mp.server.tenants import (SHARED, Tenant, TenantsFileError, TenantTable, credential_fingerprint,
+                                       load_tenants)
 from lmcache_mp.server.validation import RequestFailure
 from lmcache_mp.storage.tenant_quotas import SEP
 

@@ -64,7 +64,8 @@ class TenantGate:
             self._sock.close(0)
 
     def decide(self, request: list[bytes]) -> tuple[bytes, bytes, bytes]:
-        """(status, text, user id) of a ZAP request [version, id, domain, address, identity, mechanism, *credentials]."""
+        """(status, text, user id) of a ZAP request: [version, id, domain, address, identity,
+        mechanism, *credentials]."""
         mechanism, address, creds = request[5], request[3].decode("ascii", "replace"), request[6:]
         if mechanism == b"CURVE" and len(creds) == 1:
             from zmq.utils import z85
