@@ -193,8 +193,9 @@ PYBIND11_MODULE(_C, m) {
       .def("validate", &KVLayout::validate);
 
   py::class_<HostArena>(m, "HostArena")
-      .def(py::init<uint64_t, uint64_t, bool, int, const std::string&>(), py::arg("capacity"),
-           py::arg("slab_bytes"), py::arg("pin") = false, py::arg("numa_node") = -1, py::arg("path") = "")
+      .def(py::init<uint64_t, uint64_t, bool, int, const std::string&, bool>(), py::arg("capacity"),
+           py::arg("slab_bytes"), py::arg("pin") = false, py::arg("numa_node") = -1, py::arg("path") = "",
+           py::arg("prefault") = true)
       .def_property_readonly("reattached", &HostArena::reattached)
       .def_property_readonly("base", &HostArena::base)
       .def_property_readonly("capacity", &HostArena::capacity)

@@ -32,7 +32,8 @@ void prefer_numa_node(void* addr, uint64_t len, int node) {
 }
 }  // namespace
 
-HostArena::HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_node, const std::string& path)
+HostArena::HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_node, const std::string& path,
+                     bool prefault)
     : pin_(pin) {
   LMC_CHECK_ARG(slab_bytes >= kPage && slab_bytes % kPage == 0, "slab size must be a positive multiple of ",
                 kPage, " bytes, got ", slab_bytes);
@@ -73,7 +74,11 @@ HostArena::HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_
   } else {
     for (int64_t i = static_cast<int64_t>(n) - 1; i >= 0; --i) free_slabs_.push_back(static_cast<int>(i));
     pin_done_ = true;
-    pin_thread_ = std::thread([this] { fault_in_loop(); });
+    if (prefault) {
+      pin_thread_ = std::thread([this] { fault_in_loop(); });
+    } else {
+      faulting_done_ = true;
+    }
   }
 }
 

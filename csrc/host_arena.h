@@ -66,7 +66,10 @@ class HostArena {
   // capacity is rounded down to whole slabs; numa_node < 0 leaves placement to the kernel.
   // path: a file (on /dev/shm or hugetlbfs) that holds the arena instead of anonymous memory, so
   // that its bytes outlive the process; an existing file of the same size is re-attached as it is.
-  HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_node, const std::string& path = "");
+  // prefault (unpinned arenas): fault the memory in ahead of use, in the background. Off for
+  // memory that is mostly idle (a tenant's window for engine-side copies): pages come on first use.
+  HostArena(uint64_t capacity, uint64_t slab_bytes, bool pin, int numa_node, const std::string& path = "",
+            bool prefault = true);
   ~HostArena();
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;

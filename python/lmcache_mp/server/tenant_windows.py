@@ -37,7 +37,8 @@ class Slots:
 
 class Window:
     def __init__(self, capacity: int, slab_bytes: int):
-        self.arena = HostArena(max(capacity, 4 * slab_bytes), slab_bytes, False, -1, "")
+        # (not faulted in ahead: a window's pages come when its copies first use them)
+        self.arena = HostArena(max(capacity, 4 * slab_bytes), slab_bytes, False, -1, "", prefault=False)
         self._lock = threading.Lock()
 
     def take(self, object_bytes: int, n: int) -> Slots:
