@@ -353,10 +353,10 @@ def test_two_tenants_share_no_pages(backends, tmp_path):
         srv.stop()
 
 
-VLLM_PYTHON = os.environ.get("LMCACHE_MP_VLLM_PYTHON", "")
+VLLM_PYTHON = os.environ.get("E2E_VLLM_PYTHON", "")
 
 
-@pytest.mark.skipif(not VLLM_PYTHON, reason="LMCACHE_MP_VLLM_PYTHON names no Python with vLLM (.ci/run sets it)")
+@pytest.mark.skipif(not VLLM_PYTHON, reason="E2E_VLLM_PYTHON names no Python with vLLM (.ci/run sets it)")
 def test_a_vllm_engine_and_an_sglang_instance_are_two_tenants_of_one_server(backends, tmp_path):
     """One server with a tenants file; a real vLLM engine (in the vLLM virtualenv, its key in its
     connector config) and an SGLang instance (its key in its storage config) store through it.
