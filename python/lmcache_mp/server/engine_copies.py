@@ -109,7 +109,7 @@ class EngineCopies:
         with self._holders_lock:
             h = self._holders.setdefault(msg.client_id, Holder())
             h.pid, h.start = pid, process_start(pid) if pid else None
-        arena = self._windows.of(tenant.name, tenant.tenant.engine_window).arena if tenant is not None else self.arena
+        arena = self._windows.of(tenant).arena if tenant is not None else self.arena
         reply.fds = (arena.fd,)
         logger.debug("%s mapped by pid %d (client %s)", f"tenant {tenant.name}'s window" if tenant else "L1", pid,
                      msg.client_id.hex()[:8])
@@ -213,7 +213,7 @@ class EngineCopies:
         keep = objs  # what the read holds until its READ_DONE
         tenant = getattr(reply, "tenant", None)
         if tenant is not None and objs:  # copied into the tenant's window; L1's objects go at once
-            window = self._windows.of(tenant.name, tenant.tenant.engine_window)
+            window = self._windows.of(tenant)
             keep = window.take(reg.object_bytes, len(objs))
             window.copy_in(keep, self.arena.base, [o.offset for o in objs[:len(keep.offsets)]], reg.object_bytes)
             self.l1.end_read(objs)
@@ -260,7 +260,7 @@ class EngineCopies:
         tenant = getattr(reply, "tenant", None)
         if tenant is None or not plan.objects:
             return None
-        slots = self._windows.of(tenant.name, tenant.tenant.engine_window).take(object_bytes, len(plan.objects))
+        slots = self._windows.of(tenant).take(object_bytes, len(plan.objects))
         cut = len(slots.offsets)
         if cut < len(plan.objects):
             self.l1.abort(StorePlan(indices=plan.indices[cut:], objects=plan.objects[cut:], present=0, skipped=0))

@@ -98,7 +98,7 @@ class Tenancy:
         self._lock = threading.Lock()
         self._states: dict[str, TenantState] = {}
         self._by_credential: dict[str, TenantState] = {}
-        self._clients: dict[str, set[bytes]] = {}  # credential -> scoped client ids seen with it
+        self._clients: dict[bytes, str] = {}  # scoped client id -> the credential it was last seen with
         self._tickets: dict[bytes, str] = {}  # lane ticket -> the credential its client proved
         self._ticket_of: dict[bytes, bytes] = {}  # scoped client id -> its lane ticket
         self.table = load_tenants(path)
@@ -156,14 +156,7 @@ class Tenancy:
         """A client went away: its lane ticket claims nothing any more."""
         with self._lock:
             self._tickets.pop(self._ticket_of.pop(client, b""), None)
-
-    def seen(self, credential: str, client: bytes) -> None:
-        if client:
-            clients = self._clients.get(credential)
-            if clients is None:
-                with self._lock:
-                    clients = self._clients.setdefault(credential, set())
-            clients.add(client)
+            self._clients.pop(client, None)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -172,7 +165,7 @@ class Tenancy:
         if isinstance(msg, _NAMED_CLIENT) and msg.client_id:
             cid = check.client_id(msg.client_id)
             msg.client_id = state.tag + hashlib.blake2b(cid, digest_size=14, key=self._key).digest()
-            self.seen(credential, msg.client_id)
+            self._clients[msg.client_id] = credential
         kind = type(msg)
         if kind is p.Lookup or kind is p.RegisterKVCache:
             check.names(msg.model)
@@ -199,7 +192,9 @@ class Tenancy:
             self._apply(table)
             self.table = table
             revoked = old_creds - set(self._by_credential)
-            gone = {c: sorted(self._clients.pop(c, ())) for c in revoked}
+            gone: dict[str, list[bytes]] = {c: [] for c in revoked}
+            for client in [c for c, cred in self._clients.items() if cred in revoked]:
+                gone[self._clients.pop(client)].append(client)
             self._tickets = {t: c for t, c in self._tickets.items() if c not in revoked}
         added = sorted(set(table.tenants) - set(old.tenants))
         removed = sorted(set(old.tenants) - set(table.tenants))

@@ -81,15 +81,13 @@ class TenantWindows:
         self._windows: dict[str, Window] = {}
         self._lock = threading.Lock()
 
-    def of(self, tenant: str, capacity: int) -> Window:
+    def of(self, tenant) -> Window:
+        """The window of a tenant (server/tenancy.py's TenantState): engine_window bytes."""
         with self._lock:
-            w = self._windows.get(tenant)
+            w = self._windows.get(tenant.name)
             if w is None:
-                w = self._windows[tenant] = Window(capacity, self._slab)
+                w = self._windows[tenant.name] = Window(tenant.tenant.engine_window, self._slab)
             return w
-
-    def get(self, tenant: str) -> Window | None:
-        return self._windows.get(tenant)
 
     def stats(self) -> dict[str, dict]:
         with self._lock:
