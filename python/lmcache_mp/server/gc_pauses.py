@@ -59,8 +59,8 @@ class GCPauses:
     def __init__(self, keep: int | None = 128):
         self.recent: collections.deque = collections.deque(maxlen=keep)  # (start ns, length ns, generation)
         self.collections = [0, 0, 0]  # per generation
-        self.seconds = 0.0
-        self.longest_s = 0.0
+        self.total_ns = 0  # (integers: a length compared with them is never off by a float's rounding)
+        self.longest_ns = 0
         self._start = 0
         gc.callbacks.append(self._seen)
 
@@ -72,8 +72,8 @@ class GCPauses:
         length, gen = now - self._start, info["generation"]
         self.recent.append((self._start, length, gen))
         self.collections[gen] += 1
-        self.seconds += length / 1e9
-        self.longest_s = max(self.longest_s, length / 1e9)
+        self.total_ns += length
+        self.longest_ns = max(self.longest_ns, length)
 
     def stats(self) -> dict:
         """Collections per generation, their total and longest time, the latest ones (their
@@ -83,7 +83,8 @@ class GCPauses:
         over 20 ms per status. The latest ones are copied first, in one step that allocates no
         tracked object: a collection the listing itself starts appends to them."""
         recent = self.recent.copy()
-        return {"collections": list(self.collections), "seconds": self.seconds, "longest_s": self.longest_s,
+        return {"collections": list(self.collections), "seconds": self.total_ns / 1e9,
+                "longest_s": self.longest_ns / 1e9, "total_ns": self.total_ns, "longest_ns": self.longest_ns,
                 "recent": [{"start_ns": s, "length_ns": n, "generation": g} for s, n, g in recent],
                 "settled": _settled}
 
