@@ -256,6 +256,21 @@ def test_engine_side_copies_map_the_tenants_own_window_never_l1(tmp_path, socket
         a.unregister_kv_cache(h)
 
 
+@pytest.mark.parametrize("window, server_slab", [(256 << 20, 128 << 20), (256 << 20, 2 << 20), (6 << 20, 4 << 20)])
+def test_a_tenants_window_is_the_size_its_file_gives(window, server_slab):
+    """engine_window is the window's size, whatever the server's slab (a GPU server's is 128 MiB:
+    four of them made a 256 MiB window 512 MiB)."""
+    from lmcache_mp.server.tenant_windows import Window
+
+    w_ = Window(window, server_slab)
+    try:
+        assert w_.stats()["capacity"] == window
+        slots = w_.take(1 << 20, 3)
+        assert len(slots.offsets) == 3 and slots.release() == 3
+    finally:
+        w_.arena.release_memory()
+
+
 def test_a_removed_key_is_cut_off_within_a_second_and_a_bad_reload_changes_nothing(tmp_path, keys, setups):
     s = setups(tmp_path, keys)
     a, b = s.client("client"), s.client("b")

@@ -37,8 +37,11 @@ class Slots:
 
 class Window:
     def __init__(self, capacity: int, slab_bytes: int):
+        # A window is the size the tenants file gives it: an arena wants at least four slabs, so a
+        # window smaller than four of the server's slabs (128 MiB each on a GPU) gets smaller ones.
+        slab = max(4096, min(slab_bytes, capacity // 4 // 4096 * 4096))
         # (not faulted in ahead: a window's pages come when its copies first use them)
-        self.arena = HostArena(max(capacity, 4 * slab_bytes), slab_bytes, False, -1, "", prefault=False)
+        self.arena = HostArena(max(capacity // slab, 4) * slab, slab, False, -1, "", prefault=False)
         self._lock = threading.Lock()
 
     def take(self, object_bytes: int, n: int) -> Slots:
