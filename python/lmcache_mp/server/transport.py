@@ -47,10 +47,14 @@ class Responder:
     def __call__(self, msg: p._Msg) -> None:
         if self.stamps is not None:
             self.stamps.append(("replied", time.monotonic_ns()))
-        self._transport._responded(self._identity, self._req_id, p.encode(msg), self.stamps)
-        self._transport.stats.done(self.op, self.t0, msg)  # counted once the client can have it
+        body = p.encode(msg)
+        # Counted (and the tenant's request no longer in flight) before the client can have the
+        # reply: a client that holds it finds it in /metrics and status, and its next request is
+        # not refused for this one still being in flight.
+        self._transport.stats.done(self.op, self.t0, msg)
         if self.tenant is not None:
             self.tenant.done(msg)
+        self._transport._responded(self._identity, self._req_id, body, self.stamps)
 
 
 class LaneResponder:
@@ -79,10 +83,10 @@ class LaneResponder:
             err = p.Error(code=int(p.ErrorCode.LIMIT_EXCEEDED),
                           message=f"a {type(msg).__name__} reply is too large for the local lane: use ZeroMQ")
             datagram = p.pack_lane(self._req_id, p.encode(err))
-        self.conn.send(datagram, self.fds)
-        self._stats.done(self.op, self.t0, msg)  # counted once the client can have it
+        self._stats.done(self.op, self.t0, msg)  # before the client can have it (see Responder)
         if self.tenant is not None:
             self.tenant.done(msg)
+        self.conn.send(datagram, self.fds)
 
 
 class Transport:
