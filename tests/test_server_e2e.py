@@ -256,7 +256,9 @@ def test_close_drops_the_clients_leases(shm_files, servers, clients):
 
 def test_a_killed_client_loses_its_leases_after_the_heartbeat_timeout(servers, clients, no_internal_errors):
     """A client whose process the server cannot see (another pid namespace, off the lane)."""
-    srv = servers(heartbeat_timeout=1.0, lease_ttl=600)  # only the heartbeat can free these leases
+    # only the heartbeat can free these leases; its timeout leaves the look right after the kill
+    # seconds to spare on a loaded machine (1 s did not always)
+    srv = servers(heartbeat_timeout=3.0, lease_ttl=600)
     watcher = clients(srv.url, heartbeat_interval=0.2)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -273,11 +275,11 @@ def test_a_killed_client_loses_its_leases_after_the_heartbeat_timeout(servers, c
         killed = time.monotonic()
         proc.join(10)
         assert watcher.status()["l1"]["leased_objects"] == 4, "leases must outlive a silent client for a while"
-        # the lease TTL is 600 s: only the heartbeat timeout (1 s) frees them within the 10 s waited
-        wait_until(lambda: watcher.status()["l1"]["leased_objects"] == 0, 10, "the dead client's leases to go")
+        # the lease TTL is 600 s: only the heartbeat timeout (3 s) frees them within the 20 s waited
+        wait_until(lambda: watcher.status()["l1"]["leased_objects"] == 0, 20, "the dead client's leases to go")
         gone = time.monotonic() - killed
-        wait_until(lambda: not watcher.status()["registrations"], 10, "the dead client's registration to go")
-        assert 0.5 <= gone, gone
+        wait_until(lambda: not watcher.status()["registrations"], 20, "the dead client's registration to go")
+        assert 1.0 <= gone, gone  # not at once (its last request: about 0.25 s at most before the kill)
         # its chunks are ordinary cached chunks now: present and evictable
         after = watcher.status()["l1"]
         assert after["objects"] >= 4 and after["evictable"] == after["objects"] and after["writing"] == 0
