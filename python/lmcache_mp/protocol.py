@@ -41,6 +41,7 @@ MAX_LAYERS = 1024
 MAX_LOOKUP_KEYS = 1 << 18  # hashes x world_size of one lookup
 MAX_NAME_BYTES = 1024  # model names
 MAX_SALT_BYTES = 256
+MAX_CHUNK_TOKENS = 1 << 20  # tokens per chunk a registration may ask for
 MAX_EVENT_MODELS = 64  # namespaces one EVENTS request may name
 MAX_EVENTS = 4096  # events in one EVENTS reply
 MAX_MESSAGE_BYTES = (4 << 20) + 4096
@@ -134,6 +135,9 @@ class RegisterKVCache(_Msg, tag=int(Op.REGISTER_KV_CACHE)):
     layers: list[LayerRef]
     block_size: int = 0  # only for opaque layouts whose block size the shape does not tell
     transfer: str = ""  # "engine": the client copies (RESERVE/COMMIT, READ/READ_DONE); else the server does
+    # Tokens per chunk of this registration (0: the server's --chunk-size): models whose block
+    # size does not divide the server's (hybrids: 288, 544, 784 tokens) choose their own.
+    chunk_size: int = 0
 
 
 class UnregisterKVCache(_Msg, tag=int(Op.UNREGISTER_KV_CACHE)):
@@ -298,6 +302,7 @@ class RegisterReply(_Msg, tag=int(Op.REGISTER_KV_CACHE)):
     shared: bool  # objects shared by all ranks (MLA)
     block_size: int
     num_blocks: int
+    chunk_size: int = 0  # tokens per chunk of this registration (0 from servers before it was asked)
 
 
 class UnregisterReply(_Msg, tag=int(Op.UNREGISTER_KV_CACHE)):

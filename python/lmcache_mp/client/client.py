@@ -322,7 +322,8 @@ class Client(RestartRecovery):
 
     def register_kv_cache(self, kv_caches: Sequence[Any] | dict, *, model: str, world_size: int = 1, rank: int = 0,
                           layout: str = "auto", block_size: int | None = None, transfer: str = "auto",
-                          staging_bytes: int | None = None, pack_ctas: int = 0) -> KVCacheHandle:
+                          staging_bytes: int | None = None, pack_ctas: int = 0,
+                          chunk_size: int = 0) -> KVCacheHandle:
         """Register one tensor per layer (CPU tensors in shared memory, or CUDA tensors; with
         transfer="engine", CPU tensors anywhere in this process's memory).
 
@@ -335,13 +336,15 @@ class Client(RestartRecovery):
         other CUDA call of the process waits meanwhile (about 0.17 s per 256 MiB slab; pin_l1()
         does them all at once). handle.transfer_mode says which was taken. staging_bytes,
         pack_ctas: the engine-side copier's GPU ring and its packing kernels' CTAs (0: one per
-        SM)."""
+        SM). chunk_size: tokens per chunk of this cache's requests (0: the server's, `self.chunk_size`),
+        a multiple of its block size; `handle.chunk_size` says what it is."""
         if transfer not in ("auto", "server", "engine"):
             raise ValueError(f"transfer must be 'auto', 'server' or 'engine', got {transfer!r}")
         tensors = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
         described = describe_kv_caches(tensors, private_cpu=transfer == "engine")
         handle = KVCacheHandle(tensors, model, world_size, rank, layout, block_size, described,
-                               transfer, staging_bytes, pack_ctas)
+                               transfer, staging_bytes, pack_ctas, chunk_size)
+        handle.chunk_size = chunk_size or self.chunk_size
         if handle.device == "cuda":
             handle.events = EventPool(handle.described.device_index)
         self._register(handle)
@@ -377,7 +380,8 @@ class Client(RestartRecovery):
         msg = p.RegisterKVCache(client_id=self.client_id, model=handle.model, world_size=handle.world_size,
                                 rank=handle.rank, device=d.device, device_uuid=d.device_uuid,
                                 layout=handle.requested_layout, layers=d.layers,
-                                block_size=handle.requested_block_size or 0, transfer="engine" if engine else "")
+                                block_size=handle.requested_block_size or 0, transfer="engine" if engine else "",
+                                chunk_size=handle.requested_chunk_size)
         # A worker's CPU cache may live in an unnamed file: the server opens it by name, so it
         # has one until the server answered (it has mapped the file then).
         files = {layer.memory.name for layer in d.layers if layer.memory.kind == "shm"}
@@ -422,9 +426,9 @@ class Client(RestartRecovery):
         packed = pack_hashes(hashes)
         ids = p.pack_block_ids(block_ids)
         n = len(packed) // DIGEST_BYTES
-        per_chunk = self.chunk_size // handle.block_size
+        per_chunk = handle.chunk_size // handle.block_size
         if len(ids) // 4 != n * per_chunk:
-            raise ValueError(f"{n} chunks of {self.chunk_size} tokens need {n * per_chunk} block ids "
+            raise ValueError(f"{n} chunks of {handle.chunk_size} tokens need {n * per_chunk} block ids "
                              f"(blocks of {handle.block_size} tokens), got {len(ids) // 4}")
         if handle.copier is not None:
             request_block_ids(ids, n, per_chunk, handle.num_blocks, distinct)

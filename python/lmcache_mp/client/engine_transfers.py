@@ -116,13 +116,13 @@ class EngineTransfers:
         d = handle.described
         # The server derived its format from the same description: a packed cache here is one there
         spec = describe_layers(d.layers, handle.requested_layout, handle.requested_block_size or None)
-        if spec.kind != handle.layout or spec.object_bytes(c.chunk_size) != handle.object_bytes:
+        if spec.kind != handle.layout or spec.object_bytes(handle.chunk_size) != handle.object_bytes:
             raise RequestError(int(p.ErrorCode.INTERNAL), f"the server's chunk objects are {handle.layout}, "
                                f"{handle.object_bytes} bytes; this cache's {spec.kind}, "
-                               f"{spec.object_bytes(c.chunk_size)} bytes")
+                               f"{spec.object_bytes(handle.chunk_size)} bytes")
         use = self.arena()
         old = handle.copier
-        handle.copier = EngineCopier(spec, handle.tensors, c.chunk_size, d.device_index, handle.object_bytes,
+        handle.copier = EngineCopier(spec, handle.tensors, handle.chunk_size, d.device_index, handle.object_bytes,
                                      handle.staging_bytes, handle.pack_ctas)
         if old is not None:
             old.close()
@@ -183,7 +183,7 @@ class EngineTransfers:
             if r.object_bytes != handle.object_bytes:
                 raise RequestError(int(p.ErrorCode.INTERNAL), "the server's objects are of another size")
             chunks = p.unpack_block_ids(r.chunks)
-            bpc = c.chunk_size // handle.block_size
+            bpc = handle.chunk_size // handle.block_size
             block_ids = np.frombuffer(ids, dtype=p.BLOCK_ID_DTYPE).reshape(-1, bpc)[chunks].reshape(-1)
             use = self.arena()
             arena = use.acquire()
@@ -287,7 +287,7 @@ class EngineTransfers:
         try:
             if r.object_bytes != handle.object_bytes:
                 raise RequestError(int(p.ErrorCode.INTERNAL), "the server's objects are of another size")
-            bpc = c.chunk_size // handle.block_size
+            bpc = handle.chunk_size // handle.block_size
             block_ids = np.frombuffer(ids, dtype=p.BLOCK_ID_DTYPE)[: n * bpc]
             use = self.arena()
             arena = use.acquire()

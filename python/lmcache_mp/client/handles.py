@@ -12,7 +12,7 @@ class KVCacheHandle:
 
     def __init__(self, tensors: list, model: str, world_size: int, rank: int, layout: str,
                  block_size: int | None, described: DescribedCache, transfer: str = "auto",
-                 staging_bytes: int | None = None, pack_ctas: int = 0):
+                 staging_bytes: int | None = None, pack_ctas: int = 0, chunk_size: int = 0):
         self.tensors = tensors
         self.model = model
         self.world_size = world_size
@@ -20,6 +20,7 @@ class KVCacheHandle:
         self.requested_layout = layout
         self.requested_block_size = block_size
         self.requested_transfer = transfer
+        self.requested_chunk_size = chunk_size
         self.staging_bytes = staging_bytes  # the engine-side copier's GPU ring (None: a few chunks)
         self.pack_ctas = pack_ctas
         self.copier = None  # an EngineCopier when this process copies (transfer_mode "engine")
@@ -31,6 +32,7 @@ class KVCacheHandle:
         self.shared = False
         self.block_size = 0
         self.num_blocks = 0
+        self.chunk_size = 0  # tokens per chunk of this registration
         self.events: EventPool | None = None
         self.closed = False
 
@@ -42,6 +44,7 @@ class KVCacheHandle:
         self.kv_id, self.layout, self.object_bytes = r.kv_id, r.layout, r.object_bytes
         self.transfer_mode, self.shared = r.transfer_mode, r.shared
         self.block_size, self.num_blocks = r.block_size, r.num_blocks
+        self.chunk_size = r.chunk_size or self.requested_chunk_size or self.chunk_size
 
     def __repr__(self) -> str:
         return (f"KVCacheHandle(model={self.model!r}, rank={self.rank}/{self.world_size}, layout={self.layout}, "

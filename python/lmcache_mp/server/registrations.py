@@ -177,17 +177,21 @@ class RegistrationHandling:
                         format_size(reg.object_bytes), ctx.transfer_mode, ctx.mode_reason)
             reply(p.RegisterReply(kv_id=kv_id, layout=spec.kind, object_bytes=reg.object_bytes,
                                   transfer_mode=ctx.transfer_mode, shared=reg.shared, block_size=spec.block_size,
-                                  num_blocks=spec.num_blocks))
+                                  num_blocks=spec.num_blocks, chunk_size=reg.chunk_size))
 
         worker.submit(open_context)
 
     def _registration(self, kv_id: int, msg: p.RegisterKVCache) -> Registration:
         spec = describe_layers(msg)
-        if self.config.chunk_size % spec.block_size:
-            raise RegistrationError(f"block size {spec.block_size} does not divide the chunk size "
-                                    f"{self.config.chunk_size}")
+        if not 0 <= msg.chunk_size <= p.MAX_CHUNK_TOKENS:
+            raise RegistrationError(f"chunk_size must be in [0, {p.MAX_CHUNK_TOKENS}] (0: the server's), "
+                                    f"got {msg.chunk_size}")
+        chunk_size = msg.chunk_size or self.config.chunk_size
+        if chunk_size % spec.block_size:
+            where = "the registration's" if msg.chunk_size else "the server's (--chunk-size)"
+            raise RegistrationError(f"block size {spec.block_size} does not divide {where} chunk size {chunk_size}")
         reg = Registration(kv_id=kv_id, client_id=msg.client_id, model=msg.model, world_size=msg.world_size,
-                           rank=msg.rank, spec=spec, chunk_size=self.config.chunk_size)
+                           rank=msg.rank, spec=spec, chunk_size=chunk_size)
         if reg.object_bytes > self.arena.slab_bytes:
             raise RegistrationError(f"one chunk of this cache is {format_size(reg.object_bytes)}, more than a slab "
                                     f"({format_size(self.arena.slab_bytes)}): raise --slab-size or lower "
