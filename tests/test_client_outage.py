@@ -63,7 +63,10 @@ def test_requests_fail_at_once_while_the_server_is_away_and_work_when_it_is_back
             t0 = time.monotonic()
             with pytest.raises(ServerUnavailable, match="is away"):
                 request()
-            assert time.monotonic() - t0 < 0.05, name  # not its timeout (10 s)
+            # not its timeout (10 s), nor the next heartbeat (1 s): it takes well under a millisecond,
+            # but a loaded machine, or a full collection of the whole suite's heap in this process,
+            # may hold it up for more than 50 ms
+            assert time.monotonic() - t0 < 0.5, name
         server = start(url)  # empty, at the same address
         wait_until(lambda: not client.server_away, 20, "the client to find the server back")
         # The KV cache was registered again before any request went out: the first store lands.
