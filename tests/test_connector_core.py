@@ -146,11 +146,9 @@ class Engine:
             for r in range(world_size)
         ]
         for w, gc in zip(self.workers, self.group_caches):
+            # (with a server, this returns once the worker's client has its KV cache registered; a
+            # request sent before the client's socket connects waits to be sent, it does not fail)
             w.register_kv_caches(gc if len(self.groups) > 1 else gc[0])
-        if any(w.link.client is not None for w in self.workers):
-            # The client's I/O socket connects in the background after Client() returns, and a
-            # store sent before that fails at once ("server not connected"); give it a moment.
-            time.sleep(0.2)
         self.free = list(range(1, NUM_BLOCKS))
         self.finished: set[str] = set()
         self.load_errors: set[int] = set()
@@ -814,7 +812,9 @@ def test_server_restart_is_survived(engines, monkeypatch, lane):
         for i in range(20):
             assert matched(a.sched, f"down{i}", toks, 0) == 0
             a.sched.request_finished(f"down{i}")
-        assert time.monotonic() - t0 < 0.1  # not one lookup timeout (2 s)
+        # not one lookup timeout (2 s): they take a millisecond or so, but a loaded machine, or a
+        # full collection of the suite's heap in this process, may hold them up over 0.1 s
+        assert time.monotonic() - t0 < 1.0
         srv = start()  # empty, same address
         wait_until(lambda: registered_models(url) == ["tiny"], 20, "the worker to register again by itself")
         wait_until(lambda: all(link.get() is not None for link in links), 20, "the clients to find the server back")
