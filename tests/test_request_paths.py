@@ -103,10 +103,12 @@ def test_a_reply_left_when_the_last_caller_stops_waiting_is_read_by_the_io_threa
     """While a caller waits, the I/O thread keeps off the socket; a reply that comes after the
     caller is done (nobody waits for it) is still read at once, not at the next heartbeat."""
     slow: set[int] = set()
+    held: list = []  # the slow registration's reply, made but not sent
+    made = threading.Event()
 
-    def store(engine, msg, reply):  # the slow registration's replies leave 0.3 s late
+    def store(engine, msg, reply):  # the slow registration's replies leave when the test says
         if msg.kv_id in slow:
-            MPCacheEngine.store(engine, msg, lambda m: threading.Timer(0.3, reply, (m,)).start())
+            MPCacheEngine.store(engine, msg, lambda m: (held.append(lambda: reply(m)), made.set()))
         else:
             MPCacheEngine.store(engine, msg, reply)
 
@@ -119,7 +121,8 @@ def test_a_reply_left_when_the_last_caller_stops_waiting_is_read_by_the_io_threa
             w.write_tokens(kv2, "mha", blocks_of(1), w.reference(0, "mha", CHUNK))
             pending = c.store(late, chunk_hashes(w.prompt(0, 1), CHUNK), blocks_of(1))
             assert c.store(fast, chunk_hashes(w.prompt(1, 1), CHUNK), blocks_of(1)).result(10).chunks == 1
-            assert not pending.done()
+            assert made.wait(10) and not pending.done()
+            held[0]()  # its reply leaves after the caller is done: nobody waits for it
             assert_read_at_once(pending)
         finally:
             c.close()
@@ -287,15 +290,16 @@ def test_an_idle_server_keeps_its_housekeeping_tick_and_sleeps(monkeypatch):
 
     ticks, polls = [], []
     tick, poll = engine.MPCacheEngine.tick, transport.spin_poll
-    monkeypatch.setattr(engine.MPCacheEngine, "tick", lambda self: (ticks.append(1), tick(self)))
+    monkeypatch.setattr(engine.MPCacheEngine, "tick", lambda self: (ticks.append(time.monotonic()), tick(self)))
     monkeypatch.setattr(transport, "spin_poll", lambda *a: (polls.append(1), poll(*a))[1])
     srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="16MiB")).start()
-    try:
-        time.sleep(1.3)
+    try:  # (not a sleep of 1.3 s, then two ticks: a loaded machine may be 0.3 s late)
+        wait_until(lambda: len(ticks) >= 2, 10, "two housekeeping ticks without requests")
+        polled = len(polls)
     finally:
         srv.stop()
-    assert len(ticks) >= 2  # every TICK_SECONDS (0.5 s), requests or not
-    assert len(polls) < 50  # and between ticks it sleeps
+    assert 0.45 <= ticks[1] - ticks[0] < 2.0, ticks  # every TICK_SECONDS (0.5 s), requests or not
+    assert polled < 50  # and between ticks it sleeps
 
 
 def test_closing_a_client_while_it_tries_to_reach_a_stopped_server_is_clean(tmp_path):
