@@ -229,12 +229,16 @@ def test_stopping_the_server_answers_the_loads_in_flight(shm_files, servers, cli
     srv = servers(**l2_settings(tmp_path / "l2", prefetch_timeout=5.0))
     c = clients(srv.url)
     kv, h = register_mha(c, num_blocks=128)
-    tiers = srv.engine.l2.tiers
-    tiers[0] = SlowTier(tiers[0], 0.5)
+    l2 = srv.engine.l2
+    l2.tiers[0] = SlowTier(l2.tiers[0], 0.5)
+    loads, real_load = [], l2.load
+    l2.load = lambda found, then: (loads.append(len(found)), real_load(found, then))[1]  # a retrieve's
     lookup = c.lookup_async(chunk_hashes(w.prompt(1, 4), CHUNK), model="m", lock=True)
     dst = blocks_of(4, start=64)
     load = c.retrieve(h, chunk_hashes(w.prompt(2, 4), CHUNK), dst)
-    time.sleep(0.1)  # both wait on the slow disk now
+    # both wait on the slow disk now (the server took them: not a sleep that a loaded machine outlasts)
+    wait_until(lambda: srv.engine.status()["l2"]["prefetches"] == 1 and loads == [4], 10,
+               "the lookup's prefetch and the retrieve's load to be queued")
     t0 = time.monotonic()
     srv.stop()
     assert time.monotonic() - t0 < 5
