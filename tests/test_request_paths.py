@@ -290,7 +290,7 @@ def test_an_idle_server_keeps_its_housekeeping_tick_and_sleeps(monkeypatch):
 
     ticks, polls = [], []
     tick, poll = engine.MPCacheEngine.tick, transport.spin_poll
-    monkeypatch.setattr(engine.MPCacheEngine, "tick", lambda self: (ticks.append(time.monotonic()), tick(self)))
+    monkeypatch.setattr(engine.MPCacheEngine, "tick", lambda self, *a: (ticks.append(time.monotonic()), tick(self, *a)))
     monkeypatch.setattr(transport, "spin_poll", lambda *a: (polls.append(1), poll(*a))[1])
     srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="16MiB")).start()
     try:  # (not a sleep of 1.3 s, then two ticks: a loaded machine may be 0.3 s late)

@@ -286,11 +286,14 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
 
         self._bulk.submit(run)
 
-    def tick(self) -> None:
+    def tick(self, heard_until: float | None = None) -> None:
         """Expire leases; forget clients that stopped sending heartbeats, with their leases and
         registrations (called about twice a second by the transport; the work itself runs on
-        the housekeeping thread)."""
-        deadline = time.monotonic() - self.config.heartbeat_timeout
+        the housekeeping thread). heard_until: the transport has handled every request that came
+        before this time (after a stall of its own, requests wait in its socket: a client is
+        silent only if the server could have heard it, not because the server was not listening)."""
+        now = time.monotonic()
+        deadline = (now if heard_until is None else min(now, heard_until)) - self.config.heartbeat_timeout
         silent = [c for c, seen in list(self._clients.items()) if seen < deadline]
 
         def run() -> None:

@@ -261,11 +261,19 @@ class Transport:
         fds, fds_version = base, -1
         next_tick = time.monotonic() + TICK_SECONDS
         spin_until = 0.0
+        # Every request that came before this time has been handled: the ZeroMQ socket was found
+        # empty then (lane connections are read every round). After a stall of this loop (the
+        # process descheduled, a long collection) it stays behind until the requests that waited
+        # meanwhile, heartbeats among them, are handled: the housekeeping tick takes nobody to be
+        # silent for the time the server was not listening.
+        heard = time.monotonic()
         while not self._stop:
             self.beat = time.monotonic()  # /live: the loop goes round (at least every TICK_SECONDS)
             if self.lane is not None and fds_version != self.lane.version:
                 fds, fds_version = base + self.lane.fds(), self.lane.version
             frames = self._recv()
+            if frames is None:
+                heard = self.beat
             if frames is not None:
                 self._guarded(self._handle, frames)
                 spin_until = time.monotonic() + self._spin
@@ -281,7 +289,7 @@ class Transport:
             if time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + TICK_SECONDS
                 try:
-                    self.engine.tick()
+                    self.engine.tick(heard)
                 except Exception:
                     logger.exception("error in periodic housekeeping")
         with self._sock_lock:
