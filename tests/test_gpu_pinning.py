@@ -79,12 +79,13 @@ def test_engines_connect_and_register_at_once_while_a_large_l1_is_pinned(tmp_pat
         for status, info in results:
             assert status == "ok", info
         infos = [info for _, info in results]
-        summary = {k: round(max(i[k] for i in infos) * 1e3, 1) for k in ("hello_s", "register_s", "ping_max_s")}
+        summary = {k[:-2] + "_ms": round(max(i[k] for i in infos) * 1e3, 1) for k in ("hello_s", "register_s",
+                                                                                   "ping_max_s")}
         pinned = min(i["pinning"]["bytes_pinned"] for i in infos)
         print(f"L1 {l1 >> 30} GiB, {WORKERS} workers, max ms: {summary}, pinned when done: {pinned >> 30} GiB")
         assert not all(i["pinning"]["done"] for i in infos), "pinning ended first: nothing was tested"
-        assert summary["hello_s"] <= 100, summary
-        assert summary["register_s"] <= 1000, summary
+        assert summary["hello_ms"] <= 100, summary  # milliseconds (the workers report seconds)
+        assert summary["register_ms"] <= 1000, summary
     finally:
         go.set()
         for proc in procs:
