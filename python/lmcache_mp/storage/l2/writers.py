@@ -112,9 +112,9 @@ class TierWriter:
                                         self.scan)
                 if batch:
                     self._write(batch)
+                self._warn_drops()  # (before the writer is idle: whoever sees it idle finds the warning)
             finally:
                 self._taking = False
-            self._warn_drops()
             if not batch:
                 if closing:
                     return
@@ -136,13 +136,14 @@ class TierWriter:
             fragments = l1.l2_written(self.bit, zip(batch, results))
             self.writing = self.writing_bytes = 0
         failed = len(batch) - sum(map(bool, results))
+        # (logged before it is counted: whoever sees the count finds the log line that goes with it)
+        self._incident.update(failed, len(batch), lambda: str(self.tier.stats().get("last_error", "")))
         # Chunks written after one that failed stay (the tier may hold an older copy of the
         # failed one, another node's maybe), but nothing more of their prompt follows them.
         self.counts["fragments"] += len(fragments)
         self.counts["written"] += len(batch) - failed
         self.counts["write_errors"] += failed
         self.written_bytes += sum(n for n, ok in zip(sizes, results) if ok)
-        self._incident.update(failed, len(batch), lambda: str(self.tier.stats().get("last_error", "")))
 
     def _warn_drops(self) -> None:
         c = self.counts
