@@ -150,6 +150,8 @@ FORMATS = {
     "opaque": ("opaque", 16, 3, 256, "bfloat16", "nhbt"),
     "packed": ("packed", 16, "blnh", 2, 4096, "bfloat16", "nhbt"),
     "fp8_kv": ("tokens", 2, 3, 192, "float8_e4m3fn"),  # 8-bit KV: stored as it is
+    # a hybrid's state pages (Mamba / GDN: conv and SSM state), registered as bytes: as they are
+    "state_pages": ("opaque", 544, 3, 256, "uint8", ((0, 3), (1, 139264))),
 }
 
 
@@ -197,7 +199,7 @@ def test_a_disk_tier_with_the_codec_stores_half_and_serves_the_decoded_chunk(dis
     stored = tier.inner.lookup(keys)
     got, outs = _get(tier, keys, fmt, nbytes)
     assert got == [nbytes] * 4
-    if kind == "fp8_kv":
+    if kind in ("fp8_kv", "state_pages"):
         assert all(s[0] == nbytes and parse(s[1]) is None for s in stored)  # as it is
         assert all(np.array_equal(a, b) for a, b in zip(objs, outs))  # bit for bit
         return

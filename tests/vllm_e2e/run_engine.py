@@ -52,6 +52,28 @@ def inject_load_failures() -> None:
     worker_core.WorkerCore.start_loads = start_loads
 
 
+def inject_state_fault(kind: str) -> None:
+    """Test hooks for hybrid models, each of which must change the output (negative controls):
+    "skip": the state groups' loads are dropped (the attention KV alone arrives; the state's
+    block keeps what vLLM left in it); "late": loads are synchronous, so the state lands after
+    vLLM copied its block into the running one for the step."""
+    from lmcache_mp.integration import scheduler_core, worker_core
+    from lmcache_mp.integration.connector_types import STATE
+
+    if kind == "skip":
+        original = worker_core.WorkerCore.start_loads
+
+        def start_loads(self, plan):
+            plan.loads = [t for t in plan.loads if self.groups[t.group].kind != STATE]
+            return original(self, plan)
+
+        worker_core.WorkerCore.start_loads = start_loads
+    elif kind == "late":
+        scheduler_core.SchedulerCore.async_loads = property(lambda self: False)
+    else:
+        raise ValueError(kind)
+
+
 def wait_for_resume(pause_dir: str, i: int, timeout: float = 120.0) -> str:
     """What the test says of the server now: "up", "down" or ""."""
     open(os.path.join(pause_dir, f"paused-{i}"), "w").close()
@@ -191,17 +213,23 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         extra_config: dict | None = None, fail_loads: bool = False, tensor_parallel: int = 1,
         prefix_caching: bool = False, sequential: bool = False, kv_cache_bytes: int = 256 << 20,
         pause_dir: str | None = None, kv_events: str | None = None, log_stats: bool = False,
-        loras: dict[str, str] | None = None, kv_role: str = "kv_both") -> dict:
+        loras: dict[str, str] | None = None, kv_role: str = "kv_both", dtype: str = "float32",
+        block_size: int = 32, max_model_len: int = 1024, max_num_batched_tokens: int | None = None,
+        reset_prefix_cache: bool = False, state_fault: str = "", logprobs: bool = False) -> dict:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if fail_loads:
         inject_load_failures()
+    if state_fault:
+        inject_state_fault(state_fault)
     connect_waits = time_connects() if connector_url else []
     from vllm import LLM, SamplingParams
 
     kwargs = {}
     if loras:
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=len(loras))
+    if max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     if kv_events:
         from vllm.config import KVEventsConfig
 
@@ -220,8 +248,8 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         model=model,
         skip_tokenizer_init=True,
         enforce_eager=True,
-        block_size=32,
-        max_model_len=1024,
+        block_size=block_size,
+        max_model_len=max_model_len,
         kv_cache_memory_bytes=kv_cache_bytes,
         enable_prefix_caching=prefix_caching,
         seed=0,
@@ -229,14 +257,16 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         # which other requests share its steps (3 of the 11 test prompts change when run one at
         # a time), and a lookup answered a step later legitimately changes that. In float32 the
         # outputs are the same either way, so a token that differs means a wrong KV cache.
-        dtype="float32",
+        # (hybrids whose CPU kernels want bfloat16 pass it: their prompts then run one at a time)
+        dtype=dtype,
         tensor_parallel_size=tensor_parallel,
         disable_log_stats=not log_stats,
         **kwargs,
     )
     cores = connector_cores() if connector_url else []  # (a look at every object: not timed as generation)
     t1 = time.perf_counter()
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True,
+                            logprobs=1 if logprobs else None)
     if pause_dir:
         batches = prompts
     else:
@@ -246,6 +276,8 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
         waited = wait_for_connector(wait_for_resume(pause_dir, i)) if pause_dir and i else 0.0
         before = connector_stats(cores)
         if batch:
+            if reset_prefix_cache:  # each batch cold as far as vLLM's own prefix cache goes
+                llm.reset_prefix_cache()
             prompts_, params_, adapters = zip(*(request(p, params, loras or {}) for p in batch))
             outs += llm.generate(list(prompts_), list(params_), lora_request=list(adapters), use_tqdm=False)
         if kv_events:
@@ -255,7 +287,11 @@ def run(model: str, prompts: list[list[int]], connector_url: str | None, max_tok
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
+        # (with --logprobs: the chosen tokens' logprobs)
+        "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                     for o in outs] if logprobs else [],
         "engine_start_s": t1 - t0,
+        "block_size": int(llm.llm_engine.vllm_config.cache_config.block_size),  # (as vLLM raised it for hybrids)
         "generate_s": t2 - t1,
         "connector": whole_run(connector_stats(cores), per_batch) if connector_url else {},
         "connect_s": connect_waits,
@@ -291,6 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-stats", action="store_true", help="vLLM's stats on: its metrics go into the result")
     ap.add_argument("--lora", action="append", default=[], help="NAME=DIR: a LoRA adapter prompts may name")
     ap.add_argument("--kv-role", default="kv_both", choices=["kv_both", "kv_producer", "kv_consumer"])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--block-size", type=int, default=32, help="vLLM's block size (hybrids raise it)")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--reset-prefix-cache", action="store_true", help="clear vLLM's own prefix cache before each batch")
+    ap.add_argument("--state-fault", default="", choices=["", "skip", "late"], help="test hook: inject_state_fault")
+    ap.add_argument("--logprobs", action="store_true", help="the chosen tokens' logprobs into the result")
     args = ap.parse_args(argv)
     with open(args.prompts) as f:
         prompts = json.load(f)
@@ -299,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                  prefix_caching=args.prefix_caching, sequential=args.sequential,
                  kv_cache_bytes=args.kv_cache_bytes, pause_dir=args.pause_dir, kv_events=args.kv_events,
                  log_stats=args.log_stats, loras=dict(a.split("=", 1) for a in args.lora),
-                 kv_role=args.kv_role)
+                 kv_role=args.kv_role, dtype=args.dtype, block_size=args.block_size,
+                 max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                 reset_prefix_cache=args.reset_prefix_cache, state_fault=args.state_fault, logprobs=args.logprobs)
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

@@ -1,8 +1,9 @@
 """The connector's view of vLLM's KV-cache groups, over vLLM's own spec objects (no engine).
 
-Runs where vLLM is importable. Model kinds vLLM's CPU build cannot run (Mamba and linear-attention
-hybrids, chunked local attention) are covered here: which groups are cached, which refused at
-start-up, and that the connector's idea of which tokens a group still reads is vLLM's.
+Runs where vLLM is importable. Model kinds vLLM's CPU build cannot run (Mamba1, chunked local
+attention) are covered here: which groups are cached, which refused at start-up, and that the
+connector's idea of which tokens a group still reads is vLLM's (hybrids that do run:
+test_vllm_hybrid.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,40 @@ def test_attention_groups_are_cached_with_their_windows(kv):
     assert kv_groups(kv.config(m.FullAttentionSpec(**kv.attn), m.FullAttentionSpec(**kv.attn),
                                transfer={1: False}), 16) == [KVGroup(0, "full", 32)]
     assert kv_groups(None, 16) == [KVGroup(0, "full", 16)]
+
+
+def _mamba(kv, kind="MAMBA2", mode="align", **kw):
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    return kv.mod.MambaSpec(block_size=32, shapes=((4, 8), (8, 16)), dtypes=(kv.torch.bfloat16, kv.torch.float32),
+                            mamba_type=MambaAttentionBackendEnum[kind], mamba_cache_mode=mode, **kw)
+
+
+def test_mamba2_and_gdn_states_are_state_groups_named_by_what_their_pages_hold(kv):
+    from lmcache_mp.integration.connector_types import STATE
+    from lmcache_mp.integration.vllm_specs import kv_groups
+
+    groups = kv_groups(kv.config(_mamba(kv, "GDN_ATTN"), _mamba(kv), kv.mod.FullAttentionSpec(**kv.attn)), 16)
+    assert [(g.index, g.kind, g.block_size) for g in groups] == [(0, STATE, 32), (1, STATE, 32), (2, "full", 32)]
+    assert groups[0].describe() == "state=GDN_ATTN:4x8:bfloat16,8x16:float32:page576"
+    assert groups[1].detail.startswith("MAMBA2:")
+    # Pages of another dtype (vLLM's CPU build picks the SSM dtype by host) are another namespace.
+    other = kv.mod.MambaSpec(block_size=32, shapes=((4, 8), (8, 16)), dtypes=(kv.torch.bfloat16,) * 2,
+                             mamba_type=_mamba(kv).mamba_type, mamba_cache_mode="align")
+    assert kv_groups(kv.config(other), 16)[0].detail != groups[1].detail
+
+
+@pytest.mark.parametrize("case, said", [
+    (dict(mode="none"), "start vLLM with --enable-prefix-caching"),
+    (dict(kind="MAMBA1"), r"MambaSpec \(MAMBA1\): restoring this state kind is not tested"),
+    (dict(kind="SHORT_CONV"), r"MambaSpec \(SHORT_CONV\)"),
+    (dict(num_speculative_blocks=1), "speculative decoding's extra state blocks"),
+])
+def test_states_that_cannot_be_restored_are_refused_naming_the_group(kv, case, said):
+    from lmcache_mp.integration.vllm_specs import UnsupportedKVCache, kv_groups
+
+    with pytest.raises(UnsupportedKVCache, match=r"cannot cache KV-cache group 1 \(layers\.1\.attn\): .*" + said):
+        kv_groups(kv.config(kv.mod.FullAttentionSpec(**kv.attn), _mamba(kv, **case)), 16)
 
 
 @pytest.mark.parametrize("kind", ["mamba", "cross", "non_causal", "mixed_uniform"])
@@ -167,7 +202,7 @@ def test_the_connector_refuses_a_mamba_hybrid_when_vllm_creates_it(kv):
         model_config=types.SimpleNamespace(served_model_name="m", model="m", use_mla=False))
     hybrid = kv.config(m.FullAttentionSpec(**kv.attn),
                        m.MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(kv.torch.float32,)))
-    said = r"group 1 \(layers\.1\.attn\): MambaSpec: its state \(Mamba or linear attention\)"
+    said = r"group 1 \(layers\.1\.attn\): MambaSpec \(MAMBA2\): vLLM keeps no state at block boundaries"
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(UnsupportedKVCache, match=said):
             LMCacheMPConnector(config, role, hybrid)

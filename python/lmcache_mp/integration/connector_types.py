@@ -7,6 +7,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
 FULL, SLIDING_WINDOW, CHUNKED_LOCAL = "full", "sliding_window", "chunked_local"
+# A recurrent state (Mamba2, Gated DeltaNet) kept at block boundaries: the block of chunk c holds
+# the state after the chunk's last token, one object that summarises the whole prefix.
+STATE = "state"
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
 CONFIG_PREFIX = "lmcache_mp."
@@ -108,17 +111,22 @@ class KVGroup:
     `index` is the engine's number of the group (its position in a request's tuple of block
     tables). `kind` says which tokens the group keeps: FULL every token; SLIDING_WINDOW the last
     `window` tokens before the next one (older blocks are freed while the request runs);
-    CHUNKED_LOCAL the tokens of the current `window`-token attention chunk."""
+    CHUNKED_LOCAL the tokens of the current `window`-token attention chunk; STATE a recurrent
+    state whose block `p` holds the state after `(p + 1) * block_size` tokens (only the block at
+    the end of a hit is loaded; stores are the boundaries the engine names). `detail` says what
+    a STATE group's pages hold (kind, shapes, dtypes): pages of another detail are another
+    namespace, never loaded here."""
 
     index: int = 0
     kind: str = FULL
     block_size: int = 16
     window: int = 0
+    detail: str = ""
 
     def __post_init__(self):
-        if self.kind not in (FULL, SLIDING_WINDOW, CHUNKED_LOCAL):
+        if self.kind not in (FULL, SLIDING_WINDOW, CHUNKED_LOCAL, STATE):
             raise ValueError(f"unknown KV-cache group kind {self.kind!r}")
-        if self.block_size <= 0 or (self.kind != FULL and self.window <= 0):
+        if self.block_size <= 0 or (self.kind in (SLIDING_WINDOW, CHUNKED_LOCAL) and self.window <= 0):
             raise ValueError(f"a {self.kind} group needs a positive block size and window")
 
     @property
@@ -133,10 +141,30 @@ class KVGroup:
             return max(0, num_tokens - self.window + 1)
         if self.kind == CHUNKED_LOCAL:
             return num_tokens // self.window * self.window
+        if self.kind == STATE:
+            return max(0, num_tokens - 1)  # the block that holds the state after them
         return 0
 
     def describe(self) -> str:
+        if self.kind == STATE:
+            return f"{self.kind}={self.detail}"
         return self.kind if self.kind == FULL else f"{self.kind}={self.window}"
+
+
+def connector_chunk_size(groups: Sequence[KVGroup], server_chunk_size: int) -> int:
+    """Tokens per chunk of an engine with these groups on a server of this --chunk-size: the
+    server's where every group's block size divides it; a model with state groups uses its block
+    size (a state is kept at block boundaries only, and a hit ends on one); otherwise the
+    smallest multiple of the block sizes' lcm that is at least the server's."""
+    import math
+
+    sizes = {g.block_size for g in groups}
+    lcm = math.lcm(*sizes)
+    if any(g.kind == STATE for g in groups):
+        return lcm
+    if server_chunk_size > 0 and server_chunk_size % lcm == 0:
+        return server_chunk_size
+    return lcm * max(1, -(-server_chunk_size // lcm))
 
 
 def group_model_name(model: str, groups: Sequence[KVGroup], i: int) -> str:
@@ -195,6 +223,9 @@ class StepPlan:
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # The loads' requests wait outside the engine's steps until the workers report the loads
+    # over (a model with state groups: a state must be in its block before the step that reads it).
+    async_loads: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.stores or self.preempted)
@@ -211,5 +242,7 @@ class ScheduledRequest:
     block_ids: Sequence | None = None  # the request's whole block tables, if known
     new_block_ids: Sequence | None = None  # else: blocks added this step...
     resumed: bool = False  # ...which replace the tables (resumed after preemption)
+    # States this step computes at block boundaries: (group index, block id, tokens before it).
+    boundary_states: Sequence[tuple[int, int, int]] = ()
 
 

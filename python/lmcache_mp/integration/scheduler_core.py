@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
@@ -13,12 +14,14 @@ import numpy as np
 
 from lmcache_mp.errors import LMCacheMPError, ServerUnavailable
 from lmcache_mp.integration.connector_types import (
+    STATE,
     ConnectorConfig,
     KVGroup,
     ScheduledRequest,
     StepPlan,
     Transfer,
     block_tables,
+    connector_chunk_size,
     group_model_name,
 )
 from lmcache_mp.integration.link import ClientLink
@@ -52,7 +55,9 @@ class _Tracked:
     # server answered them all, and its blocks stay allocated until then.
     has_transfers: bool = False
     tables: list[list[int]] = field(default_factory=list)  # block table per group
-    pending: list[cf.Future] | None = None  # the lookups (one per group), while on their way
+    pending: list[cf.Future] | None = None  # the prefix lookups (one per prefix group), while on their way
+    # The state groups' lookups (boundary in chunks, group position, lookup), while on their way.
+    pending_states: list[tuple[int, int, cf.Future]] | None = None
 
 
 class SchedulerCore:
@@ -66,6 +71,13 @@ class SchedulerCore:
         self.cfg = config
         self.groups = list(groups) if groups else [KVGroup(0, block_size=config.block_size)]
         self.models = [group_model_name(config.model, self.groups, i) for i in range(len(self.groups))]
+        # Groups looked up as prefixes (attention), and state groups, looked up per boundary.
+        self._prefix_groups = [i for i, g in enumerate(self.groups) if g.kind != STATE]
+        self._state_groups = [i for i, g in enumerate(self.groups) if g.kind == STATE]
+        # A hit ends where every state group has a state: candidate boundaries below the
+        # attention hit looked at, from the deepest down.
+        self.state_candidates = 4
+        self._block_lcm = math.lcm(*(g.block_size for g in self.groups))
         self.link = link or ClientLink(
             config.url,
             name="lmcache-mp scheduler",
@@ -88,7 +100,6 @@ class SchedulerCore:
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: list[Transfer] = []
         self._chunk_size: int | None = None
-        self._bad_chunk_size_logged = False
         self._error_logged = False
         # Releases must not block the scheduler; one thread keeps them in order.
         self._releaser = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-mp-release")
@@ -115,20 +126,18 @@ class SchedulerCore:
         if client is None:
             return None, None
         if self._chunk_size is None:
-            cs = int(client.chunk_size)
-            bad = [g.block_size for g in self.groups if cs <= 0 or cs % g.block_size]
-            if bad:
-                if not self._bad_chunk_size_logged:
-                    logger.error(
-                        "lmcache-mp: server chunk size %d is not a multiple of the engine block size %d; "
-                        "the cache stays unused",
-                        cs,
-                        bad[0],
-                    )
-                    self._bad_chunk_size_logged = True
-                return None, None
+            cs = connector_chunk_size(self.groups, int(client.chunk_size))
+            if cs != client.chunk_size:
+                logger.info("lmcache-mp: chunks of %d tokens (the server's are %d; this engine's blocks are of %s "
+                            "tokens%s)", cs, client.chunk_size, "/".join(sorted({str(g.block_size) for g in self.groups})),
+                            ", and its states are kept at block boundaries" if self._state_groups else "")
             self._chunk_size = cs
         return client, self._chunk_size
+
+    @property
+    def async_loads(self) -> bool:
+        """Loads complete outside the engine's steps (a model with state groups)."""
+        return bool(self._state_groups)
 
     def _hashes(self, tr: _Tracked, num_chunks: int, chunk_size: int) -> list[bytes]:
         if len(tr.hashes) < num_chunks:
@@ -205,6 +214,7 @@ class SchedulerCore:
                 tr.looked_up = False
                 tr.hit_chunks = 0
                 tr.hashes = []
+                tr.leases, tr.leased_chunks = [], []
             else:
                 tr = _Tracked(
                     req_id=req_id,
@@ -225,6 +235,8 @@ class SchedulerCore:
             self._lookup(tr)
         if tr.pending is not None and not self._lookup_done(tr):
             return None
+        if tr.pending_states is not None and not self._states_done(tr):
+            return None
         if tr.asked_at:
             us = int((time.perf_counter() - tr.asked_at) * 1e6)
             self.stats["answer_us_max"] = max(self.stats["answer_us_max"], us)
@@ -243,16 +255,21 @@ class SchedulerCore:
         hashes = self._hashes(tr, max_chunks, cs)
         tr.hashes = hashes  # what the answer counts against
         self.stats["lookups"] += 1
+        tr.leases, tr.leased_chunks = [0] * len(self.groups), [0] * len(self.groups)
         pending = []
         try:
-            for model in self.models:
-                pending.append(client.lookup_async(hashes, model=model, world_size=self.cfg.world_size,
+            for gi in self._prefix_groups:
+                pending.append(client.lookup_async(hashes, model=self.models[gi], world_size=self.cfg.world_size,
                                                    lock=True, timeout=self.cfg.lookup_timeout))
         except ServerUnavailable as exc:
             self._abandon(pending)
             self.link.report_failure(exc)
             return
         tr.pending = pending
+        if not self._prefix_groups:  # states only: every boundary of the prompt may be one
+            tr.pending = None
+            tr.hit_chunks = max_chunks
+            self._lookup_states(tr)
 
     def _lookup_done(self, tr: _Tracked) -> bool:
         """Take the lookup's answer if it comes within what is left of this step's lookup_block
@@ -288,18 +305,89 @@ class SchedulerCore:
         self.link.report_success()
         cs, max_chunks = self._chunk_size, len(tr.hashes)
         n = max(0, min(min(int(f) for f in found), max_chunks))
-        self.stats["found_tokens"] += n * cs
-        self.stats["lookup_tokens"] += max(0, max_chunks * cs - tr.engine_tokens)
-        self._log_hits()
         tr.hit_chunks = n
-        tr.leases = [f.lease for f in found]
-        tr.leased_chunks = [n] * len(found)
-        for lease, f in zip(tr.leases, found):  # a group that found more than all the others
-            if n == 0:
-                self._release(lease)
+        for gi, f in zip(self._prefix_groups, found):
+            tr.leases[gi], tr.leased_chunks[gi] = f.lease, n
+            if n == 0:  # a group that found more than all the others
+                self._release(f.lease)
             elif int(f) > n:
-                self._release(lease, tr.hashes[n : int(f)])
+                self._release(f.lease, tr.hashes[n : int(f)])
         tr.stored_chunks = n
+        if self._state_groups and n:
+            self._lookup_states(tr)
+            return True
+        self._count_found(tr)
+        return True
+
+    def _count_found(self, tr: _Tracked) -> None:
+        cs = self._chunk_size
+        self.stats["found_tokens"] += tr.hit_chunks * cs
+        self.stats["lookup_tokens"] += max(0, len(tr.hashes) * cs - tr.engine_tokens)
+        self._log_hits()
+
+    def _lookup_states(self, tr: _Tracked) -> None:
+        """Look up the states at the deepest boundaries of the attention hit (each a lookup of
+        one chunk's key in each state group: a state is kept only where the engine named one)."""
+        client = self.link.get()
+        n = tr.hit_chunks
+        pending: list[tuple[int, int, cf.Future]] = []
+        try:
+            if client is None:
+                raise ServerUnavailable("no connection")
+            for b in range(n, max(0, n - self.state_candidates), -1):
+                for gi in self._state_groups:
+                    pending.append((b, gi, client.lookup_async([tr.hashes[b - 1]], model=self.models[gi],
+                                                               world_size=self.cfg.world_size, lock=True,
+                                                               timeout=self.cfg.lookup_timeout)))
+        except ServerUnavailable as exc:
+            self._abandon(f for _, _, f in pending)
+            self.link.report_failure(exc)
+            pending = []
+        tr.pending_states = pending
+
+    def _states_done(self, tr: _Tracked) -> bool:
+        """Take the state lookups' answers (within what is left of this step's lookup_block): the
+        hit ends at the deepest boundary every state group has, attention leases are cut there."""
+        t0 = time.perf_counter()
+        pending = tr.pending_states
+        try:
+            found = [fut.result(timeout=max(0.0, self._block_left - (time.perf_counter() - t0)))
+                     for _, _, fut in pending]
+        except cf.TimeoutError:
+            return False
+        except LMCacheMPError as exc:
+            found = None
+            if isinstance(exc, ServerUnavailable):
+                self.link.report_failure(exc)
+        finally:
+            self._block_left -= time.perf_counter() - t0
+        tr.pending_states = None
+        if found is None:
+            self._abandon(f for _, _, f in pending)
+            best = 0
+        else:
+            have: dict[int, int] = {}
+            for (b, _, _), f in zip(pending, found):
+                have[b] = have.get(b, 0) + (int(f) > 0)
+            best = max((b for b, k in have.items() if k == len(self._state_groups)), default=0)
+            for (b, gi, _), f in zip(pending, found):
+                if b == best:
+                    tr.leases[gi], tr.leased_chunks[gi] = f.lease, best
+                elif f.lease:
+                    self._release(f.lease)
+        n = tr.hit_chunks
+        if best < n:
+            for gi in self._prefix_groups:
+                if best == 0:
+                    self._release(tr.leases[gi])
+                else:
+                    self._release(tr.leases[gi], tr.hashes[best:n])
+                tr.leased_chunks[gi] = best
+            if best == 0:
+                logger.debug("lmcache-mp: request %s: %d chunks found, but no state within %d boundaries of their end",
+                             tr.req_id, n, self.state_candidates)
+        tr.hit_chunks = best
+        self._count_found(tr)
         return True
 
     def _abandon(self, lookups: Iterable[cf.Future]) -> None:
@@ -317,6 +405,9 @@ class SchedulerCore:
         pending, tr.pending = tr.pending, None
         if pending:
             self._abandon(pending)
+        states, tr.pending_states = tr.pending_states, None
+        if states:
+            self._abandon(f for _, _, f in states)
 
     def _log_hits(self, every: float = 30.0) -> None:
         """One INFO line at most every `every` seconds: how much of what the server could supply
@@ -339,7 +430,7 @@ class SchedulerCore:
         if not tr.hit_chunks or not self._chunk_size:
             return 0
         n = tr.hit_chunks * self._chunk_size - num_computed_tokens
-        n -= n % self.cfg.block_size if n > 0 else 0
+        n -= n % self._block_lcm if n > 0 else 0
         if n <= 0:
             self._drop_lease(tr)  # vLLM already has all of it
             return 0
@@ -366,9 +457,12 @@ class SchedulerCore:
         for gi, g in enumerate(self.groups):
             bs, table = g.block_size, tr.tables[gi]
             bpc = cs // bs
-            if start < 0 or len(table) < hit * bpc:
-                logger.error("lmcache-mp: request %s: %d external tokens do not fit its %d blocks; not loading",
-                             req_id, num_external_tokens, len(table))
+            unfit = start < 0 or len(table) < hit * bpc
+            if not unfit and g.kind == STATE and table[hit * bpc - 1] == self.scratch_block_id:
+                unfit = True  # (vLLM gives the block of the boundary's state a block of its own)
+            if unfit:
+                logger.error("lmcache-mp: request %s: %d external tokens do not fit its %d blocks of group %d; "
+                             "not loading", req_id, num_external_tokens, len(table), g.index)
                 self._drop_lease(tr)
                 # Loads with no chunks: the worker reports these blocks as failed, so the
                 # engine recomputes the tokens it was promised.
@@ -380,7 +474,9 @@ class SchedulerCore:
                 return
             scratch = self.scratch_block_id
             c0 = first
-            if g.transient and scratch is not None:
+            if g.kind == STATE:  # the state at the hit's end alone: it summarises every token before
+                c0 = hit - 1
+            elif g.transient and scratch is not None:
                 # Blocks of tokens the group no longer reads are the scratch block (vLLM's null
                 # block): chunks of nothing else need no load for this group.
                 while c0 < hit and all(b == scratch for b in table[c0 * bpc : (c0 + 1) * bpc]):
@@ -410,7 +506,7 @@ class SchedulerCore:
 
     def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
         self._block_left = self.cfg.lookup_block  # the engine's next step starts its own budget
-        plan = StepPlan(loads=self._pending_loads, preempted=list(preempted))
+        plan = StepPlan(loads=self._pending_loads, preempted=list(preempted), async_loads=self.async_loads)
         self._pending_loads = []
         for rid in plan.preempted:
             tr = self._requests.get(rid)
@@ -436,6 +532,8 @@ class SchedulerCore:
             computed = s.num_computed_tokens + s.num_new_tokens
             limit = len(tr.token_ids) if self.cfg.store_decode else tr.num_prompt_tokens
             end = min(computed, limit, len(tr.token_ids)) // cs
+            if s.boundary_states and client_ok:
+                plan.stores += self._plan_state_stores(tr, s.boundary_states, end)
             if end <= tr.stored_chunks or not client_ok:
                 continue
             stores = self._plan_stores(tr, tr.stored_chunks, end)
@@ -454,6 +552,8 @@ class SchedulerCore:
         scratch = self.scratch_block_id
         out = []
         for gi, g in enumerate(self.groups):
+            if g.kind == STATE:
+                continue  # (stored where the engine names a state: _plan_state_stores)
             bs = g.block_size
             bpc = cs // bs
             table = tr.tables[gi]
@@ -484,6 +584,31 @@ class SchedulerCore:
                 self.pin_blocks(real)
                 self._pins[t.pin] = [real, 0]
             out.append(t)
+        return out
+
+    def _plan_state_stores(self, tr: _Tracked, states: Iterable[tuple[int, int, int]], end: int) -> list[Transfer]:
+        """Stores of the states this step computes at chunk boundaries within the first `end`
+        chunks ((group index, block id, boundary) as the engine names them), each under the key
+        of the chunk that ends at its boundary. The engine frees or reuses such a block from the
+        next step on: it stays pinned until every rank's store is over."""
+        cs, scratch = self._chunk_size, self.scratch_block_id
+        out = []
+        for index, block, boundary in states:
+            gi = next((i for i in self._state_groups if self.groups[i].index == index), None)
+            if gi is None or boundary <= 0 or boundary % cs or boundary // cs > end or block == scratch:
+                continue
+            c = boundary // cs - 1
+            hashes = self._hashes(tr, c + 1, cs)
+            t = Transfer(req_id=tr.req_id, hashes=[hashes[c]], block_ids=[block], group=gi, scratch_block=scratch,
+                         parent=hashes[c - 1] if c else b"")
+            if self.on_store_planned is not None:
+                self.on_store_planned(tr.req_id, gi, c, hashes[c])
+            if self.pin_blocks is not None:
+                t.pin = next(self._pin_ids)
+                self.pin_blocks([block])
+                self._pins[t.pin] = [[block], 0]
+            out.append(t)
+            tr.has_transfers = True
         return out
 
     def stores_settled(self, reports: Mapping[int, int]) -> None:

@@ -47,6 +47,7 @@ from lmcache_mp.integration.connector_core import (
 )
 from lmcache_mp.integration import vllm_requests
 from lmcache_mp.integration.chunk_events import ChunkEvents
+from lmcache_mp.integration.connector_types import STATE
 from lmcache_mp.integration.vllm_specs import kv_groups
 
 try:  # vLLM's hybrid memory allocator: one block table per KV-cache group
@@ -133,8 +134,10 @@ def _served_model_name(vllm_config: "VllmConfig") -> str:
 
 class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefix cache in the lmcache-mp server: loads hits before the forward pass, stores new
-    full prompt chunks after it. Synchronous loads; asynchronous stores. Every KV-cache group of
-    a hybrid model (vLLM's hybrid memory allocator) is stored and loaded in its own namespace."""
+    full prompt chunks after it. Synchronous loads (asynchronous for models with recurrent
+    states: their requests wait until the load is over); asynchronous stores. Every KV-cache
+    group of a hybrid model (vLLM's hybrid memory allocator) is stored and loaded in its own
+    namespace; a state group's states where vLLM names them (boundary_state_offloads)."""
 
     if _HIT_SOURCE is not None:
         _cache_hit_source = _HIT_SOURCE
@@ -307,11 +310,25 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
                 tensors = [t.squeeze(1) if t.dim() == 4 and t.shape[1] == 1 else t for t in tensors]
             return tensors
 
+        def pages(names) -> list:
+            # A state layer's block is a raw page (conv state, SSM state, padding up to the page
+            # size shared with attention): the whole page, as bytes, is what is copied.
+            import torch
+
+            out = []
+            for t in layers(names):
+                t = t[0] if isinstance(t, (list, tuple)) else t
+                size, page = t.element_size(), t.stride(0) * t.element_size()
+                raw = torch.empty(0, dtype=torch.uint8, device=t.device)
+                out.append(raw.set_(t.untyped_storage(), t.storage_offset() * size, (t.shape[0], page), (page, 1)))
+            return out
+
         config = self._kv_cache_config
         if config is None or not getattr(config, "kv_cache_groups", None):
             self._worker.register_kv_caches(layers(kv_caches))
             return
-        per_group = [layers(config.kv_cache_groups[g.index].layer_names) for g in self._groups]
+        per_group = [(pages if g.kind == STATE else layers)(config.kv_cache_groups[g.index].layer_names)
+                     for g in self._groups]
         for g, tensors in zip(self._groups, per_group):
             if not tensors:
                 raise ValueError(f"lmcache-mp: vLLM handed over no KV cache for the layers of group {g.index}")
@@ -329,7 +346,10 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         plan = self._plan()
         if self._worker is None or plan is None or not plan.loads:
             return
-        # Loads are synchronous: vLLM calls this before the forward pass of any step that has
+        if plan.async_loads:  # reported through get_transfer_results once over
+            self._worker.start_async_loads(plan)
+            return
+        # Synchronous loads: vLLM calls this before the forward pass of any step that has
         # them, and the pass must see the bytes.
         self._worker.start_loads(plan)
         self._worker.wait_loads()
@@ -349,7 +369,19 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None, None
         done = self._worker.finished(finished_req_ids)
-        return (done or None), None
+        loaded, _ = self._worker.finished_loads()
+        return (done or None), (loaded or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """As get_finished, with the asynchronous loads that did not load all (vLLM then
+        recomputes those requests: a model of several KV-cache groups cannot be told blocks)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done = self._worker.finished(finished_req_ids)
+        loaded, failed = self._worker.finished_loads()
+        return KVConnectorTransferResults(finished_sending=done, finished_recving=loaded, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -417,7 +449,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             skip_save=vllm_requests.asks(request, vllm_requests.SKIP_SAVE),
             spans=vllm_requests.spans(request),
         )
-        return n, False
+        return n, bool(n) and self._scheduler.async_loads
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         assert self._scheduler is not None
@@ -432,6 +464,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         def tables(req_id: str):  # every group's whole table, where vLLM offers it
             return state.get_block_ids(req_id) if state is not None else None
 
+        offers = dict(getattr(state, "boundary_state_offloads", None) or {})  # states computed this step
+
         scheduled: list[ScheduledRequest] = []
         for new in so.scheduled_new_reqs:
             rid = new.req_id
@@ -442,6 +476,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
                     num_computed_tokens=new.num_computed_tokens,
                     num_new_tokens=so.num_scheduled_tokens.get(rid, 0) - len(spec.get(rid, ())),
                     block_ids=block_ids if block_ids is not None else (new.block_ids or ([],)),
+                    boundary_states=offers.pop(rid, ()),
                 )
             )
         cached = so.scheduled_cached_reqs
@@ -454,8 +489,12 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
                     block_ids=tables(rid),
                     new_block_ids=cached.new_block_ids[i] or None,
                     resumed=rid in cached.resumed_req_ids,
+                    boundary_states=offers.pop(rid, ()),
                 )
             )
+        for rid, states in offers.items():  # states of requests not scheduled in this step
+            scheduled.append(ScheduledRequest(req_id=rid, num_computed_tokens=max(b for _, _, b in states),
+                                              num_new_tokens=0, boundary_states=states))
         plan = self._scheduler.build_plan(scheduled, so.preempted_req_ids or ())
         return LMCacheMPConnectorMetadata(plan)
 

@@ -11,7 +11,15 @@ import weakref
 from typing import Iterable, Sequence
 
 from lmcache_mp.errors import LMCacheMPError, ServerUnavailable
-from lmcache_mp.integration.connector_types import ConnectorConfig, KVGroup, StepPlan, Transfer, group_model_name
+from lmcache_mp.integration.connector_types import (
+    STATE,
+    ConnectorConfig,
+    KVGroup,
+    StepPlan,
+    Transfer,
+    connector_chunk_size,
+    group_model_name,
+)
 from lmcache_mp.integration.link import ClientLink
 
 logger = logging.getLogger(__name__)
@@ -72,6 +80,8 @@ class WorkerCore:
         self._delayed: set[str] = set()  # requests that had a store or load planned
         self._finishing: set[str] = set()
         self._loading: list[tuple[Transfer, cf.Future | None]] = []
+        # req -> its asynchronous loads (transfer, future, when started), until finished_loads
+        self._async_loads: dict[str, list[tuple[Transfer, cf.Future | None, float]]] = {}
         self._load_deadline = 0.0
         self._load_errors: set[int] = set()
         self._store_failure_logged = False
@@ -108,15 +118,19 @@ class WorkerCore:
         if not self._tensors:
             raise RuntimeError("KV caches are not known yet")
         handles, per_block = [], []
+        cs = connector_chunk_size(self.groups, client.chunk_size)
         try:
             for g, model, tensors in zip(self.groups, self.models, self._tensors):
+                state = g.kind == STATE  # a state group's tensors are its pages, one per block (opaque)
                 handle = client.register_kv_cache(
                     tensors,
                     model=model,
                     world_size=self.cfg.world_size,
                     rank=self.rank,
-                    layout=self.layout,
+                    layout="opaque" if state else self.layout,
+                    block_size=g.block_size if state else None,
                     transfer=self.cfg.transfer,
+                    chunk_size=0 if cs == client.chunk_size else cs,
                 )
                 handles.append(handle)
                 per_block.append(self._kernel_blocks_per_block(handle.block_size, g.block_size))
@@ -195,23 +209,60 @@ class WorkerCore:
                     self.link.report_failure(ServerUnavailable("load timed out"))
                 except Exception as exc:  # noqa: BLE001 - any failure is a miss, never a crash
                     self._note_failure(exc, slow=time.monotonic() - t0 > 1.0)
-            n = len(t.hashes)
-            loaded = max(0, min(loaded, n))
-            self.stats["loaded_chunks"] += loaded
-            self.stats["loaded_bytes"] += loaded * (self._handles[t.group].object_bytes if self._handles else 0)
-            self.stats["loads"] += 1
-            if loaded < n or not n:
-                self.stats["failed_load_chunks"] += n - loaded
-                bpc = len(t.block_ids) // n if n else 0
+            if not self._count_load(t, loaded, answered):
+                bpc = len(t.block_ids) // len(t.hashes) if t.hashes else 0
                 self._load_errors.update(b for b in t.block_ids[loaded * bpc :] if b != t.scratch_block)
-                if answered and not self._short_load_logged:  # an answer, shorter than the lookup said
-                    self._short_load_logged = True
-                    logger.warning("lmcache-mp: request %s loaded %d of the %d chunks its lookup found; the rest are "
-                                   "recomputed (the server's log says why; further short loads at debug level)",
-                                   t.req_id, loaded, n)
-                else:
-                    logger.debug("lmcache-mp: request %s loaded %d of %d chunks", t.req_id, loaded, n)
         self.stats["load_seconds"] += time.monotonic() - self._load_started
+
+    def start_async_loads(self, plan: StepPlan) -> None:
+        """Start this step's loads without waiting: their requests wait outside the engine's
+        steps until `finished_loads` reports them (a hybrid model's state must be in its slot
+        before the step that reads it begins, so it is never loaded in the step itself)."""
+        self.start_loads(plan)
+        loading, self._loading = self._loading, []
+        for t, fut in loading:
+            self._async_loads.setdefault(t.req_id, []).append((t, fut, self._load_started))
+
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """(requests whose asynchronous loads are over, those of them that did not load all):
+        a request is reported once every load of it was answered, never before (the server may
+        be writing its blocks until then)."""
+        done, failed = set(), set()
+        for rid, loads in list(self._async_loads.items()):
+            if not all(fut is None or fut.done() for _, fut, _ in loads):
+                continue
+            del self._async_loads[rid]
+            done.add(rid)
+            for t, fut, started in loads:
+                loaded, answered = 0, False
+                if fut is not None:
+                    try:
+                        loaded, answered = int(fut.result().loaded), True
+                    except Exception as exc:  # noqa: BLE001 - any failure is a miss, never a crash
+                        self._note_failure(exc, slow=False)
+                if not self._count_load(t, loaded, answered):
+                    failed.add(rid)
+                self.stats["load_seconds"] += time.monotonic() - started
+        return done, failed
+
+    def _count_load(self, t: Transfer, loaded: int, answered: bool) -> bool:
+        """Count a load's outcome; True when it loaded every chunk it asked for."""
+        n = len(t.hashes)
+        loaded = max(0, min(loaded, n))
+        self.stats["loaded_chunks"] += loaded
+        self.stats["loaded_bytes"] += loaded * (self._handles[t.group].object_bytes if self._handles else 0)
+        self.stats["loads"] += 1
+        if loaded == n and n:
+            return True
+        self.stats["failed_load_chunks"] += n - loaded
+        if answered and not self._short_load_logged:  # an answer, shorter than the lookup said
+            self._short_load_logged = True
+            logger.warning("lmcache-mp: request %s loaded %d of the %d chunks its lookup found; the rest are "
+                           "recomputed (the server's log says why; further short loads at debug level)",
+                           t.req_id, loaded, n)
+        else:
+            logger.debug("lmcache-mp: request %s loaded %d of %d chunks", t.req_id, loaded, n)
+        return False
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -312,7 +363,8 @@ class WorkerCore:
         self._finishing.update(r for r in finished_req_ids if r in self._delayed)
         done = set()
         for rid in self._finishing:
-            if all(f.done() for f in self._stores.get(rid, ())) and all(f.done() for f in self._unsettled.get(rid, ())):
+            if (all(f.done() for f in self._stores.get(rid, ())) and all(f.done() for f in self._unsettled.get(rid, ()))
+                    and rid not in self._async_loads):
                 done.add(rid)
         for rid in done:
             self._reap(self._stores.pop(rid, []))
