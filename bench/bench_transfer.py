@@ -13,7 +13,10 @@ MLA's [blocks, 16, 576]) and block-outermost ones (vLLM's BLNHC: per-layer views
 [blocks, layers, ...] buffer, registered as one packed cache whose blocks move whole). `pages-N`
 is a block-outermost cache of N Llama-3-8B layers (a copy of N x 64 KiB per block): a sweep over
 N measures the copy engines' rate by copy size, which sets the `auto` policy's threshold
-(server/policy.py).
+(server/policy.py). `hybrid-pages-2m` / `hybrid-pages-512k` are a hybrid model's pages (vLLM gives
+attention layers and Mamba / Gated DeltaNet state layers pages of one size, per layer
+`[blocks, page]`, layer after layer): a Qwen3-Next-80B-like 2 MiB page (GDN state of 32 heads of
+128 x 128 fp32) and a smaller model's 512 KiB one; a chunk is one block (a state's boundary).
 
 Every figure is host wall time from submission to completion, median of --repeat runs, shown
 as GB/s and as a ratio to (a) of the same direction. Destinations are checked byte-exact after
@@ -49,6 +52,9 @@ LAYOUTS = {
     # block-outermost (vLLM BLNHC): a block's page of each layer is [tokens, heads, K+V] / [tokens, dim]
     "llama3-8b-packed": dict(kind="packed", layers=32, page=(16, 8, 256), block_size=16),
     "mla-packed": dict(kind="packed", layers=61, page=(16, 576), block_size=16),
+    # hybrid models: per-layer opaque pages, one block per chunk (bytes per page)
+    "hybrid-pages-2m": dict(kind="pages", layers=12, page=2 << 20, block_size=256),
+    "hybrid-pages-512k": dict(kind="pages", layers=12, page=512 << 10, block_size=256),
 }
 
 
@@ -69,7 +75,7 @@ class Bench:
         self.bpc = CHUNK // bs
         nb = 2 * max_chunks * self.bpc + 8
         g = torch.Generator(device="cuda").manual_seed(1)
-        self.whole = None
+        self.whole = self.pages = None
         if cfg["kind"] == "packed":
             self.whole = torch.empty((nb, cfg["layers"], *cfg["page"]), dtype=torch.bfloat16, device="cuda")
             self.whole.view(torch.int16).random_(generator=g)
@@ -79,6 +85,12 @@ class Bench:
                                      "mla" if t.dim() == 3 else "opaque", block_size=bs)
             # one layer: its own block is the span
             self.spec = pack_layers(per_layer, [v.data_ptr() - t.data_ptr() for v in self.kv]) or per_layer
+        elif cfg["kind"] == "pages":  # [layers, blocks, page] as vLLM lays out a hybrid's pages
+            self.pages = torch.empty((cfg["layers"], nb, cfg["page"] // 2), dtype=torch.bfloat16, device="cuda")
+            self.pages.view(torch.int16).random_(generator=g)
+            self.kv = [self.pages[i] for i in range(cfg["layers"])]
+            t = self.kv[0]
+            self.spec = infer_layout(t.shape, t.stride(), 2, "bfloat16", len(self.kv), "opaque", block_size=bs)
         else:
             shape = (2, nb, bs, cfg["heads"], cfg["head_size"]) if cfg["kind"] == "mha" else (nb, bs, cfg["dim"])
             self.kv = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(cfg["layers"])]
@@ -113,7 +125,7 @@ class Bench:
         self.engine = None
         for o in self.offs_a + self.offs_b:
             self.arena.free(o)
-        self.kv = None
+        self.kv = self.pages = None
         torch.cuda.empty_cache()
 
     # ---- verification (on the GPU, against torch indexing) -----------------------------------
@@ -277,7 +289,7 @@ def gemm_interference(b: Bench, arm_fn, iters: int = 30, rounds: int = 3) -> tup
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--layouts", default=",".join(n for n in LAYOUTS if not n.startswith("hybrid")))
     ap.add_argument("--chunks", default="1,8,64")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="fewer repeats, random ids only")
@@ -299,6 +311,8 @@ def main() -> int:
     print(f"# {env['gpu']}, torch {env['torch']}, CUDA runtime {env['cuda_runtime']}, driver {env['driver']}")
     results, failures = [], []
     def chunk_bytes(cfg):
+        if cfg["kind"] == "pages":
+            return cfg["layers"] * cfg["page"] * (CHUNK // cfg["block_size"])
         if cfg["kind"] == "packed":
             width = int(np.prod(cfg["page"][1:]))
         else:

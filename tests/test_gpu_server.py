@@ -360,3 +360,38 @@ def test_a_tenants_copies_on_the_gpu_go_through_its_window(tmp_path):
         log.close()
     text = (tmp_path / "server.log").read_text()
     assert code == 0 and "Traceback" not in text, text[-6000:]
+
+
+@pytest.mark.parametrize("transfer", TRANSFERS)
+def test_hybrid_pages_of_attention_and_state_groups_round_trip_exact(cuda_server, transfer):
+    """A hybrid model's cache as vLLM lays it out: one buffer of [layers, blocks, page] whose
+    pages serve an attention group and a state group (each block belongs to one of them at a
+    time), each group a registration of opaque pages with chunks of one block (a state's
+    boundary). 64 blocks of each group go out and come back into other blocks, byte exact."""
+    import torch
+
+    from lmcache_mp import Client, chunk_hashes
+
+    layers, blocks, page, block_size = 4, 256, 256 << 10, 544
+    buf = torch.empty((layers, blocks, page), dtype=torch.uint8, device="cuda")
+    buf.view(torch.int32).random_()
+    views = [buf[i] for i in range(layers)]
+    with Client(cuda_server) as client:
+        handles = [client.register_kv_cache(views, model=f"hybrid#{group}", layout="opaque", block_size=block_size,
+                                            chunk_size=block_size, transfer=transfer) for group in ("attn", "state")]
+        assert all(h.chunk_size == block_size and h.object_bytes == layers * page for h in handles)
+        rng = np.random.default_rng(3)
+        ids = rng.permutation(blocks)
+        for g, h in enumerate(handles):  # each group's blocks: its own quarter of the pool, out and back
+            src, dst = ids[g * 64:(g + 1) * 64].tolist(), ids[128 + g * 64:128 + (g + 1) * 64].tolist()
+            hashes = chunk_hashes(rng.integers(0, 50000, 64 * block_size), block_size)
+            want = buf[:, src].clone()
+            torch.cuda.synchronize()
+            assert client.store(h, hashes, src).result(60).stored == 64
+            buf[:, dst] = 0
+            torch.cuda.synchronize()
+            assert client.retrieve(h, hashes, dst).result(60).loaded == 64
+            torch.cuda.synchronize()
+            assert torch.equal(buf[:, dst], want)
+        for h in handles:
+            client.unregister_kv_cache(h)
