@@ -1165,3 +1165,49 @@ def test_multimodal_spans_key_the_chunks_from_their_first_placeholder_on(server,
     assert matched(a.sched, "text", toks, 0) == 2 * CS
     for rid in ("cat again", "dog", "text"):
         a.sched.request_finished(rid)
+
+
+# ---- recurrent states (Mamba2 / Gated DeltaNet groups) ---------------------------------------------
+
+STATES = [KVGroup(0, "state", BS, detail="GDN"), KVGroup(1, "state", BS, detail="GDN"), KVGroup(2, "full", BS)]
+
+
+def test_a_hybrid_hit_ends_at_the_deepest_boundary_every_state_group_has(server, engines):
+    """States are stored where the engine names a boundary state (chunks of one block), and a
+    hit ends at the deepest boundary below the attention hit where every state group has one:
+    there the attention chunks load in full and each state group loads that one block."""
+    a = engines(server.url, groups=STATES)
+    both, split = prompt(70, 8 * BS), prompt(71, 8 * BS)
+    for rid, toks, named in (("both", both, [(0, 3), (0, 6), (1, 3), (1, 6)]), ("split", split, [(0, 6), (1, 3)])):
+        assert matched(a.sched, rid, toks, 0) == 0
+        tables = tuple(a.alloc(8) for _ in STATES)
+        a.sched.on_allocated(rid, tables, 0)
+        offers = [(g, tables[g][b - 1], b * BS) for g, b in named]
+        plan = a.sched.build_plan([ScheduledRequest(rid, 0, 8 * BS, tables, boundary_states=offers)])
+        assert plan.async_loads  # (a state must land before the step that reads it: vLLM waits)
+        states = sorted((t.group, t.block_ids[0]) for t in plan.stores if t.group < 2)
+        assert states == sorted((g, tables[g][b - 1]) for g, b in named)
+        assert +a.pinned == collections.Counter(blk for _, blk in states)  # until stored
+        a.execute(plan, compute=[(toks, tables[g], 0, 8 * BS, g) for g in range(3)])
+        a.settle_pins()
+        assert not +a.pinned
+        a.finish(rid)
+
+    b = engines(server.url, groups=STATES)
+    # "both": the attention hit is 7 blocks (never the last token), the deepest state is at 6.
+    assert matched(b.sched, "both", both, 0) == 6 * BS
+    tables = tuple(b.alloc(8) for _ in STATES)
+    b.sched.on_allocated("both", tables, 6 * BS)
+    plan = b.sched.build_plan([ScheduledRequest("both", 6 * BS, 2 * BS, tables)])
+    assert sorted((t.group, len(t.hashes), t.block_ids[-1]) for t in plan.loads) == [
+        (0, 1, tables[0][5]), (1, 1, tables[1][5]), (2, 6, tables[2][5])]
+    b.execute(plan)
+    assert b.load_errors == set()
+    assert b.check(both, tables[2], 6 * BS, group=2)
+    assert all(b.check(both, tables[g], 6 * BS, group=g, start_block=5) for g in (0, 1))
+    b.finish("both")
+    # "split": no boundary where both state groups have a state: a miss, and no lease is left.
+    assert matched(b.sched, "split", split, 0) == 0
+    b.sched.request_finished("split")
+    b.sched.flush_releases(5)
+    assert leases(server) == 0

@@ -142,3 +142,43 @@ def test_one_server_serves_a_dense_model_and_two_hybrids_of_other_block_sizes(wo
         assert len({blocks["qwen3_next"], blocks["nemotron_h"], blocks["llama"]}) == 3, blocks
     finally:
         server.stop()
+
+
+def test_two_tenants_hybrid_chunks_and_states_stay_apart(workdir, prompts):
+    """On a server with tenants, bob's engine finds none of alice's attention chunks or states
+    (his A misses as alice's did; his B finds only his own A), while alice's next engine loads
+    both prompts."""
+    from lmcache_mp.server.cli import main as cli_main
+
+    arch = "nemotron_h"
+    model = make_hybrid(workdir / f"tenants-{arch}", arch)
+    keys = workdir / "hybrid-tenant-keys"
+    assert cli_main(["keygen", str(keys)]) == 0
+    for name in ("alice", "bob"):
+        assert cli_main(["keygen", str(keys), "--client", name]) == 0
+    tenants = workdir / "hybrid-tenants.toml"
+    tenants.write_text(f'[tenants.alice]\ncurve_keys = ["{keys}/clients/alice.key"]\n'
+                       f'[tenants.bob]\ncurve_keys = ["{keys}/clients/bob.key"]\n')
+    server = ServerProcess(free_port(), workdir / "hybrid-tenants-server.log", "--tenants", str(tenants),
+                           "--curve-secret-key", f"{keys}/server.key_secret", "--http-addr", "off",
+                           client_kw=dict(curve_server_key=f"{keys}/server.key",
+                                          curve_client_key=f"{keys}/client-secret/bob.key_secret"))
+
+    def as_(name: str) -> list[str]:
+        return ["--extra-config", f'{{"lmcache_mp.curve_server_key": "{keys}/server.key", '
+                                  f'"lmcache_mp.curve_client_key": "{keys}/client-secret/{name}.key_secret"}}']
+
+    run = Runner(workdir, model)
+    args = [*COMMON, *HYBRIDS[arch]]
+    try:
+        alice = run("hybrid_alice", prompts, server.url, *args, *as_("alice"))
+        bs = alice["block_size"]
+        assert alice["num_cached_tokens"] == [0, replay_boundary(len(prompts[0]), bs)]
+        bob = run("hybrid_bob", prompts, server.url, *args, *as_("bob"))
+        assert bob["num_cached_tokens"] == alice["num_cached_tokens"]
+        assert bob["outputs"] == alice["outputs"]
+        again = run("hybrid_alice_again", prompts, server.url, *args, *as_("alice"))
+        assert again["num_cached_tokens"] == [replay_boundary(len(p), bs) for p in prompts]
+        assert again["outputs"] == alice["outputs"]
+    finally:
+        server.stop()
