@@ -78,6 +78,7 @@ class SchedulerCore:
         # attention hit looked at, from the deepest down.
         self.state_candidates = 4
         self._block_lcm = math.lcm(*(g.block_size for g in self.groups))
+        self._no_state_logged = False
         self.link = link or ClientLink(
             config.url,
             name="lmcache-mp scheduler",
@@ -383,9 +384,12 @@ class SchedulerCore:
                 else:
                     self._release(tr.leases[gi], tr.hashes[best:n])
                 tr.leased_chunks[gi] = best
-            if best == 0:
-                logger.debug("lmcache-mp: request %s: %d chunks found, but no state within %d boundaries of their end",
-                             tr.req_id, n, self.state_candidates)
+            if best == 0:  # (why a hybrid gets no hit: said once at INFO)
+                (logger.debug if self._no_state_logged else logger.info)(
+                    "lmcache-mp: request %s: %d chunks found, but no boundary within the last %d of them where every "
+                    "state group has a state: a miss (vLLM keeps one state per prompt, at its last block boundary)",
+                    tr.req_id, n, self.state_candidates)
+                self._no_state_logged = True
         tr.hit_chunks = best
         self._count_found(tr)
         return True
