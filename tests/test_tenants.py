@@ -607,6 +607,48 @@ def test_curve_tenants_get_the_local_lane_and_engine_side_copies_through_their_t
     b.unregister_kv_cache(h_b)
 
 
+def _lane_lookup(sock, req_id: int, hashes) -> int:
+    """A lookup sent on a raw lane connection: its hits (EOFError: the server closed the connection)."""
+    from lmcache_mp import protocol as p
+
+    try:
+        sock.send(p.pack_lane(req_id, p.encode(p.Lookup(client_id=b"c" * 16, model="m", world_size=1,
+                                                          hashes=b"".join(hashes)))))
+        data = sock.recv(p.LANE_MAX_BYTES)
+    except (BrokenPipeError, ConnectionResetError):  # (closed already, or with the request unread)
+        raise EOFError from None
+    if not data:
+        raise EOFError
+    return p.decode_reply(p.unpack_lane(data)[2]).hits
+
+
+def test_a_lane_connection_claims_a_tenant_only_with_its_first_datagram(tmp_path, keys, setups):
+    """A lane connection that spoke as one tenant never becomes another: a later claim, even with
+    a valid ticket, closes it (unanswered) and is audited."""
+    import socket as socket_
+
+    from lmcache_mp import protocol as p
+
+    s = setups(tmp_path, keys, url=f"ipc://{tmp_path}/srv.sock")
+    a, b = s.client("client"), s.client("b")
+    for who, seed in ((a, 1), (b, 2)):
+        _, h, _, hashes, ids = engine_of(who, seed=seed, chunks=2)
+        assert who.store(h, hashes, ids).result().stored == 2
+    hashes_a, hashes_b = (chunk_hashes(w.prompt(seed, 2), CHUNK) for seed in (1, 2))
+    sock = socket_.socket(socket_.AF_UNIX, socket_.SOCK_SEQPACKET)
+    sock.connect(a.server_info["lane"])
+    sock.settimeout(30)
+    sock.send(p.pack_lane(0, p.encode(p.LaneClaim(ticket=a.server_info["lane_ticket"]))))  # first: taken
+    assert _lane_lookup(sock, 1, hashes_a) == 2 and _lane_lookup(sock, 2, hashes_b) == 0  # alice's namespace
+    sock.send(p.pack_lane(0, p.encode(p.LaneClaim(ticket=b.server_info["lane_ticket"]))))  # bob's, later
+    with pytest.raises(EOFError):
+        _lane_lookup(sock, 3, hashes_b)
+    sock.close()
+    refused = [e for e in s.audit_lines() if e["event"] == "connection_refused" and e["transport"] == "lane"]
+    assert len(refused) == 1 and "first datagram" in refused[0]["reason"] and refused[0]["tenant"] == "alice"
+    assert a.lookup(hashes_a, model="m").hits == 2 and b.lookup(hashes_b, model="m").hits == 2  # both served on
+
+
 def test_a_server_without_tenants_lets_no_client_name_a_tenants_namespace(tmp_path):
     # (one that shares an L1 file or an L2 tier with a server with tenants must not open it to its clients)
     with Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="16MiB", chunk_size=CHUNK,

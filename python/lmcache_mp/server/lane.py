@@ -34,7 +34,7 @@ MAX_CONNECTIONS = 4096  # beyond this, new connections are closed at once (those
 class LaneConn:
     """One client's connection. Sends come from any thread; the lock keeps a send off a closed fd."""
 
-    __slots__ = ("sock", "fd", "_lock", "_open", "_peer", "credential")
+    __slots__ = ("sock", "fd", "_lock", "_open", "_peer", "credential", "claimable")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -43,6 +43,9 @@ class LaneConn:
         self._open = True
         self._peer = None
         self.credential: str | None = None  # with tenants: the peer's (uid:N or gid:N), read at accept
+        # A ticket may be claimed only by the connection's first datagram: once a connection has
+        # spoken as one tenant it never speaks as another (Transport._handle_lane).
+        self.claimable = True
 
     @property
     def peer(self) -> tuple[int, int, int]:
@@ -158,6 +161,22 @@ class Lane:
         self._tenancy.audit.write("connection_accepted", tenant=state.name, transport="lane", peer=peer,
                                   fingerprint=credential_fingerprint(cred), by=how)
         return True
+
+    def refuse_late_claim(self, conn: LaneConn) -> bool:
+        """A claim after the connection's first datagram: refused and audited (False; the caller
+        closes the connection, as for a bad ticket)."""
+        from lmcache_mp.server.tenants import credential_fingerprint
+
+        pid, uid, gid = conn.peer
+        peer = f"pid {pid} uid {uid} gid {gid}"
+        state = self._tenancy.state_of(conn.credential) if conn.credential else None
+        self._refusals.refused("late claim", f"a local-lane connection of {peer} claimed a ticket after its first "
+                               "datagram (a claim must come first); closed it")
+        fp = credential_fingerprint(conn.credential or self._tenancy.peer_credential(uid, gid))
+        self._tenancy.audit.refused(fp, transport="lane", peer=peer, fingerprint=fp,
+                                    tenant=state.name if state is not None else "",
+                                    reason="lane claim after the connection's first datagram")
+        return False
 
     def drop(self, conn: LaneConn) -> None:
         if conn in self.conns:

@@ -210,6 +210,7 @@ class Transport:
         return True
 
     def _handle_lane(self, conn: LaneConn, datagram: bytes) -> None:
+        first, conn.claimable = conn.claimable, False  # (any datagram, a malformed one too)
         try:
             req_id, traced, body = p.unpack_lane(datagram)
         except ValueError:
@@ -224,7 +225,9 @@ class Transport:
         except p.FrameError:
             msg = None
         if type(msg) is p.LaneClaim:  # (no reply: a claim that fails closes the connection)
-            if not self.lane.claim(conn, self.tenancy.ticket_credential(msg.ticket)):
+            claimed = (self.lane.claim(conn, self.tenancy.ticket_credential(msg.ticket)) if first
+                       else self.lane.refuse_late_claim(conn))
+            if not claimed:
                 self.lane.drop(conn)
             return
         if conn.credential is None or not self._admit(reply, conn.credential):
