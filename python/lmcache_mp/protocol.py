@@ -394,6 +394,9 @@ class EventsReply(_Msg, tag=int(Op.EVENTS)):
     next: int  # where the next request should start (events scanned up to here)
     models: list[str]
     events: list[ChunkEvent]
+    # indices into models that are the shared namespace's (a tenant that reads it: its chunks are
+    # hits of this tenant's lookups too), named as the tenant names the model
+    shared: list[int] = []
 
 
 Reply = Union[

@@ -52,6 +52,7 @@ from lmcache_mp.storage.l1_journal import L1Journal
 from lmcache_mp.storage.l2.tiers import L2Tiers
 from lmcache_mp.storage.tenant_quotas import SEP, L1Quotas
 from lmcache_mp.server.tenancy import Tenancy, TenantState, shown
+from lmcache_mp.server.tenants import SHARED
 from lmcache_mp.server.tenant_handling import TenantHandling
 
 logger = logging.getLogger(__name__)
@@ -241,7 +242,11 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
     def _events_since(self, msg: p.Events, reply: Reply) -> None:
         self._touch(check.client_id(msg.client_id, required=False))
         tenant = getattr(reply, "tenant", None)
-        reply(event_feed.answer(self.events, self.session_id, msg, tenant.prefix if tenant is not None else ""))
+        if tenant is None:
+            reply(event_feed.answer(self.events, self.session_id, msg))
+        else:  # its own namespace's events, and the shared namespace's where it reads them
+            reply(event_feed.answer(self.events, self.session_id, msg, tenant.prefix,
+                                    SHARED + SEP if tenant.tenant.reads_shared else ""))
 
     def _clear(self, msg: p.Clear, reply: Reply) -> None:
         self._bulk.submit(self._job(reply, lambda: reply(p.ClearReply(removed=self.clear()))))

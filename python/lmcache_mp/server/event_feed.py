@@ -16,22 +16,29 @@ def check(msg: p.Events) -> None:
         raise invalid(f"since must not be negative and max_events in [1, {p.MAX_EVENTS}]")
 
 
-def answer(log: EventLog, session_id: bytes, msg: p.Events, prefix: str = "") -> p.EventsReply:
+def answer(log: EventLog, session_id: bytes, msg: p.Events, prefix: str = "", shared: str = "") -> p.EventsReply:
     """Scans at most max_events events (fewer are returned when the filter drops some); `next`
     says where the scan stopped. prefix: a tenant's (server/tenancy.py): only its namespace's
-    events, its models named as its clients name them."""
+    events, its models named as its clients name them. shared: the shared namespace's prefix, for
+    a tenant that reads it: its events too (they are hits of the tenant's lookups), each model named
+    as the tenant's clients name it and listed in the reply's `shared`."""
     check(msg)
     first, nxt, events = log.read(msg.since, msg.max_events)
     if events:
         nxt = events[-1][0] + 1
     wanted = set(msg.models)
+    if shared and wanted:  # (msg.models are the tenant's scoped names: the shared namespace's of the same)
+        wanted |= {shared + m[len(prefix):] for m in msg.models}
     index: dict[str, int] = {}
     out = []
     for seq, kind, key in events:
-        if wanted and key.model not in wanted or prefix and not key.model.startswith(prefix):
+        model = key.model
+        if wanted and model not in wanted or prefix and not (
+                model.startswith(prefix) or shared and model.startswith(shared)):
             continue
-        i = index.setdefault(key.model, len(index))
+        i = index.setdefault(model, len(index))
         out.append(p.ChunkEvent(seq=seq, kind=kind, model=i, world_size=key.world_size, rank=key.rank,
                                 digest=key.digest, salt=key.salt))
-    models = [m[len(prefix):] for m in index] if prefix else list(index)
-    return p.EventsReply(session_id=session_id, first=first, next=nxt, models=models, events=out)
+    models = [m[len(shared if shared and m.startswith(shared) else prefix):] for m in index] if prefix else list(index)
+    from_shared = [i for i, m in enumerate(index) if shared and m.startswith(shared)]
+    return p.EventsReply(session_id=session_id, first=first, next=nxt, models=models, events=out, shared=from_shared)
