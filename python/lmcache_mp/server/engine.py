@@ -154,6 +154,10 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
             return None
         from lmcache_mp.storage.l2.codec import CodecTier
 
+        if config.tenants:  # per-tenant caps on the shared tiers (the tenants file's l2_valkey_max, l2_mooncake_max)
+            from lmcache_mp.storage.l2.tenant_caps import TenantCapped
+
+            tiers = [t if getattr(t, "local", True) else TenantCapped(t) for t in tiers]
         codecs = {"disk": config.l2_disk_codec, "valkey": config.l2_redis_codec, "mooncake": config.l2_mooncake_codec}
         tiers = [CodecTier(t, codecs.get(t.name, "none")) for t in tiers]
         return L2Tiers(tiers, self.l1, writes=writes, admit=config.l2_admit,

@@ -103,7 +103,7 @@ def _tenant_metrics(tenants: dict):
         for name, t in tenants.items():
             g.add_metric([name], value(t))
         yield g
-    tenants = {name: t for name, t in tenants.items() if "limits" in t}  # ("shared" has L1 figures only)
+    tenants = {name: t for name, t in tenants.items() if "limits" in t}
     gauges = (("l1_min_bytes", "L1 bytes no other tenant's stores may evict (l1_min)", lambda t: t["limits"]["l1_min"]),
               ("l1_max_bytes", "L1 bytes beyond which the tenant evicts its own chunks (l1_max; 0: none)",
                lambda t: t["limits"]["l1_max"]),
@@ -111,8 +111,24 @@ def _tenant_metrics(tenants: dict):
                lambda t: t["l1"]["bytes"] / t["limits"]["l1_max"] if t["limits"]["l1_max"] else 0.0),
               ("l2_disk_bytes", "bytes of the tenant's files on the L2 disk tier", lambda t: t["l2_disk_bytes"]),
               ("l2_disk_max_bytes", "the tenant's cap on the L2 disk tier (l2_disk_max; 0: none)",
-               lambda t: t["limits"]["l2_disk_max"]),
-              ("inflight", "the tenant's requests in flight", lambda t: t["inflight"]),
+               lambda t: t["limits"]["l2_disk_max"]))
+    for suffix, help_, value in gauges:
+        g = GaugeMetricFamily(f"lmcache_mp_tenant_{suffix}", help_, labels=["tenant"])
+        for name, t in tenants.items():
+            g.add_metric([name], value(t))
+        yield g
+    tiers = (("l2_tier_bytes", "bytes of the tenant's objects this node wrote to a shared L2 tier (capped tenants)",
+              lambda t, tier: t["l2_tiers"][tier]),
+             ("l2_tier_max_bytes", "the tenant's cap on a shared L2 tier from this node (l2_valkey_max, "
+              "l2_mooncake_max; 0: none)", lambda t, tier: t["limits"][f"l2_{tier}_max"]))
+    for suffix, help_, value in tiers:
+        g = GaugeMetricFamily(f"lmcache_mp_tenant_{suffix}", help_, labels=["tenant", "tier"])
+        for name, t in tenants.items():
+            for tier in t.get("l2_tiers", {}):
+                g.add_metric([name, tier], value(t, tier))
+        yield g
+    owners, tenants = tenants, {name: t for name, t in tenants.items() if "inflight" in t}  # (shared: no requests)
+    gauges = (("inflight", "the tenant's requests in flight", lambda t: t["inflight"]),
               ("registrations", "the tenant's registered KV caches", lambda t: t["registrations"]))
     for suffix, help_, value in gauges:
         g = GaugeMetricFamily(f"lmcache_mp_tenant_{suffix}", help_, labels=["tenant"])
@@ -122,17 +138,20 @@ def _tenant_metrics(tenants: dict):
     counters = (("requests", "requests of the tenant", lambda t: t["requests"]),
                 ("denied", "requests refused: not allowed, or over a limit of the tenant", lambda t: t["denied"]),
                 ("lookup_chunks", "chunks the tenant's lookups asked for", lambda t: t["lookup_chunks"]),
-                ("hit_chunks", "chunks the tenant's lookups found", lambda t: t["hit_chunks"]),
-                ("store_skipped_chunks", "chunks of the tenant's stores not placed (its l1_max, or no room)",
-                 lambda t: t["l1"]["skipped"]))
+                ("hit_chunks", "chunks the tenant's lookups found", lambda t: t["hit_chunks"]))
     for suffix, help_, value in counters:
         c = CounterMetricFamily(f"lmcache_mp_tenant_{suffix}", help_, labels=["tenant"])
         for name, t in tenants.items():
             c.add_metric([name], value(t))
         yield c
+    c = CounterMetricFamily("lmcache_mp_tenant_store_skipped_chunks", "chunks of the tenant's stores not placed (its "
+                            "l1_max, or no room)", labels=["tenant"])
+    for name, t in owners.items():
+        c.add_metric([name], t["l1"]["skipped"])
+    yield c
     c = CounterMetricFamily("lmcache_mp_tenant_evicted", "the tenant's chunks evicted from L1, by cause (pressure: "
                             "another store needed room; l1_max: its own cap)", labels=["tenant", "cause"])
-    for name, t in tenants.items():
+    for name, t in owners.items():
         for cause, n in t["l1"]["evicted"].items():
             c.add_metric([name, cause], n)
     yield c

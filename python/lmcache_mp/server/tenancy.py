@@ -31,8 +31,8 @@ from typing import Callable
 
 from lmcache_mp import protocol as p
 from lmcache_mp.server import validation as check
-from lmcache_mp.server.tenants import (SHARED, Tenant, TenantsFileError, TenantTable, credential_fingerprint,
-                                       load_tenants)
+from lmcache_mp.server.tenants import (SHARED, SharedLimits, Tenant, TenantsFileError, TenantTable,
+                                       credential_fingerprint, load_tenants)
 from lmcache_mp.server.validation import RequestFailure
 from lmcache_mp.storage.tenant_quotas import SEP
 
@@ -104,6 +104,7 @@ class Tenancy:
         self.table = load_tenants(path)
         self._apply(self.table)
         self.on_limits: Callable[[TenantState], None] | None = None  # (state) limits changed: L1 quotas
+        self.on_shared_limits: Callable[[SharedLimits], None] | None = None  # the [shared] table's, at each load
         self.on_revoked: Callable[[str, list[bytes]], None] | None = None  # (credential, clients) to forget
         logger.info("tenants: %d from %s (%s)", len(self.table), path, ", ".join(self.table.tenants))
 
@@ -205,6 +206,8 @@ class Tenancy:
         for state in self.states():
             if self.on_limits is not None:
                 self.on_limits(state)
+        if self.on_shared_limits is not None:
+            self.on_shared_limits(table.shared)
         for cred, clients in gone.items():
             owner = old.credentials().get(cred, "")
             self.audit.write("credential_revoked", tenant=owner, fingerprint=credential_fingerprint(cred),

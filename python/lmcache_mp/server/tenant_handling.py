@@ -9,6 +9,7 @@ from typing import Callable
 from lmcache_mp import protocol as p
 from lmcache_mp.server.replies import Reply
 from lmcache_mp.server.tenancy import Tenancy, TenantState
+from lmcache_mp.server.tenants import SHARED, SHARED_FIELDS, SharedLimits, Tenant
 from lmcache_mp.server.validation import RequestFailure
 from lmcache_mp.storage.tenant_quotas import CAUSES
 
@@ -40,20 +41,28 @@ class TenantHandling:
         removed by a reload loses its lane connections and its clients' leases and registrations."""
         self.tenancy = tenancy
 
-        def limits(state: TenantState) -> None:
-            self.l1.set_quota(state.name, state.tenant.l1_min, state.tenant.l1_max)
+        def quotas(name: str, q: Tenant | SharedLimits) -> None:
+            self.l1.set_quota(name, q.l1_min, q.l1_max)
             if self.l2 is not None:
-                self.l2.set_disk_quota(state.name, state.tenant.l2_disk_max)
+                self.l2.set_disk_quota(name, q.l2_disk_max)
+                self.l2.set_tier_quota("valkey", name, q.l2_valkey_max)
+                self.l2.set_tier_quota("mooncake", name, q.l2_mooncake_max)
+
+        def limits(state: TenantState) -> None:
+            quotas(state.name, state.tenant)
 
         def revoked(credential: str, clients: list[bytes]) -> None:
             revoke_lane(credential)
             self._bulk.submit(lambda: [self._forget_client(c) for c in clients])
 
         tenancy.on_limits, tenancy.on_revoked = limits, revoked
+        # the shared namespace's chunks are owned by "shared" in L1 and the tiers: its quotas are a tenant's
+        tenancy.on_shared_limits = lambda shared: quotas(SHARED, shared)
         self.l1.quotas.on_breach = lambda name, quota, used, limit: tenancy.audit.breach(
             name, quota, bytes=used, limit=limit)
         for state in tenancy.states():
             limits(state)
+        quotas(SHARED, tenancy.table.shared)
 
     def tenants_status(self) -> dict[str, dict]:
         """Per tenant: its limits, L1 share, requests and registrations."""
@@ -61,22 +70,30 @@ class TenantHandling:
             return {}
         l1 = self.l1.quota_stats()
         disk = self.l2.disk_tenant_bytes() if self.l2 is not None else {}
+        # the shared tiers' bytes this node wrote for capped tenants (storage/l2/tenant_caps.py)
+        remote = {tier: got for tier in ("valkey", "mooncake")
+                  if self.l2 is not None and (got := self.l2.tier_tenant_bytes(tier)) is not None}
+        empty = {"bytes": 0, "objects": 0, "evicted": dict.fromkeys(CAUSES, 0), "skipped": 0}
         with self._lock:
             models = [e.ctx.reg.model for e in self._entries.values()]
         out = {}
         for state in self.tenancy.states():
             t = state.tenant
             out[state.name] = {
-                "l1": l1.get(state.name, {"bytes": 0, "objects": 0, "evicted": dict.fromkeys(CAUSES, 0), "skipped": 0}),
+                "l1": l1.get(state.name, empty),
                 "l2_disk_bytes": disk.get(state.name, 0),
+                "l2_tiers": {tier: got.get(state.name, 0) for tier, got in remote.items()},
                 "limits": {"l1_min": t.l1_min, "l1_max": t.l1_max, "l2_disk_max": t.l2_disk_max,
+                           "l2_valkey_max": t.l2_valkey_max, "l2_mooncake_max": t.l2_mooncake_max,
                            "max_registrations": t.max_registrations, "max_inflight": t.max_inflight,
                            "shared": t.shared},
                 "inflight": state.inflight, "registrations": sum(m.startswith(state.prefix) for m in models),
                 **state.counters,
             }
-        if "shared" in l1:
-            out["shared"] = {"l1": l1["shared"]}
+        q = self.tenancy.table.shared  # the shared namespace: its chunks and its own quotas ([shared])
+        out[SHARED] = {"l1": l1.get(SHARED, empty), "l2_disk_bytes": disk.get(SHARED, 0),
+                       "l2_tiers": {tier: got.get(SHARED, 0) for tier, got in remote.items()},
+                       "limits": {k: getattr(q, k) for k in SHARED_FIELDS}}
         return out
 
     def _tenant_view(self, tenant: TenantState) -> dict:

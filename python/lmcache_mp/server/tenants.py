@@ -2,9 +2,11 @@
 
 Each `[tenants.NAME]` table names a tenant, its credentials (CURVE public keys, given inline in
 z85 or as zmq public-key files relative to the tenants file's folder; Unix uids and gids of local
-processes) and its limits. `load_tenants` reads and checks the whole file up front, so that a
-mistake stops the server at start with a `<file>:<line>: tenants.<name>.<field>: ...` message
-rather than surfacing later as a refused client.
+processes) and its limits; a `[shared]` table gives the shared namespace quotas of its own (it
+has no credentials: tenants with `shared = "write"` store into it). `load_tenants` reads and
+checks the whole file up front, so that a mistake stops the server at start with a
+`<file>:<line>: tenants.<name>.<field>: ...` message rather than surfacing later as a refused
+client.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ SHARED = "shared"
 SHARED_MODES = ("none", "read", "write")
 DEFAULTS: dict[str, Any] = {
     "curve_keys": [], "uids": [], "gids": [], "shared": "none", "l1_min": 0, "l1_max": 0, "l2_disk_max": 0,
+    "l2_valkey_max": 0, "l2_mooncake_max": 0,
     "max_registrations": 64, "max_inflight": 1024, "admin": False, "engine_window": 256 << 20,
 }
+# What a [shared] table may set: the shared namespace's own quotas, enforced as a tenant's are.
+SHARED_FIELDS = ("l1_min", "l1_max", "l2_disk_max", "l2_valkey_max", "l2_mooncake_max")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _KEY_PART = re.compile(r"""\s*(?:([A-Za-z0-9_-]+)|"((?:[^"\\]|\\.)*)"|'([^']*)')\s*""")
 _TOML_POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
@@ -48,6 +53,8 @@ class Tenant:
     max_inflight: int
     admin: bool
     engine_window: int = 256 << 20  # shared memory its processes map for engine-side copies (tenant_windows.py)
+    l2_valkey_max: int = 0  # caps on the shared tiers' objects this node wrote for it (storage/l2/tenant_caps.py)
+    l2_mooncake_max: int = 0
 
     @property
     def reads_shared(self) -> bool:
@@ -58,14 +65,26 @@ class Tenant:
         return self.shared == "write"
 
 
+@dataclass(frozen=True)
+class SharedLimits:
+    """The shared namespace's quotas (the file's [shared] table; 0: none), as a tenant's."""
+
+    l1_min: int = 0
+    l1_max: int = 0
+    l2_disk_max: int = 0
+    l2_valkey_max: int = 0
+    l2_mooncake_max: int = 0
+
+
 class TenantsFileError(ValueError):
     """A bad tenants file: '<file>:<line>: tenants.<name>.<field>: <what is wrong and what is expected>'."""
 
 
 class TenantTable:
-    def __init__(self, path: str, tenants: dict[str, Tenant]):
+    def __init__(self, path: str, tenants: dict[str, Tenant], shared: SharedLimits = SharedLimits()):
         self.path = path
         self.tenants = tenants
+        self.shared = shared
         self._by_key = {k: t for t in tenants.values() for k in t.curve_keys}
         self._by_uid = {u: t for t in tenants.values() for u in t.uids}
         self._by_gid = {g: t for t in tenants.values() for g in t.gids}
@@ -169,8 +188,8 @@ class _Checker:
 
     def table(self, doc: dict[str, Any]) -> TenantTable:
         for key in doc:
-            if key != "tenants":
-                raise self.error((key,), "unknown top-level key; the file holds only [tenants.NAME] tables")
+            if key not in ("tenants", SHARED):
+                raise self.error((key,), "unknown top-level key; the file holds [tenants.NAME] tables and [shared]")
         tables = doc.get("tenants", {})
         if not isinstance(tables, dict):
             raise self.error(("tenants",), "must be a table of tenants ([tenants.NAME])")
@@ -186,7 +205,20 @@ class _Checker:
                     raise self.error(("tenants", name, kind), f"{credential_fingerprint(cred)} is also a credential "
                                      f"of tenant '{owners[cred]}'; a credential belongs to one tenant only")
                 owners[cred] = name
-        return TenantTable(self.path, tenants)
+        return TenantTable(self.path, tenants, self.shared(doc.get(SHARED, {})))
+
+    def shared(self, fields: Any) -> SharedLimits:
+        at = (SHARED,)
+        if not isinstance(fields, dict):
+            raise self.error(at, "must be a table of the shared namespace's quotas ([shared])")
+        for key in fields:
+            if key not in SHARED_FIELDS:
+                raise self.error(at + (key,), f"unknown field; known fields: {', '.join(SHARED_FIELDS)}")
+        sizes = {key: self.size(at + (key,), fields.get(key, 0)) for key in SHARED_FIELDS}
+        if sizes["l1_max"] and sizes["l1_max"] < sizes["l1_min"]:
+            raise self.error(at + ("l1_max",), f"{fields['l1_max']!r} is less than l1_min ({fields['l1_min']!r}); "
+                             "expected l1_max >= l1_min, or 0 for no cap")
+        return SharedLimits(**sizes)
 
     def tenant(self, name: str, fields: Any) -> Tenant:
         at = ("tenants", name)
@@ -211,7 +243,8 @@ class _Checker:
                 raise self.error(at + (key,), f"got {v[key]!r}; expected an integer >= 1")
         if not isinstance(v["admin"], bool):
             raise self.error(at + ("admin",), f"got {v['admin']!r}; expected true or false")
-        sizes = {key: self.size(at + (key,), v[key]) for key in ("l1_min", "l1_max", "l2_disk_max", "engine_window")}
+        sizes = {key: self.size(at + (key,), v[key]) for key in ("l1_min", "l1_max", "l2_disk_max", "l2_valkey_max",
+                                                                 "l2_mooncake_max", "engine_window")}
         if sizes["l1_max"] and sizes["l1_max"] < sizes["l1_min"]:
             raise self.error(at + ("l1_max",), f"{v['l1_max']!r} is less than l1_min ({v['l1_min']!r}); "
                              "expected l1_max >= l1_min, or 0 for no cap")

@@ -397,6 +397,22 @@ class L2Tiers:
     def disk_tenant_bytes(self) -> dict[str, int]:
         return disk.tenant_bytes() if (disk := self._disk()) is not None else {}
 
+    def _capped(self, name: str):
+        """The shared tier of this name with tenants' caps (storage/l2/tenant_caps.py), or None."""
+        from lmcache_mp.storage.l2.tenant_caps import TenantCapped
+
+        inner = (getattr(t, "inner", t) for t in self.tiers if t.name == name)
+        return next((t for t in inner if isinstance(t, TenantCapped)), None)
+
+    def set_tier_quota(self, tier: str, tenant: str, nbytes: int) -> None:
+        """A tenant's cap on a shared tier ("valkey", "mooncake"; 0: none), as this node counts it."""
+        if (capped := self._capped(tier)) is not None:
+            capped.set_quota(tenant, nbytes)
+
+    def tier_tenant_bytes(self, tier: str) -> dict[str, int] | None:
+        """Bytes of the capped tenants' objects this node wrote to a shared tier (None: no such tier)."""
+        return capped.tenant_bytes() if (capped := self._capped(tier)) is not None else None
+
     def stats(self) -> dict:
         with self._cv:
             prefetching = self._prefetching
