@@ -242,7 +242,7 @@ class WorkerCore:
                         self._note_failure(exc, slow=False)
                 if not self._count_load(t, loaded, answered):
                     failed.add(rid)
-                self.stats["load_seconds"] += time.monotonic() - started
+            self.stats["load_seconds"] += time.monotonic() - min(started for _, _, started in loads)
         return done, failed
 
     def _count_load(self, t: Transfer, loaded: int, answered: bool) -> bool:
