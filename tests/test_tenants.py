@@ -302,6 +302,85 @@ def test_a_removed_key_is_cut_off_within_a_second_and_a_bad_reload_changes_nothi
     assert "tenants_reloaded" in events and "credential_revoked" in events
 
 
+def test_a_revoked_keys_zeromq_connection_is_closed_after_its_refusal(tmp_path, keys, setups):
+    """ROUTER cannot drop a peer; the server shuts down the connection a revoked key's request
+    came on, once the refusal is out. The client's ZeroMQ reconnects, ZAP refuses it, and libzmq
+    does not try again."""
+    import zmq
+    import zmq.auth
+    from zmq.utils.monitor import recv_monitor_message
+
+    from lmcache_mp import protocol as p
+
+    s = setups(tmp_path, keys)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.curve_serverkey = zmq.auth.load_certificate(f"{keys}/server.key")[0]
+    sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(f"{keys}/client-secret/b.key_secret")
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    sock.connect(s.server.url)
+
+    def ping(rid: int):
+        sock.send_multipart([p.pack_request_id(rid), p.encode(p.Ping(client_id=b"c" * 16))])
+        assert sock.poll(30_000), "no reply to a Ping"
+        return p.decode_reply(sock.recv_multipart()[1])
+
+    try:
+        assert isinstance(ping(1), p.PingReply)
+        tenants_file(tmp_path, keys, body=f'[tenants.alice]\ncurve_keys = ["{keys}/clients/client.key"]\n')
+        assert s.server.engine.tenancy.reload()
+        assert not monitor.poll(1000)  # the reload closes nothing by itself: the connection is idle
+        refusal = ping(2)
+        assert refusal.code == p.ErrorCode.PERMISSION_DENIED and refusal.message.startswith("credential revoked")
+        events = []
+        deadline = time.monotonic() + 30
+        while zmq.EVENT_HANDSHAKE_FAILED_AUTH not in events:
+            assert time.monotonic() < deadline, f"the revoked key's connection stayed open (events {events})"
+            if monitor.poll(200):
+                events.append(recv_monitor_message(monitor)["event"])
+        while monitor.poll(1500):  # (the refused one's own DISCONNECTED; no more reconnections)
+            events.append(recv_monitor_message(monitor)["event"])
+        assert events[0] == zmq.EVENT_DISCONNECTED and events.count(zmq.EVENT_HANDSHAKE_FAILED_AUTH) == 1, events
+        assert s.client("client").ping() >= 0  # alice is served on
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+        ctx.term()
+
+
+def test_a_revoked_client_says_credential_revoked_in_one_line(tmp_path, keys, setups, caplog):
+    """The client of a removed key (issue 49's symptom: 'recovering from a server restart failed'
+    and a traceback) says once, in one WARNING line, that its credential was revoked, and every
+    request fails at once with CredentialRevoked."""
+    import logging
+
+    from lmcache_mp import CredentialRevoked
+
+    s = setups(tmp_path, keys)
+    b = s.client("b")
+    _, h_b, _, hashes, ids = engine_of(b, seed=2, chunks=2)
+    assert b.store(h_b, hashes, ids).result().stored == 2
+    caplog.set_level(logging.DEBUG, logger="lmcache_mp")
+    tenants_file(tmp_path, keys, body=f'[tenants.alice]\ncurve_keys = ["{keys}/clients/client.key"]\n')
+    assert s.server.engine.tenancy.reload()
+    wait_until(lambda: b.server_away.startswith("credential revoked"), 30, "the client to notice")
+    for call in (lambda: b.lookup(hashes, model="m"), lambda: b.store(h_b, hashes, ids).result(timeout=30),
+                 lambda: b.retrieve(h_b, hashes, ids).result(timeout=30), b.ping):
+        with pytest.raises(CredentialRevoked, match=r"^\[PERMISSION_DENIED\] credential revoked: ") as e:
+            call()
+        assert isinstance(e.value, RequestError) and e.value.code == 12
+    # the server closes the connection the refusals came on, and refuses the reconnection
+    wait_until(lambda: s.server.engine.tenancy is not None and any(
+        "refused a reconnection" in r.getMessage() for r in caplog.records), 30, "the reconnection's refusal")
+    mine = [r for r in caplog.records if r.name.startswith("lmcache_mp.client")]
+    loud = [r for r in mine if r.levelno >= logging.WARNING]
+    assert len(loud) == 1 and "credential revoked" in loud[0].getMessage(), [r.getMessage() for r in loud]
+    assert "\n" not in loud[0].getMessage() and not any(r.exc_info for r in mine)
+    assert not any("restart" in r.getMessage() for r in mine if r.levelno >= logging.INFO)
+
+
 def refused_within(call, deadline: float) -> bool:
     """Whether call() is refused before the deadline: PERMISSION_DENIED, or the client's own
     ServerUnavailable (its lane was closed; its ZeroMQ requests, heartbeats included, are refused)."""

@@ -6,7 +6,7 @@
 from lmcache_mp._version import __version__
 from lmcache_mp.client import Client, KVCacheHandle, LookupResult, RetrieveResult, StoreResult
 from lmcache_mp.config import ServerConfig
-from lmcache_mp.errors import LMCacheMPError, ProtocolMismatch, RequestError, ServerUnavailable
+from lmcache_mp.errors import CredentialRevoked, LMCacheMPError, ProtocolMismatch, RequestError, ServerUnavailable
 from lmcache_mp.keys import chunk_hashes
 from lmcache_mp.native import build_info
 from lmcache_mp.server import Server
@@ -14,6 +14,7 @@ from lmcache_mp.shm import shared_cpu_array, shared_cpu_tensor
 
 __all__ = [
     "Client",
+    "CredentialRevoked",
     "KVCacheHandle",
     "LMCacheMPError",
     "LookupResult",

@@ -21,6 +21,11 @@ class ErrorCode(enum.IntEnum):
     PERMISSION_DENIED = 12  # the client's tenant may not do this (tenants file), or its credential was revoked
 
 
+# How a refusal of a revoked credential's request begins (PERMISSION_DENIED): the client raises
+# CredentialRevoked for it, and says so once.
+CREDENTIAL_REVOKED = "credential revoked"
+
+
 class LMCacheMPError(Exception):
     """Base class of every lmcache-mp error."""
 
@@ -47,3 +52,13 @@ class RequestError(LMCacheMPError):
         except ValueError:
             name = str(self.code)
         return f"[{name}] {self.message}"
+
+
+class CredentialRevoked(RequestError):
+    """The server no longer accepts this client's credential (a reload removed it from the tenants
+    file, or the server restarted without it): every request is refused, and the server closes
+    the client's connections. A code of PERMISSION_DENIED; the message begins with "credential
+    revoked". The client stays refused: give it an accepted key and make it again."""
+
+    def __init__(self, message: str):
+        super().__init__(int(ErrorCode.PERMISSION_DENIED), message)

@@ -92,6 +92,7 @@ class Client(RestartRecovery):
         self._opened = OpenedEvents()
         self._closed = False
         self._away = ""  # why the server is taken to be away (recovery.py)
+        self._revoked = ""  # why the server refuses this client's credential, for good (recovery.py)
         self._gone = False  # and nothing listens at its address: no request it took will be answered
         self._restarting = threading.Lock()
         self._io: IOThread | None = None
@@ -121,7 +122,13 @@ class Client(RestartRecovery):
             if client is not None:
                 client._suspect_restart(dropped=True)
 
+        def refused(status: int) -> None:  # a reconnection's handshake: its credential revoked?
+            client = ref()
+            if client is not None:
+                client._refused_handshake(status)
+
         self._io.on_lane_lost = self._io.on_disconnected = connection_lost
+        self._io.on_refused = refused
         self._connect_lane(hello.lane)
 
     # ---- synchronous calls on the caller's socket ----------------------------------------------

@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, NamedTuple
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from lmcache_mp import protocol as p
 from lmcache_mp.errors import ServerUnavailable
@@ -148,9 +149,12 @@ class IOThread:
         self._poller.register(self._wake, select.EPOLLIN)
         # ZeroMQ says when the connection to the server drops (its process died, or it stopped):
         # the client then looks at once instead of at its next heartbeat. Read by the I/O thread only.
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # A reconnection whose handshake the server refuses (its credential revoked) is not
+        # retried by libzmq: on_refused(ZAP status) says so.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self._poller.register(self._monitor.get(zmq.FD), select.EPOLLIN)
         self.on_disconnected: Callable[[], None] | None = None
+        self.on_refused: Callable[[int], None] | None = None
         self._watching = False  # _sockets is in _poller (never while a thread reads)
         # Writes after the fd is closed would land in whatever reuses its number (e.g. a ZMQ
         # mailbox eventfd, which then aborts the process): close and write under one lock.
@@ -160,6 +164,7 @@ class IOThread:
         # While set (the server is away, and why), requests that could not be sent at once fail
         # instead of waiting to be sent (see set_away).
         self._away = ""
+        self._away_error: Callable[[str], Exception] = ServerUnavailable  # what they fail with
         self._unsent: collections.deque = collections.deque()  # I/O thread: queued until the socket connects
         self._local = threading.local()
         self._ids = itertools.count(1 << 62)  # apart from the sync sockets' ids
@@ -313,12 +318,13 @@ class IOThread:
         self._inbox.append((None, None, why))
         self._wakeup()
 
-    def set_away(self, why: str, in_flight: bool = False) -> None:
+    def set_away(self, why: str, in_flight: bool = False,
+                 error: Callable[[str], Exception] = ServerUnavailable) -> None:
         """The server is away (why it is said to be) or back (""). While it is away, requests
-        waiting to be sent fail with ServerUnavailable(why) at once, as do those that cannot be
+        waiting to be sent fail with error(why) at once, as do those that cannot be
         sent later (but for while_away ones); in_flight: the server's process is gone, so those
         sent to it fail too (no reply will ever come)."""
-        self._away = why
+        self._away, self._away_error = why, error
         if why:
             self._inbox.append((None, in_flight, why))
             self._wakeup()
@@ -501,11 +507,11 @@ class IOThread:
                     else:
                         self._unsent.append(it)
                 for pd in failed:  # (an exception each: a raised one keeps its traceback's frames)
-                    self._settle(pd, error=ServerUnavailable(why))
+                    self._settle(pd, error=ServerUnavailable(why) if everything else self._away_error(why))
                 continue
             away = self._away
             if away and not item[2].while_away:  # it could not be sent at once: it never will
-                self._settle(item[2], error=ServerUnavailable(away))
+                self._settle(item[2], error=self._away_error(away))
                 continue
             self._unsent.append(item)
         while self._unsent:
@@ -515,13 +521,19 @@ class IOThread:
 
     def _read_monitor(self) -> None:
         """Read the socket's events (its fd signals edges: every wake-up reads until none is left)."""
-        dropped = False
+        dropped, refused = False, 0
         while self._monitor.get(ZMQ_EVENTS) & ZMQ_POLLIN:
-            self._monitor.recv_multipart(zmq.NOBLOCK)  # (only EVENT_DISCONNECTED is asked for)
-            dropped = True
+            event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                refused = event["value"]  # the ZAP status: 400, the credential is refused
+            else:
+                dropped = True
         if dropped and self.on_disconnected is not None:
             logger.debug("the connection to the server dropped")
             self.on_disconnected()
+        if refused and self.on_refused is not None:
+            logger.debug("the server refused a reconnection's handshake (status %d)", refused)
+            self.on_refused(refused)
 
     def _expire(self, now: float) -> None:
         expired = []

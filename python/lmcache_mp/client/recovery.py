@@ -8,7 +8,12 @@ theirs (a store or retrieve may still be copying) unless nothing listens at the 
 any more (its process is gone: no reply will come). A heartbeat reply then (or a new session id, or an unknown registration) makes a
 thread of its own handshake again, fail what was in flight to a restarted server and register
 again every KV cache the server no longer knows; only then do requests go out again, so the
-first one finds its KV caches registered."""
+first one finds its KV caches registered.
+
+A server that refuses the client's credential (a reload removed it from the tenants file: the
+refusal of a request, or of a reconnection's handshake, says so) did not go away: the client says
+so once, in one WARNING line, and from then on every request fails at once with
+CredentialRevoked; nothing is recovered (only a client made again, with an accepted key, gets in)."""
 
 from __future__ import annotations
 
@@ -21,8 +26,8 @@ from typing import Any
 from lmcache_mp import protocol as p
 from lmcache_mp.client.endpoint import nothing_listens
 from lmcache_mp.client.io_thread import Heartbeat
-from lmcache_mp.client.results import check_reply
-from lmcache_mp.errors import ServerUnavailable
+from lmcache_mp.client.results import check_reply, is_revoked
+from lmcache_mp.errors import CREDENTIAL_REVOKED, CredentialRevoked, ServerUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +41,7 @@ RECOVERY_STOP_S = 1.0  # how long closing waits for a recovery to end (it ends o
 
 class RestartRecovery:
     """Expects Client's url, name, timeout, client_id, session_id, chunk_size, server_info, _io,
-    _lock, _handles, _closed, _away, _restarting, _hello_msg, _connect_lane and _register."""
+    _lock, _handles, _closed, _away, _revoked, _restarting, _hello_msg, _connect_lane and _register."""
 
     @property
     def server_away(self) -> str:
@@ -47,7 +52,9 @@ class RestartRecovery:
     def _away_message(self, why: str) -> str:
         return f"the server at {self.url} is away ({why}); requests fail at once until it is back"
 
-    def _away_error(self, why: str) -> ServerUnavailable:
+    def _away_error(self, why: str) -> ServerUnavailable | CredentialRevoked:
+        if self._revoked:
+            return CredentialRevoked(self._revoked)
         return ServerUnavailable(self._away_message(why))
 
     def _check_reachable(self) -> None:
@@ -55,12 +62,16 @@ class RestartRecovery:
         if away:
             raise self._away_error(away)
 
-    def _heartbeat_msg(self) -> Heartbeat:
+    def _heartbeat_msg(self) -> Heartbeat | None:
+        if self._revoked:  # (refused for good: nothing to watch)
+            return None
         sent = time.monotonic()
 
         def convert(reply: Any) -> None:
             if isinstance(reply, p.PingReply) and (reply.session_id != self.session_id or self._away):
                 self._suspect_restart()
+            elif is_revoked(reply):
+                self._credential_revoked(reply.message)
 
         def failed(error: BaseException) -> None:
             if self._io is not None and self._io.last_heard > sent:
@@ -75,7 +86,7 @@ class RestartRecovery:
         took will be answered (those fail now; otherwise they keep their timeouts: a store or
         retrieve may still be copying). Requests not sent yet fail now either way."""
         with self._lock:
-            if self._closed or (self._away and not gone):
+            if self._closed or self._revoked or (self._away and not gone):
                 return
             was, self._away = self._away, self._away or why
             self._gone = self._gone or gone
@@ -85,8 +96,29 @@ class RestartRecovery:
             logger.debug("lmcache-mp client %s: server %s is away (%s); requests fail at once until it is back",
                          self.name, self.url, why)
 
+    def _credential_revoked(self, why: str) -> None:
+        """The server refuses this client's credential (why: its refusal's message, or the
+        handshake's): every request fails at once with CredentialRevoked from now on."""
+        why = why.removeprefix(CREDENTIAL_REVOKED + ": ")
+        message = (f"{CREDENTIAL_REVOKED}: the server at {self.url} no longer accepts this client's credential "
+                   f"({why}); every request is refused until the client is made again with an accepted key")
+        with self._lock:
+            if self._closed or self._revoked:
+                return
+            self._revoked = self._away = message
+        if self._io is not None:  # (what is in flight too: the server closes the connection)
+            self._io.set_away(message, in_flight=True, error=CredentialRevoked)
+        logger.warning("lmcache-mp client %s: %s", self.name, message)
+
+    def _refused_handshake(self, status: int) -> None:
+        """A reconnection's handshake was refused (libzmq does not try again)."""
+        if status == 400:  # (ZAP: the credential is refused; 300, 500: the server's own trouble)
+            self._credential_revoked(f"it refused this client's handshake, ZAP status {status}")
+
     def _came_back(self) -> None:
         with self._lock:
+            if self._revoked:
+                return
             was, self._away, self._gone = self._away, "", False
         if self._io is not None:
             self._io.set_away("")
@@ -95,7 +127,7 @@ class RestartRecovery:
 
     def _suspect_restart(self, dropped: bool = False) -> None:
         """dropped: a connection to the server closed (the lane's, or ZeroMQ's)."""
-        if self._closed or not self._restarting.acquire(blocking=False):
+        if self._closed or self._revoked or not self._restarting.acquire(blocking=False):
             return
         threading.Thread(target=self._recover, args=(dropped,), name="lmcache-client-recover", daemon=True).start()
 
@@ -115,6 +147,9 @@ class RestartRecovery:
         longer knows: all of them after a restart, or those it dropped when it stopped hearing
         from this client."""
         short = min(self.timeout, RECOVERY_CALL_S)
+        if self._revoked:  # (found out since this recovery was asked for)
+            self._restarting.release()
+            return
         if self._nothing_listens(dropped):  # (its process is gone: a dropped connection is the first sign)
             self._went_away("nothing listens at its address", gone=True)
         try:
@@ -145,13 +180,15 @@ class RestartRecovery:
                     return
                 try:
                     self._register(h, self._recovery_call)
-                except ServerUnavailable:
+                except (ServerUnavailable, CredentialRevoked):
                     raise
                 except Exception as e:
                     if self._closed:
                         return
                     logger.error("re-registering %r failed: %s", h, e)
             self._came_back()
+        except CredentialRevoked as e:  # (not a restart: the server refuses this client)
+            self._credential_revoked(e.message)
         except ServerUnavailable:
             pass  # still down (or closing); the next heartbeat tries again
         except Exception:

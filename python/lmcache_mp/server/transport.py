@@ -19,9 +19,11 @@ import zmq
 
 from lmcache_mp import protocol as p
 from lmcache_mp.config import is_ipv6_url
+from lmcache_mp.errors import CREDENTIAL_REVOKED
 from lmcache_mp.native import spin_poll
 from lmcache_mp.server.lane import Lane, LaneConn, lane_path
 from lmcache_mp.server.request_stats import RequestStats
+from lmcache_mp.server.revoked_connections import RevokedConnections
 from lmcache_mp.server.socket_files import claim_socket_file, share_with_group, socket_files_private
 
 logger = logging.getLogger(__name__)
@@ -95,6 +97,7 @@ class Transport:
         self.engine = engine
         self.tenancy = tenancy  # with tenants: every request's tenant comes from its connection's credential
         self._revoked: list[str] = []  # credentials whose lane connections the loop closes
+        self.revoked_connections = RevokedConnections()  # ZeroMQ connections of revoked credentials, to close
         self.stats = RequestStats()
         self._spin = spin_us / 1e6
         # The lane has no authentication of its own: with CURVE it is there only for tenants, whose
@@ -171,19 +174,22 @@ class Transport:
 
     def _recv(self) -> list | None:
         """The next request, or None when there is none (then the fd will signal the next one).
-        With tenants, its last item is the credential its connection's handshake proved."""
+        With tenants, its last item is (the credential its connection's handshake proved, and
+        where that credential was revoked since, the connection's fd; else -1)."""
         with self._sock_lock:
             if not self._sock.get(_EVENTS) & _POLLIN:
                 return None
             if self.tenancy is None:
                 return self._sock.recv_multipart(zmq.NOBLOCK)
             frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        return [f.bytes for f in frames] + [frames[-1].get("User-Id")]
+        credential = frames[-1].get("User-Id")
+        fd = frames[-1].get(zmq.SRCFD) if self.tenancy.state_of(credential) is None else -1
+        return [f.bytes for f in frames] + [(credential, fd)]
 
     # ---- the loop ----------------------------------------------------------------------------
 
     def _handle(self, frames: list[bytes]) -> None:
-        credential = frames.pop() if self.tenancy is not None else None
+        credential, fd = frames.pop() if self.tenancy is not None else (None, -1)
         identity = frames[0]
         traced = len(frames) == 4 and frames[3] == p.TRACE_FRAME
         if not (len(frames) == 3 or traced) or len(frames[1]) != 8:
@@ -195,6 +201,7 @@ class Transport:
             return
         reply = Responder(self, identity, frames[1], [("received", time.monotonic_ns())] if traced else None)
         if credential is not None and not self._admit(reply, credential):
+            self.revoked_connections.refused(fd)  # (closed once the refusal is out)
             return
         self._dispatch(frames[2], reply)
 
@@ -202,8 +209,8 @@ class Transport:
         """The request's tenant, from its connection's credential (refused: revoked since the handshake)."""
         state = self.tenancy.state_of(credential)
         if state is None:
-            reply(p.Error(code=int(p.ErrorCode.PERMISSION_DENIED),
-                          message="this connection's credential is no longer in the tenants file"))
+            reply(p.Error(code=int(p.ErrorCode.PERMISSION_DENIED), message=f"{CREDENTIAL_REVOKED}: this "
+                          "connection's credential is no longer in the tenants file"))
             return False
         reply.tenant, reply.credential = state, credential
         state.begin()
@@ -293,6 +300,9 @@ class Transport:
                 next_tick = time.monotonic() + TICK_SECONDS
                 try:
                     self.engine.tick(heard)
+                    with self._sock_lock:  # (closed only while ZeroMQ's socket is open: its fds are live)
+                        if self._open:
+                            self.revoked_connections.close_due()
                 except Exception:
                     logger.exception("error in periodic housekeeping")
         with self._sock_lock:
