@@ -1070,9 +1070,10 @@ class ScriptedEvents:
         from lmcache_mp import protocol as p
 
         first, nxt, evs = self.script.pop(0) if self.script else (0, since, [])
-        return p.EventsReply(session_id=self.session, first=first, next=nxt, models=["m"],
-                             events=[p.ChunkEvent(seq=s, kind=k, model=0, world_size=2, rank=r, digest=d)
-                                     for s, k, r, d in evs])
+        # (an event of model 1 is the shared namespace's copy, as a server with tenants names it)
+        return p.EventsReply(session_id=self.session, first=first, next=nxt, models=["m", "m"], shared=[1],
+                             events=[p.ChunkEvent(seq=e[0], kind=e[1], model=e[4] if len(e) > 4 else 0, world_size=2,
+                                                  rank=e[2], digest=e[3]) for e in evs])
 
 
 def test_a_chunk_is_announced_once_every_rank_has_it_and_lost_events_resync():
@@ -1098,6 +1099,31 @@ def test_a_chunk_is_announced_once_every_rank_has_it_and_lost_events_resync():
         ev.sync()
         # Lost events: c may be gone; b's rank 0 event is forgotten with them (not announced).
         assert ev.take() == [("removed", b"c")] and ev.announced == 0 and ev.stats["resyncs"] == 1
+    finally:
+        ev.close()
+
+
+@pytest.mark.parametrize("stores_shared", [False, True])
+def test_an_engine_announces_only_the_namespace_it_stores_into(stores_shared):
+    """On a server with tenants a reader gets the shared namespace's events beside its own, under
+    the same model name: the copy it did not store is another's (its removal is no news here)."""
+    from lmcache_mp.integration.chunk_events import REMOVED, STORED, ChunkEvents
+
+    mine = 1 if stores_shared else 0
+    client = ScriptedEvents([
+        (0, 4, [(0, STORED, 0, b"a", 0), (1, STORED, 1, b"a", 0), (2, STORED, 0, b"a", 1), (3, STORED, 1, b"a", 1)]),
+        (0, 5, [(4, REMOVED, 0, b"a", 1 - mine)]),
+        (0, 6, [(5, REMOVED, 0, b"a", mine)]),
+    ])
+    ev = ChunkEvents(types_link(client), ["m"], world_size=2, interval=3600, shared=stores_shared)
+    try:
+        ev.expect(0, b"a", "stored", "removed")
+        ev.sync()
+        assert ev.take() == ["stored"]
+        ev.sync()
+        assert ev.take() == []  # the other namespace's copy went
+        ev.sync()
+        assert ev.take() == ["removed"]
     finally:
         ev.close()
 

@@ -35,9 +35,12 @@ STORED, REMOVED = 1, 2  # the server's event kinds
 
 class ChunkEvents:
     def __init__(self, link, models: Sequence[str], world_size: int, *, interval: float = 0.5,
-                 max_pending: int = 1 << 16, batch: int = 1024):
-        """`link`: the scheduler's ClientLink; `models`: the namespace of each group."""
+                 max_pending: int = 1 << 16, batch: int = 1024, shared: bool = False):
+        """`link`: the scheduler's ClientLink; `models`: the namespace of each group; `shared`:
+        this engine stores into the shared namespace of a server with tenants (its events are
+        then those the server marks shared; otherwise those are other engines' copies)."""
         self.link = link
+        self.shared = shared
         self.models = list(models)
         self.world_size = world_size
         self.interval = interval
@@ -123,8 +126,10 @@ class ChunkEvents:
                     return True  # the new server's events, from its first on
             elif since < reply.first:
                 self._resync(f"{reply.first - since} of its events were lost")
-            names = reply.models
+            names, shared = reply.models, set(getattr(reply, "shared", ()))
             for ev in reply.events:
+                if (ev.model in shared) != self.shared:
+                    continue  # a copy in the other namespace: not the one this engine stored
                 group = self._group_of.get(names[ev.model])
                 if group is None or ev.world_size != self.world_size or ev.salt:
                     continue

@@ -206,7 +206,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self._hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or self._cfg.block_size)
         self._events = ChunkEvents(self._scheduler.link, self._scheduler.models, self._cfg.world_size,
-                                   interval=self._cfg.kv_events_interval)
+                                   interval=self._cfg.kv_events_interval, shared=self._cfg.store_shared)
         self._scheduler.on_store_planned = self._store_planned
         logger.info("lmcache-mp: publishing KV events of the chunks this engine stores (medium CPU)")
 
