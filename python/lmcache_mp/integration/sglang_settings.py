@@ -36,6 +36,16 @@ class SGLangStorageSettings:
         if not _as_bool(extra.get("interface_v1", 0)):
             raise ValueError("the lmcache-mp storage backend copies pages in place and needs SGLang's "
                              f"zero-copy interface: add \"interface_v1\": 1 to the extra config, e.g. {LAUNCH_EXAMPLE}")
+        return cls._parse(extra)
+
+    @classmethod
+    def from_linker_config(cls, extra: Mapping[str, Any] | None) -> "SGLangStorageSettings":
+        """The unified cache linker's settings: the `linker_extra_config` object of
+        `--unified-cache-external-linker-config`, with the same `lmcache_mp.<field>` keys."""
+        return cls._parse(dict(extra or {}))
+
+    @classmethod
+    def _parse(cls, extra: dict) -> "SGLangStorageSettings":
         cfg = cls()
         types = {f.name: type(getattr(cfg, f.name)) for f in fields(cls)}
         for key, value in extra.items():

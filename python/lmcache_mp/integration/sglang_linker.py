@@ -1,0 +1,392 @@
+"""SGLang's unified cache linker on an lmcache-mp server: pages move between SGLang's device pools
+and the server's L1 with no host pool in between.
+
+Launch SGLang with::
+
+    --enable-unified-cache-external-linker --unified-cache-external-linker-backend dynamic \\
+    --unified-cache-external-linker-config '{"linker": "LMCacheMPLinker",
+        "linker_module_path": "lmcache_mp.integration.sglang_linker",
+        "linker_extra_config": {"lmcache_mp.url": "tcp://127.0.0.1:5555"}}'
+
+How it works: each device pool (the full-attention KV pool, an SWA pool, each Mamba state tensor)
+is registered with the server once, as vLLM's KV caches are (CUDA IPC on the GPU, shared memory
+on the CPU device); the server copies pages between them and L1 (integration/sglang_linker_pools.py).
+Keys are SGLang's page keys hashed as the HiCache backend hashes them (integration/sglang_keys.py);
+the KV pool's pages are the HiCache backend's ``layer_first`` pages, in the same namespace, so a
+linker instance and a HiCache instance with a ``layer_first`` host pool share them. A Mamba state
+is one object per state tensor under the key of the page it ends at.
+
+Loads run on a thread of their own and complete the layer counter for the whole batch at once
+(the server's retrieve is per request, not per layer). A server that is away means misses
+(lookup answers no length at once), loads refused or failed (SGLang recomputes or aborts those
+requests) and offloads not made; never a wait longer than `lmcache_mp.request_timeout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
+
+from lmcache_mp.errors import RequestError, ServerUnavailable
+from lmcache_mp.integration.sglang_keys import namespace, page_digest
+from lmcache_mp.integration.sglang_linker_pools import (
+    KV, MAMBA, LinkerPools, PoolPart, describe_pools, page_rows, registration_geometry, slot_rows, total_bytes)
+from lmcache_mp.integration.sglang_settings import SGLangStorageSettings
+from lmcache_mp.protocol import ErrorCode
+
+logger = logging.getLogger(__name__)
+
+MAX_BOUNDARIES = 128  # deepest prefix lengths a lookup checks the state pools at
+
+
+class LMCacheMPLinker(UnifiedCacheLinker):
+    """SGLang's `UnifiedCacheLinker` on an lmcache-mp server (made by SGLang's `dynamic` factory)."""
+
+    def __init__(self, server_args, params, *, components, extra_config=None, forward_stream=None):
+        self.settings = SGLangStorageSettings.from_linker_config(extra_config)
+        self.forward_stream = forward_stream
+        self.page_size = params.page_size
+        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        names = {getattr(c, "name", str(c)) for c in components}
+        self.layout: LinkerPools = describe_pools(kvcache, params.req_to_token_pool, names, self.page_size)
+        self.pools = {PoolName(name): parts for name, parts in self.layout.parts.items()}
+        self.num_layers = self.layout.num_layers
+        self.tp_rank, self.tp_size = _tp(params)
+        self._mla = self.layout.attention == "mla"
+        shard = []
+        if getattr(params, "pp_size", 1) > 1:
+            shard.append(f"pp{params.pp_rank}of{params.pp_size}")
+        if getattr(params, "attn_cp_size", 1) > 1:
+            shard.append(f"cp{params.attn_cp_rank}of{params.attn_cp_size}")
+        model = self.settings.model or (getattr(server_args, "served_model_name", None)
+                                        or getattr(server_args, "model_path", "") or "").replace("/", "-")
+        self._namespaces = {id(p): namespace(model, p.tag, "-".join(shard))
+                            for parts in self.layout.parts.values() for p in parts}
+        self.on_cuda = self.layout.tensors()[0].device.type == "cuda"
+        self._shm = []
+        if not self.on_cuda:  # the server maps CPU pools by name: into shared memory, in place
+            from lmcache_mp.integration.cpu_shm import move_to_shared_memory
+
+            self._shm = move_to_shared_memory(self.layout.tensors())
+        self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
+        if PoolName.MAMBA in self.pools and hasattr(params.req_to_token_pool, "register_layer_transfer_counter"):
+            params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
+        self._registered = None  # (client, {id(part): handle}) once registered with the connected server
+        self.pending_loads: dict[str, list] = {}
+        self._loads: queue.Queue = queue.Queue()
+        self._offloads: queue.Queue = queue.Queue()
+        self._offload_results: queue.Queue = queue.Queue()
+        self.stats = {"lookups": 0, "hits": 0, "loads": 0, "failed_loads": 0, "offloads": 0, "failed_offloads": 0}
+        logger.info("lmcache-mp linker: %s, %.1f MiB of device pools, %d layers, rank %d/%d, namespaces %s",
+                    ", ".join(f"{n} ({len(ps)} part{'s' if len(ps) > 1 else ''})" for n, ps in self.layout.parts.items()),
+                    total_bytes(self.layout) / 2**20, self.num_layers, self.tp_rank, self.tp_size,
+                    sorted(set(self._namespaces.values())))
+        self.link = self.settings.make_link(f"lmcache-mp sglang-linker tp{self.tp_rank}", on_connect=self._register)
+        self._threads = [threading.Thread(target=self._load_loop, name=f"lmcache-mp-linker-load-tp{self.tp_rank}",
+                                          daemon=True),
+                         threading.Thread(target=self._offload_loop, daemon=True,
+                                          name=f"lmcache-mp-linker-offload-tp{self.tp_rank}")]
+        for t in self._threads:
+            t.start()
+        self.link.connect(wait=self.settings.connect_timeout)
+
+    # ---- registration ------------------------------------------------------------------------
+
+    def _rank_of(self, part: PoolPart) -> tuple[int, int]:
+        """(world_size, rank) of a part's objects: MLA pages are the same on every rank."""
+        if part.pool != MAMBA and self._mla:
+            return 1, 0
+        return self.tp_size, self.tp_rank
+
+    def _register(self, client) -> None:
+        """On connecting (ClientLink): register every pool part."""
+        handles = {}
+        for parts in self.layout.parts.values():
+            for part in parts:
+                block_size, chunk_size = registration_geometry(part, client.chunk_size)
+                world_size, rank = self._rank_of(part)
+                handles[id(part)] = client.register_kv_cache(
+                    list(part.runs), model=self._namespaces[id(part)], world_size=world_size, rank=rank,
+                    layout="opaque", block_size=block_size, chunk_size=chunk_size)
+        self._registered = (client, handles)
+
+    def _ready(self):
+        """(client, handles), or None while the server is away."""
+        client, registered = self.link.get(), self._registered
+        if client is None or registered is None or registered[0] is not client:
+            return None
+        return registered
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        restarted = isinstance(e, RequestError) and e.code == ErrorCode.UNKNOWN_REGISTRATION
+        if isinstance(e, ServerUnavailable) or restarted:
+            self.link.report_failure(e)
+        else:
+            logger.warning("lmcache-mp linker: a %s failed: %s", what, e)
+
+    # ---- lookup ------------------------------------------------------------------------------
+
+    def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
+        """Every prefix length (pages of the tail) whose KV pages are all on the server for every
+        rank and whose window (SWA pages, the Mamba state at its end) is there in every other pool."""
+        ready = self._ready()
+        by_pool = {PoolName(t.name): t for t in transfers}
+        kv = by_pool.get(PoolName.KV)
+        if ready is None or kv is None or not kv.keys:
+            return []
+        client, handles = ready
+        digests = [page_digest(k) for k in kv.keys]
+        timeout = self.settings.request_timeout
+        self.stats["lookups"] += 1
+        try:
+            part = self.layout.parts[KV][0]
+            world_size, _ = self._rank_of(part)
+            hits = int(client.lookup(b"".join(digests), model=self._namespaces[id(part)], world_size=world_size,
+                                     timeout=timeout))
+            candidates = list(range(max(1, hits - MAX_BOUNDARIES + 1), hits + 1))
+            for name, transfer in by_pool.items():
+                if name == PoolName.KV or not candidates:
+                    continue
+                if name not in self.pools:
+                    return []  # a pool this linker does not store: nothing is restorable
+                window = max(1, len(transfer.keys or ()))
+                checks = []
+                for part in self.pools[name]:
+                    world_size, _ = self._rank_of(part)
+                    for p in candidates:
+                        want = digests[max(0, p - window):p]
+                        checks.append((p, len(want), client.lookup_async(
+                            b"".join(want), model=self._namespaces[id(part)], world_size=world_size,
+                            timeout=timeout)))
+                missing = {p for p, n, fut in checks if int(fut.result(timeout + 1.0)) < n}
+                candidates = [p for p in candidates if p not in missing]
+        except (ServerUnavailable, RequestError) as e:
+            self._failed("lookup", e)
+            return []
+        except TimeoutError as e:
+            self._failed("lookup", ServerUnavailable(str(e) or "lookup timed out"))
+            return []
+        self.link.report_success()
+        if candidates:
+            self.stats["hits"] += 1
+            logger.debug("lmcache-mp linker: %s restorable at %s of %d pages", rid, candidates, len(digests))
+        return candidates
+
+    # ---- loads -------------------------------------------------------------------------------
+
+    def _items(self, transfers: list[PoolTransfer], what: str, owner_only: bool = False) -> list:
+        """(part, digests, rows) for every part of every transfer's pool."""
+        items = []
+        for t in transfers:
+            if not t.keys:
+                continue
+            name = PoolName(t.name)
+            parts = self.pools.get(name)
+            if parts is None:
+                raise ValueError(f"no {name} pool is registered by the lmcache-mp linker")
+            if t.device_indices is None:
+                raise ValueError(f"the {name} transfer has no device indices")
+            rows = (slot_rows(t.device_indices) if name == PoolName.MAMBA
+                    else page_rows(t.device_indices, self.page_size, f"{what} of the {name} pool"))
+            if len(rows) != len(t.keys):
+                raise ValueError(f"{what} of the {name} pool: {len(t.keys)} keys for {len(rows)} rows")
+            digests = b"".join(page_digest(k) for k in t.keys)
+            for part in parts:
+                if owner_only and self._rank_of(part)[0] == 1 and self.tp_rank != 0:
+                    continue  # an MLA page is written once, by rank 0
+                items.append((part, digests, rows))
+        return items
+
+    def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+        if rid in self.pending_loads:
+            raise RuntimeError(f"a load of request {rid} is already queued")
+        if self._ready() is None:
+            return False
+        try:
+            items = self._items(transfers, "a load")
+        except ValueError as e:
+            logger.error("lmcache-mp linker: refusing the load of %s: %s", rid, e)
+            return False
+        if not items:
+            return False
+        self.pending_loads[rid] = items
+        return True
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        return self.pending_loads.pop(rid, None) is not None
+
+    def start_layer_wise_loading(self) -> int:
+        if not self.pending_loads:
+            return -1
+        batch, self.pending_loads = self.pending_loads, {}
+        index = self.layer_done_counter.update_producer()
+        self._loads.put((index, batch, self._ready_events()))
+        self.stats["loads"] += len(batch)
+        return index
+
+    def _ready_events(self) -> list:
+        return self.record_offload_ready() if self.on_cuda else []
+
+    def _load_loop(self) -> None:
+        while True:
+            task = self._loads.get()
+            try:
+                if task is None:
+                    return
+                index, batch, events = task
+                try:
+                    for event in events:
+                        event.synchronize()
+                    self._load_batch(batch)
+                except BaseException as e:  # noqa: BLE001 - reported through the counter
+                    self.stats["failed_loads"] += 1
+                    logger.warning("lmcache-mp linker: a load of %d request(s) failed: %s", len(batch), e)
+                    self.layer_done_counter.fail(index, e)
+                else:
+                    for layer in range(self.num_layers):  # the whole batch at once (see the module's doc)
+                        self.layer_done_counter.complete(index, layer)
+            finally:
+                self._loads.task_done()
+
+    def _load_batch(self, batch: dict) -> None:
+        ready = self._ready()
+        if ready is None:
+            raise ServerUnavailable("the lmcache-mp server is away")
+        client, handles = ready
+        timeout = self.settings.request_timeout
+        futures = []
+        try:
+            for items in batch.values():
+                for part, digests, rows in items:
+                    futures.append((part, len(rows), client.retrieve(handles[id(part)], digests, rows,
+                                                                     timeout=timeout)))
+            for part, n, fut in futures:
+                loaded = fut.result(timeout + 1.0).loaded
+                if loaded < n:
+                    raise RuntimeError(f"the {part.pool} pool's load found {loaded} of {n} objects on the server")
+        except (ServerUnavailable, RequestError) as e:
+            self._failed("load", e)
+            raise
+        finally:  # nothing may still write into the slots once this returns
+            for _, _, fut in futures:
+                if not fut.done():
+                    try:
+                        fut.result(timeout + 1.0)
+                    except BaseException:  # noqa: BLE001
+                        pass
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        return self.layer_done_counter.finish(counter_index)
+
+    # ---- offloads ----------------------------------------------------------------------------
+
+    def offload(self, transfers: list[PoolTransfer], session_id: Optional[str] = None) -> bool:
+        """Queue a node's pages (and its window's states) for the server. Its result comes back
+        through num_completed_offloads / pop_completed_offload, in order: True once every object
+        is on the server. A lookup needs every object of a boundary, so an offload that stored
+        only some of them is never a hit there."""
+        if self._ready() is None:
+            return False
+        try:
+            items = self._items(transfers, "an offload", owner_only=True)
+        except ValueError as e:
+            logger.error("lmcache-mp linker: refusing an offload: %s", e)
+            return False
+        self._offloads.put((items, self._ready_events() if items else []))
+        return True
+
+    def _offload_loop(self) -> None:
+        while True:
+            task = self._offloads.get()
+            try:
+                if task is None:
+                    return
+                items, events = task
+                ok = True
+                if items:
+                    try:
+                        for event in events:
+                            event.synchronize()
+                        ok = self._store(items)
+                    except BaseException as e:  # noqa: BLE001 - a failed offload is a result, not an error
+                        logger.warning("lmcache-mp linker: an offload failed: %s", e)
+                        ok = False
+                self.stats["offloads" if ok else "failed_offloads"] += 1
+                self._offload_results.put(ok)
+            finally:
+                self._offloads.task_done()
+
+    def _store(self, items: list) -> bool:
+        ready = self._ready()
+        if ready is None:
+            return False
+        client, handles = ready
+        timeout = self.settings.request_timeout
+        try:
+            futures = [client.store(handles[id(part)], digests, rows, timeout=timeout)
+                       for part, digests, rows in items]
+            results = [fut.result(timeout + 1.0) for fut in futures]
+        except (ServerUnavailable, RequestError) as e:
+            self._failed("offload", e)
+            return False
+        self.link.report_success()
+        return all(r.skipped == 0 for r in results)
+
+    def num_completed_offloads(self) -> int:
+        return self._offload_results.qsize()
+
+    def pop_completed_offload(self) -> bool:
+        try:
+            return self._offload_results.get_nowait()
+        except queue.Empty:
+            return False
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.pending_loads.clear()
+        self._loads.join()
+        self._offloads.join()
+        while True:
+            try:
+                self._offload_results.get_nowait()
+            except queue.Empty:
+                break
+        self.layer_done_counter.reset()
+
+    def close(self) -> None:
+        self.reset()
+        for q in (self._loads, self._offloads):
+            q.put(None)
+        for t in self._threads:
+            t.join()
+        registered, self._registered = self._registered, None
+        if registered is not None:
+            client, handles = registered
+            for handle in handles.values():
+                try:
+                    client.unregister_kv_cache(handle, timeout=min(self.settings.request_timeout, 1.0))
+                except (ServerUnavailable, RequestError) as e:
+                    logger.debug("lmcache-mp linker: unregistering a pool failed: %s", e)
+                    break
+        self.link.close()
+        if self._shm:
+            from lmcache_mp.integration.cpu_shm import release_shared_memory
+
+            release_shared_memory(self._shm)
+            self._shm = []
+        logger.info("lmcache-mp linker stats: %s", self.stats)
+
+
+def _tp(params) -> tuple[int, int]:
+    """(rank, size) of this worker in its attention tensor-parallel group."""
+    group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
+    return 0, 1
