@@ -620,6 +620,22 @@ def test_l2_disk_max_keeps_a_tenant_within_its_share_of_the_disk(tmp_path, keys,
     assert all(a.lookup(chunk_hashes(w.prompt(seed, 8), CHUNK), model="m").hits == 8 for seed in range(5))
 
 
+def test_l2_disk_max_refusals_are_audited_a_line_a_minute(tmp_path, keys, setups):
+    # Bob's cap is smaller than one chunk's file (8 KiB): every write of his is refused, and the
+    # audit log has one quota_breach line for them all (the next would come a minute later).
+    s = setups(tmp_path, keys, l1_size="8MiB", l2_disk=str(tmp_path / "disk"), l2_disk_size="64MiB",
+               l2_write="all", extra={"bob": 'l2_disk_max = "4KiB"'})
+    b = s.client("b")
+    _store_prompts(b, range(100, 104))
+    wait_until(lambda: s.server.engine.status()["l2"]["idle"], 30, "the L2 writes")
+    disk = next(t for t in s.server.engine.status()["l2"]["tiers"] if t["name"] == "disk")
+    assert disk["over_tenant_cap"] == 32 and s.server.engine.tenants_status()["bob"]["l2_disk_bytes"] == 0
+    breaches = [e for e in s.audit_lines() if e["event"] == "quota_breach"]
+    assert len(breaches) == 1, breaches
+    assert breaches[0]["tenant"] == "bob" and breaches[0]["quota"] == "l2_disk_max"
+    assert breaches[0]["limit"] == 4096 and breaches[0]["chunks"] >= 1 and breaches[0]["suppressed"] == 0
+
+
 def test_two_nodes_sharing_valkey_keep_tenants_apart(tmp_path, keys, setups):
     from test_l2_valkey import Valkey
 

@@ -60,6 +60,9 @@ class TenantHandling:
         tenancy.on_shared_limits = lambda shared: quotas(SHARED, shared)
         self.l1.quotas.on_breach = lambda name, quota, used, limit: tenancy.audit.breach(
             name, quota, bytes=used, limit=limit)
+        if self.l2 is not None:  # (rate-limited there, as l1_max's: a line a minute per tenant)
+            self.l2.on_disk_over_cap(lambda name, chunks, used, limit: tenancy.audit.breach(
+                name, "l2_disk_max", bytes=used, limit=limit, chunks=chunks))
         for state in tenancy.states():
             limits(state)
         quotas(SHARED, tenancy.table.shared)

@@ -20,6 +20,7 @@ import os
 import itertools
 import shutil
 import threading
+from typing import Callable
 
 import msgspec
 import xxhash
@@ -88,6 +89,8 @@ class DiskTier(L2Backend):
         self._caps: dict[str, int] = {}  # tenant -> its l2_disk_max (a server with tenants)
         self._owned: dict[str, int] = {}  # tenant -> bytes of its files
         self._refused = 0  # chunks not written: their tenant's cap, and none of its own files to evict
+        # (tenant, chunks not written, its files' bytes, its cap): for the audit log, called outside the lock
+        self.on_over_cap: Callable[[str, int, int, int], None] | None = None
         for blob, payload in self._store.entries():  # least recently used first
             self._add([_File(blob, HEADER_BYTES + payload)])
         st = self._store.stats()
@@ -125,12 +128,12 @@ class DiskTier(L2Backend):
         self._evicted += len(victims)
         return victims
 
-    def _within_caps(self, keys, sizes) -> tuple[list[int], list[bytes]]:
+    def _within_caps(self, keys, sizes) -> tuple[list[int], list[bytes], list[tuple[str, int, int, int]]]:
         """The writes that fit their tenants' l2_disk_max once those tenants' own files make
-        room (their indices), and the keys of the files that go for it."""
+        room (their indices), the keys of the files that go for it, and the refusals (see on_over_cap)."""
         if not self._caps:
-            return list(range(len(keys))), []
-        keep, victims, want = [], [], {}
+            return list(range(len(keys))), [], []
+        keep, victims, want, over = [], [], {}, []
         for i, blob in enumerate(keys):
             want.setdefault(tenant_of(policy_key(blob).model), []).append(i)
         for owner, idx in want.items():
@@ -139,6 +142,7 @@ class DiskTier(L2Backend):
             if cap:
                 if need > cap:
                     self._refused += len(idx)
+                    over.append((owner, len(idx), self._owned.get(owner, 0), cap))
                     continue
                 own = (f for f in itertools.islice(self._policy.candidates(), QUOTA_SCAN) if f.owner == owner)
                 while self._owned.get(owner, 0) + need > cap:
@@ -151,10 +155,11 @@ class DiskTier(L2Backend):
                     own = (f for f in itertools.islice(self._policy.candidates(), QUOTA_SCAN) if f.owner == owner)
                 if self._owned.get(owner, 0) + need > cap:
                     self._refused += len(idx)
+                    over.append((owner, len(idx), self._owned.get(owner, 0), cap))
                     continue
             keep += idx
         self._evicted += len(victims)
-        return sorted(keep), victims
+        return sorted(keep), victims, over
 
     def set_quota(self, tenant: str, l2_disk_max: int) -> None:
         """A tenant's cap on this tier (0: none): beyond it, its writes evict its own files first."""
@@ -174,10 +179,13 @@ class DiskTier(L2Backend):
         with self._lock:
             for blob in keys:  # a file written again replaces the old one
                 self._drop(self._files.get(blob))
-            keep, victims = self._within_caps(keys, sizes)
+            keep, victims, over = self._within_caps(keys, sizes)
             need = sum(HEADER_BYTES + sizes[i] for i in keep)
             victims += self._make_room(need)
             self._reserved += need
+        if over and self.on_over_cap is not None:
+            for owner, chunks, owned, cap in over:
+                self.on_over_cap(owner, chunks, owned, cap)
         if len(keep) < len(keys):
             pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
             ok = dict(zip(keep, self._put(pick(keys), pick(formats), pick(ptrs), pick(sizes), victims, need)))

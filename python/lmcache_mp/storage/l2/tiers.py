@@ -394,6 +394,12 @@ class L2Tiers:
         if (disk := self._disk()) is not None:
             disk.set_quota(tenant, nbytes)
 
+    def on_disk_over_cap(self, callback) -> None:
+        """callback(tenant, chunks, bytes, limit): a disk-tier write of a tenant's chunks refused by
+        its l2_disk_max (bytes: the tenant's files then). Called on the writer's thread."""
+        if (disk := self._disk()) is not None:
+            disk.on_over_cap = callback
+
     def disk_tenant_bytes(self) -> dict[str, int]:
         return disk.tenant_bytes() if (disk := self._disk()) is not None else {}
 
