@@ -1,0 +1,236 @@
+"""The SGLang unified cache linker (lmcache_mp.integration.sglang_linker) against the real sglang
+0.5.23 (pinned, CPU build), driven through SGLang's own tree.
+
+SGLang's UnifiedRadixCache test kit builds the tree, the device pools (full attention, and Mamba2
+state beside it) and the allocators on the CPU (sglang_kit.py); the linker is made by SGLang's
+`dynamic` factory and attached as SGLang's registry attaches it. Offloads come from SGLang's own
+write-through (an insert), lookups from its match_prefix, loads from its init_load_back and the
+layer counter a forward waits on. Oracle: the source instance's bytes, compared exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# (the kit's modules import openai and partial_json_parser through SGLang's scheduler types)
+_HAVE_KIT = all(importlib.util.find_spec(m) is not None for m in ("sglang", "openai", "partial_json_parser"))
+pytestmark = pytest.mark.skipif(not _HAVE_KIT, reason="sglang (with its test kit's imports: openai, "
+                                "partial_json_parser) is not installed")
+
+if _HAVE_KIT:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import sglang_kit as kit  # noqa: E402
+    import torch  # noqa: E402
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
+    from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+
+from lmcache_mp import Server, ServerConfig  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server():
+    srv = Server(ServerConfig(url=f"tcp://127.0.0.1:{free_port()}", l1_size="64MiB", device="cpu", chunk_size=256,
+                              heartbeat_timeout=5.0, http_addr="off"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def instances():
+    made = []
+
+    def make(url, **kw):
+        made.append(kit.Instance(url, **kw))
+        return made[-1]
+
+    yield make
+    for inst in made:
+        inst.close()
+
+
+def same(xs, ys) -> bool:
+    return len(xs) == len(ys) and all(torch.equal(x, y) for x, y in zip(xs, ys))
+
+
+def page_keys(tokens: list[int]) -> list[str]:
+    return get_storage_hash_str(tokens, None, page_size=kit.PAGE)
+
+
+def test_the_factory_makes_the_linker_from_the_dynamic_config(server, instances):
+    from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
+    from sglang.srt.server_args import ServerArgs
+
+    from lmcache_mp.integration.sglang_linker import LMCacheMPLinker
+
+    a = instances(server.url)
+    assert type(a.linker) is LMCacheMPLinker
+    assert set(a.linker.pools) == {PoolName.KV, PoolName.MAMBA}
+    assert a.linker.num_layers == 6
+    registrations = server.engine.status()["registrations"]
+    assert len(registrations) == 1 + len(a.state_tensors())  # the KV pool, and each Mamba state tensor
+    typo = kit.linker_config(server.url)
+    typo["linker_extra_config"]["lmcache_mp.urll"] = server.url
+    with pytest.raises(ValueError, match="lmcache_mp.urll"):
+        create_unified_cache_linker(ServerArgs(model_path="dummy"), a.cache.cache_init_params, backend="dynamic",
+                                    config=typo, components=set(a.cache.components))
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["full+mamba", "full"])
+def test_offload_lookup_load_restore_kv_and_state_bit_exact(server, instances, hybrid):
+    """Instance A inserts a finished request (SGLang's write-through offloads it); instance B,
+    its own pools full of other bytes, matches the prompt, loads the hit and runs the batch: its
+    private slots hold A's KV, and its request's Mamba slot A's state, bit for bit."""
+    a = instances(server.url, hybrid=hybrid, seed=1)
+    b = instances(server.url, hybrid=hybrid, seed=2)
+    tokens = kit.prompt(1, 3)
+    slots, state = a.insert(tokens)
+    assert a.settle_offloads() == 1
+    req, match = b.match(tokens + [9, 9])
+    assert match.device_prefix_len == 0 and match.host_hit_length == 3 * kit.PAGE
+    loaded, dst = b.load_back(req)
+    assert loaded == 3 * kit.PAGE and len(dst) == loaded
+    assert not same(b.kv_at(dst), a.kv_at(slots))  # (the two pools differ before the load)
+    assert b.run_batch([req]) == []
+    assert same(b.kv_at(dst), a.kv_at(slots))
+    if hybrid:
+        assert same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))
+    assert b.linker.stats["loads"] == 1 and b.linker.stats["failed_loads"] == 0
+
+
+def test_lookup_gives_every_restorable_boundary(server, instances):
+    """A Mamba state exists only where a node ended: a prompt inserted page by page restores at
+    every page; one inserted at once only at its end. KV pages alone are not a hit."""
+    a = instances(server.url, seed=3)
+    grown, whole = kit.prompt(2, 3), kit.prompt(3, 3)
+    for pages in (1, 2, 3):
+        a.insert(grown[:pages * kit.PAGE])
+    a.insert(whole)
+    assert a.settle_offloads() == 4
+
+    def lookup(tokens, pages):
+        keys = page_keys(tokens[:pages * kit.PAGE])
+        return a.linker.lookup("q", [PoolTransfer(name=PoolName.KV, keys=keys),
+                                     PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:],
+                                                  hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+
+    assert lookup(grown + kit.prompt(9, 1), 4) == [1, 2, 3]
+    assert lookup(whole + kit.prompt(9, 1), 4) == [3]
+    assert lookup(kit.prompt(4, 2), 2) == []
+    kv_only = page_keys(whole)
+    assert a.linker.lookup("q", [PoolTransfer(name=PoolName.KV, keys=kv_only)]) == [1, 2, 3]
+
+
+def test_a_second_instance_in_another_process_loads_the_first_pages(server, instances):
+    a = instances(server.url, seed=5)
+    tokens = kit.prompt(5, 4)
+    slots, state = a.insert(tokens)
+    assert a.settle_offloads() == 1
+    run = subprocess.run([sys.executable, str(HERE / "linker_instance.py"), "--url", server.url, "--source-seed", "5",
+                          "--prompt-seed", "5", "--pages", "4", "--slots", json.dumps(slots.tolist()),
+                          "--state-slot", str(int(state[0]))], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out == {"hit_tokens": 4 * kit.PAGE, "loaded": 4 * kit.PAGE, "failed": [], "kv_equal": True,
+                   "state_equal": True}
+
+
+def test_a_queued_load_is_cancelled(server, instances):
+    """A request released before its batch starts: the load is cancelled, nothing is written
+    into the slots, and the next batch has nothing to start."""
+    a = instances(server.url, seed=6)
+    b = instances(server.url, seed=7)
+    tokens = kit.prompt(6, 2)
+    a.insert(tokens)
+    a.settle_offloads()
+    req, _ = b.match(tokens + [1])
+    loaded, dst = b.load_back(req)
+    assert loaded == 2 * kit.PAGE
+    before = b.kv_at(dst)
+    b.cache.linker.release_request(req.rid)
+    assert b.cache.linker.inflight_load_rids == [] and b.linker.pending_loads == {}
+    assert b.cache.ready_to_load_host_cache() == -1
+    assert same(b.kv_at(dst), before)
+    assert b.linker.cancel_queued_load(req.rid) is False
+
+
+def _server_process(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", f"tcp://127.0.0.1:{port}",
+                             "--device", "cpu", "--l1-size", "64MiB", "--http-addr", "off"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        if proc.poll() is not None:
+            raise AssertionError(proc.stderr.read().decode()[-2000:])
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the server did not come up")
+
+
+def test_a_server_killed_mid_load_gives_a_failed_load_then_misses(instances):
+    """The server dies with a load queued: the batch's load fails (SGLang aborts the request,
+    whose slots were private) within the request timeout instead of hanging the forward; then
+    lookups are misses at once and offloads are refused, without raising into SGLang."""
+    port = free_port()
+    proc = _server_process(port)
+    url = f"tcp://127.0.0.1:{port}"
+    try:
+        config = kit.linker_config(url, **{"lmcache_mp.request_timeout": 5.0})
+        a = instances(url, seed=8, config=config)
+        b = instances(url, seed=9, config=config)
+        tokens = kit.prompt(8, 3)
+        a.insert(tokens)
+        a.settle_offloads()
+        req, match = b.match(tokens + [2])
+        assert match.host_hit_length == 3 * kit.PAGE
+        loaded, _ = b.load_back(req)
+        assert loaded == 3 * kit.PAGE
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        start = time.monotonic()
+        failed = b.run_batch([req])
+        assert [r.rid for r in failed] == [req.rid] and time.monotonic() - start < 10
+        assert b.linker.stats["failed_loads"] == 1
+        start = time.monotonic()
+        req2, match2 = b.match(tokens + [3])
+        assert match2.host_hit_length == 0 and time.monotonic() - start < 2
+        a.insert(kit.prompt(10, 2))  # write-through while the server is gone: refused, nothing pending
+        assert a.cache.linker.pending_offloads == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_an_absent_server_is_a_miss_at_once(instances):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    a = instances(url, seed=11, config=kit.linker_config(url, **{"lmcache_mp.connect_timeout": 5.0}))
+    tokens = kit.prompt(11, 2)
+    a.insert(tokens)
+    assert a.cache.linker.pending_offloads == []
+    req, match = a.match(kit.prompt(12, 2))
+    assert match.host_hit_length == 0
+    assert time.monotonic() - start < 30
+    assert a.linker.load(req.rid, [PoolTransfer(name=PoolName.KV, keys=page_keys(tokens),
+                                                device_indices=torch.arange(32))]) is False
