@@ -234,3 +234,39 @@ def test_an_absent_server_is_a_miss_at_once(instances):
     assert time.monotonic() - start < 30
     assert a.linker.load(req.rid, [PoolTransfer(name=PoolName.KV, keys=page_keys(tokens),
                                                 device_indices=torch.arange(32))]) is False
+
+
+def test_a_hicache_instance_and_a_linker_instance_share_layer_first_pages(server, instances):
+    """The KV pool's pages are the HiCache backend's `layer_first` pages, in its namespace: what
+    an instance on HiCache stored, one on the linker finds and loads, and the other way round."""
+    from sglang_pools import attach, fill_random, host_pool, page_bytes, page_indices, storage_config
+
+    pool = host_pool("mha", "layer_first", layers=kit.dense_config().num_layers)
+    fill_random(pool, 12)
+    hicache = attach(pool, storage_config(server.url, layout="layer_first", model="tiny"))
+    linker = instances(server.url, hybrid=False, seed=13)
+    try:
+        assert hicache.namespace == linker.linker._namespaces[id(linker.linker.layout.parts["kv"][0])]
+        tokens = kit.prompt(12, 3)
+        keys = page_keys(tokens)
+        assert hicache.batch_set_v1(keys, page_indices([4, 9, 2])) == [True] * 3
+        req, match = linker.match(tokens + [1])
+        assert match.host_hit_length == 3 * kit.PAGE
+        _, dst = linker.load_back(req)
+        assert linker.run_batch([req]) == []
+
+        def page_of(inst, slots):  # a page as the layer_first host layout lays it out: K of each layer, then V
+            return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in inst.kv_at(slots))
+
+        for i, host_page in enumerate([4, 9, 2]):
+            assert page_of(linker, dst[i * kit.PAGE:(i + 1) * kit.PAGE]) == page_bytes(pool, host_page)
+        back = kit.prompt(14, 2)
+        slots, _ = linker.insert(back)
+        assert linker.settle_offloads() == 1
+        back_keys = page_keys(back)
+        assert hicache.batch_exists(back_keys) == 2
+        assert hicache.batch_get_v1(back_keys, page_indices([20, 21])) == [True, True]
+        assert page_bytes(pool, 20) + page_bytes(pool, 21) == page_of(linker, slots[:kit.PAGE]) + page_of(
+            linker, slots[kit.PAGE:])
+    finally:
+        hicache.close()
