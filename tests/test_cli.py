@@ -263,8 +263,8 @@ def test_a_taken_http_address_names_the_flag(sock_path):
 
 def test_a_taken_default_http_address_named_explicitly_is_refused(sock_path):
     """Left to its default, a taken HTTP address is a warning (another server on this machine has
-    it); named by a setting, the server would otherwise run on while the probes meant for it reach
-    the other one."""
+    it) and the server serves HTTP on a free port, which it names; named by a setting, the server
+    would otherwise run on while the probes meant for it reach the other one."""
     import socket
 
     from lmcache_mp.config import DEFAULT_HTTP_ADDR, parse_addr
@@ -282,7 +282,8 @@ def test_a_taken_default_http_address_named_explicitly_is_refused(sock_path):
         srv = ServerProcess(base)  # the default: a warning, and the server serves
         try:
             srv.wait_ready()
-            assert any("no HTTP listener" in line for line in srv.lines)
+            line = next(line for line in srv.lines if f"HTTP: {DEFAULT_HTTP_ADDR} is taken" in line)
+            assert "another process (not an lmcache-mp server) answers there" in line and "--http-addr" in line, line
         finally:
             srv.kill()
 

@@ -47,7 +47,7 @@ def test_problems_of_the_settings_are_failures_or_warnings(capsys, tmp_path):
     lines = out.splitlines()
     assert any(line.startswith("[FAIL] memory") for line in lines)
     assert any(line.startswith("[FAIL] endpoint") for line in lines)
-    assert any(line.startswith("[WARN] HTTP") for line in lines)
+    assert any(line.startswith("[FAIL] HTTP") for line in lines)  # named: the server would refuse it
     assert any(line.startswith("[WARN] L2 valkey") for line in lines) and "pw" not in out
     import os
     if os.geteuid() != 0:  # root writes anywhere
@@ -84,12 +84,24 @@ def test_what_the_server_checks_at_start_doctor_fails_in_the_same_words(capsys, 
 
     regular = tmp_path / "a-file"
     regular.write_text("")
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("[tenants.a\n")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    ipc = ["--url", f"ipc://{tmp_path}/s.sock"]
     cases = [
         (["--url", f"ipc://{tmp_path}/no-such-folder/s.sock"], "its folder"),
         (["--url", f"ipc://{tmp_path}/s.sock", "--ipc-group", "no-such-group-lmc"], "no such group"),
         (["--l2-disk", "/proc/lmcache-l2"], "on a proc filesystem"),
         (["--l2-disk", str(regular)], "exists and is not a folder"),
         (["--l1-size", "100TiB"], "more than this machine's memory allows"),
+        ([*ipc, "--curve-secret-key", f"{tmp_path}/keys/server.key_secret"], "--curve-secret-key "),
+        ([*ipc, "--curve-secret-key", str(regular)], "not a CURVE key file"),
+        ([*ipc, "--tenants", f"{tmp_path}/no-tenants.toml"], "cannot read the tenants file"),
+        ([*ipc, "--tenants", str(bad_toml)], "not valid TOML"),
+        ([*ipc, "--audit-log", f"{tmp_path}/no-such-folder/audit.jsonl"], "does not exist: create it"),
+        ([*ipc, "--http-addr", "127.0.0.1:%d" % busy.getsockname()[1]], "cannot serve HTTP on 127.0.0.1:"),
     ]
     for args, says in cases:
         base = ["--device", "cpu", "--http-addr", "off", "--l1-size", "64MiB"]
@@ -102,6 +114,7 @@ def test_what_the_server_checks_at_start_doctor_fails_in_the_same_words(capsys, 
         # the same words (but for memory figures, which move between the two looks at the machine)
         assert re.sub(r"[0-9.]+ GiB", "N GiB", fail.split(": ", 1)[1]) in re.sub(r"[0-9.]+ GiB", "N GiB", srv.stderr), \
             (fail, srv.stderr)
+    busy.close()
 
 
 def test_doctor_leaves_no_socket_file_and_names_a_missing_folder(capsys, tmp_path, caplog):
@@ -133,3 +146,24 @@ def test_a_group_the_servers_user_is_not_in_is_refused_before_anything_is_made(t
         return
     with pytest.raises(ValueError, match=f"ipc_group '{other.gr_name}': this server's user .* is not in that group"):
         check_ipc_group(config)
+
+
+@pytest.mark.parametrize("cuda_build", [False, True])
+def test_a_machine_without_gpus_is_no_warning_for_device_auto(monkeypatch, cuda_build):
+    """Device auto on a CPU-only machine runs on the CPU, as meant: an OK line, no WARN; device
+    cuda there is a FAIL."""
+    import io
+
+    from lmcache_mp.server import doctor as d
+
+    monkeypatch.setattr(d, "_gpus", lambda: [])
+    for device, status in (("auto", "OK"), ("cpu", "OK"), ("cuda", "FAIL" if cuda_build else None)):
+        r = d.Report(io.StringIO())
+        d.check_gpus(r, {"cuda": cuda_build, "cuda_architectures": ""}, device)
+        out = r.out.getvalue()
+        assert "[WARN]" not in out, (device, out)
+        if status is not None and out:
+            assert out.startswith(f"[{status:4s}]"), (device, out)
+    r = d.Report(io.StringIO())
+    d.check_gpus(r, {"cuda": cuda_build, "cuda_architectures": ""}, "auto")
+    assert "[OK  ] GPUs" in r.out.getvalue() and "CPU" in r.out.getvalue()

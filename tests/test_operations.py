@@ -128,24 +128,36 @@ def test_health_reports_an_l2_tier_that_is_down_and_stays_ready(servers, tmp_pat
     assert "secret" not in status and ":***@" in status  # the password never shows
 
 
-def test_the_default_http_address_taken_is_a_warning_another_an_error(servers, caplog):  # noqa: F811
-    from lmcache_mp.config import DEFAULT_HTTP_ADDR
-    from lmcache_mp.config import parse_addr
+def test_the_default_http_address_taken_moves_to_a_free_port_naming_whose_it_is_another_an_error(
+        servers, caplog, monkeypatch):  # noqa: F811
+    """Every server on a machine starts with the default HTTP address: the second one serves
+    HTTP on a free port of the same host and says, at WARNING, which server answers on the default
+    (its /health names its url and pid); an address a setting named is an error when taken."""
+    import logging
 
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(parse_addr(DEFAULT_HTTP_ADDR))
-        except OSError:
-            pass  # taken already: what this test wants
-        s.listen(1)
-        srv = servers()  # default address: runs without HTTP and says so
-        assert srv.engine.http == "" and "no HTTP listener" in caplog.text
-        assert "set http_addr to a free address or off" in caplog.text  # the embedded server's setting, not a flag
+    from lmcache_mp import config
+
+    with socket.socket() as s:  # a default of this test's own: other tests of this machine take the real one
+        s.bind(("127.0.0.1", 0))
+        DEFAULT_HTTP_ADDR = "127.0.0.1:%d" % s.getsockname()[1]
+    monkeypatch.setattr(config, "DEFAULT_HTTP_ADDR", DEFAULT_HTTP_ADDR)
+    caplog.set_level(logging.INFO, "lmcache_mp")
+    first = servers(http_addr=DEFAULT_HTTP_ADDR)  # (as the default: no source named it)
+    second = servers(http_addr=DEFAULT_HTTP_ADDR)
+    assert first.engine.http == DEFAULT_HTTP_ADDR
+    assert second.engine.http and second.engine.http != DEFAULT_HTTP_ADDR
+    assert second.engine.http.startswith("127.0.0.1:")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith(f"HTTP: {DEFAULT_HTTP_ADDR} is "
+                                                                                     "taken"))
+    assert f"this server's /metrics, /health and /status are on {second.engine.http}" in line, line
+    assert "set http_addr to pin an address of its own" in line  # the embedded server's setting, not a flag
+    assert f"the lmcache-mp server at {first.url} (pid {os.getpid()}) answers there" in line, line
+    with urllib.request.urlopen(f"http://{second.engine.http}/health", timeout=10) as r:
+        assert json.loads(r.read())["url"] == second.url
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
-        with pytest.raises(OSError, match=r"cannot serve HTTP on 127\.0\.0\.1:\d+ \(http_addr\)"):  # given on purpose
+        with pytest.raises(ValueError, match=r"cannot serve HTTP on 127\.0\.0\.1:\d+ \(http_addr\)"):  # named
             servers(http_addr="127.0.0.1:%d" % s.getsockname()[1])
 
 

@@ -169,7 +169,7 @@ class ServerConfig:
         "", "ipc:// socket files are 0600 (this user only); with a group (name or id) 0660 of that group")
     http_addr: str = _setting(
         DEFAULT_HTTP_ADDR, "HOST:PORT of the HTTP listener for /metrics, /live, /health and /status (off: none; "
-        "when the default is taken by another server, this one runs without it and says so)")
+        "when the default is taken by another server, this one takes a free port of that host and says which)")
     log_level: str = _setting("INFO", "DEBUG, INFO, WARNING or ERROR")
 
     def __post_init__(self) -> None:

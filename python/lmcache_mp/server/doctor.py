@@ -6,7 +6,8 @@ build, NUMA node), CUDA IPC between two processes (a real export and open), page
 (`ulimit -l`, /proc/meminfo) against --l1-size, /dev/shm for the CPU device, the endpoint and the
 HTTP address (bound and released, leaving no socket file), and each L2 target configured
 (reachable or not). Everything the server itself checks before it starts (server/resources.py:
-L1 against the memory available, the socket files' group and folder, the disk tier's folder) is
+L1 against the memory available, the socket files' group and folder, the CURVE keys, the tenants
+file, the audit log's folder, a taken HTTP address, the disk tier's folder) is
 checked with the same functions, and fails the same way. Exit code 0 only when nothing FAILs for
 the configured device.
 
@@ -25,8 +26,10 @@ import sys
 from urllib.parse import urlparse
 
 from lmcache_mp.config import ServerConfig, format_size, is_ipv6_url
-from lmcache_mp.server.resources import (check_ipc_group, check_l1_fits, check_l2_disk, check_socket_folder,
-                                         free_space, l1_limit, meminfo)
+from lmcache_mp.server.resources import (check_audit_log, check_curve_clients, check_curve_secret_key,
+                                         check_http_addr, check_ipc_group, check_l1_fits, check_l2_disk,
+                                         check_socket_folder, check_tenants_file, free_space, http_answerer, l1_limit,
+                                         meminfo)
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 
@@ -85,16 +88,17 @@ def check_build(r: Report, info: dict, device: str) -> None:
 
 
 def check_gpus(r: Report, info: dict, device: str) -> list[dict]:
-    if not info["cuda"]:
-        if device != "cpu":
-            r.line(WARN, "GPUs: not checked (the build has no CUDA)")
+    if not info["cuda"]:  # (the build's line FAILs device cuda; auto runs on the CPU, as meant on such a machine)
+        if device == "auto":
+            r.line(OK, "GPUs: not used (a build without CUDA: device auto is the CPU)")
         return []
     gpus = _gpus()
-    if not gpus:
-        r.line(FAIL if device == "cuda" else (WARN if device == "auto" else OK),
-               "GPUs: none visible (no NVIDIA driver, no device, or CUDA_VISIBLE_DEVICES hides them)",
+    if not gpus:  # a CPU-only machine: device auto is the CPU (the device line of the server's start says so)
+        r.line(FAIL if device == "cuda" else OK,
+               "GPUs: none visible (no NVIDIA driver, no device, or CUDA_VISIBLE_DEVICES hides them)"
+               + (": device auto is the CPU" if device == "auto" else ""),
                "give this process every GPU of the node (in a container: --gpus all, or the device plugin)"
-               if device != "cpu" else "")
+               if device == "cuda" else "")
         return []
     archs = info["cuda_architectures"].split(",")
     machine_code = {a.split("-")[0] for a in archs}  # "90-real": sm_90 code; "120": code and PTX
@@ -236,17 +240,26 @@ def check_endpoint(r: Report, config: ServerConfig) -> None:
     finally:
         sock.close(0)
         ctx.term()
-    if config.http_addr != "off":
-        from lmcache_mp.config import parse_addr
+    if config.http_addr != "off" and _start_check(r, "HTTP", "http_addr", check_http_addr, config):
+        if check_http_addr(config):
+            r.line(OK, f"HTTP {config.http_addr}: can be bound")
+        else:
+            r.line(WARN, f"HTTP {config.http_addr}: taken ({http_answerer(config.http_addr)} answers there): the "
+                   "server would serve /metrics and /health on a free port of that host instead, and log which",
+                   "set --http-addr to an address of its own (probes and Prometheus find it there)")
 
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(parse_addr(config.http_addr))
-                r.line(OK, f"HTTP {config.http_addr}: can be bound")
-            except OSError as e:
-                r.line(WARN, f"HTTP {config.http_addr}: {e.strerror} (the server would start without /metrics, "
-                       "/health)", "set --http-addr to a free address")
+
+def check_access(r: Report, config: ServerConfig) -> None:
+    """Who gets in and what is recorded: the CURVE keys, the tenants file, the audit log."""
+    if config.curve_secret_key and _start_check(r, "CURVE", "curve_secret_key", check_curve_secret_key, config):
+        r.line(OK, f"CURVE: secret key {config.curve_secret_key}")
+    if config.curve_clients:
+        _start_check(r, "CURVE", "curve_clients", check_curve_clients, config,
+                     f"CURVE: client keys in {config.curve_clients}")
+    if config.tenants:
+        _start_check(r, "tenants", "tenants", check_tenants_file, config, f"tenants file {config.tenants}: valid")
+    if config.audit_log:
+        _start_check(r, "audit log", "audit_log", check_audit_log, config, f"audit log {config.audit_log}: writable")
 
 
 def _reachable(host: str, port: int) -> str:
@@ -310,6 +323,7 @@ def run(config: ServerConfig, out=None) -> int:
     check_shm(r, config, gpus)
     check_l1_persist(r, config)
     check_endpoint(r, config)
+    check_access(r, config)
     check_l2(r, config)
     verdict = "would work" if not r.failed else f"would not work ({r.failed} problem(s) above)"
     print(f"lmcache-mp-server with these settings (device {config.device}) {verdict}", file=r.out)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -103,7 +104,8 @@ class HttpEndpoint:
             state = "socket closed"
         else:
             state = "ready"
-        out = {"ready": state == "ready", "state": state, "url": self.engine.url}
+        # url and pid: which server answers here (another on this machine may have been meant)
+        out = {"ready": state == "ready", "state": state, "url": self.engine.url, "pid": os.getpid()}
         if self.engine.l2 is not None:
             out["l2"] = [{"name": t.get("name"), "up": t.get("connected", True) and not t.get("down", False),
                           "last_error": t.get("last_error", "")} for t in self.engine.l2.stats()["tiers"]]

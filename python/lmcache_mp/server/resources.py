@@ -1,5 +1,6 @@
 """What this machine has for the settings: memory for L1, the group and folder of the socket files,
-a disk for the disk tier. Checked at start-up (run_cache_server, before anything is made) and by
+the CURVE keys, the tenants file, the audit log's folder, the HTTP address, a disk for the disk
+tier. Checked at start-up (run_cache_server, before anything is made) and by
 `lmcache-mp-server doctor`, with the same functions and the same words.
 
 An L1 larger than the memory available cannot work: the server refuses to start and says how much
@@ -142,12 +143,109 @@ def check_l2_disk(config: ServerConfig, setting: str = "l2_disk") -> None:
         raise ValueError(f"{setting} {config.l2_disk}: its filesystem has no free space")
 
 
+def check_curve_secret_key(config: ServerConfig, setting: str = "curve_secret_key") -> None:
+    """ValueError unless the CURVE secret key file exists and holds a secret key (pyzmq's own
+    words, "Invalid certificate file", name neither the setting nor the fix)."""
+    path = config.curve_secret_key
+    if not path:
+        return
+    if not os.path.isfile(path):
+        raise ValueError(f"{setting} {path}: no such file (`lmcache-mp-server keygen DIR` makes the server's key, "
+                         "DIR/server.key_secret)")
+    import zmq.auth
+
+    try:
+        _, secret = zmq.auth.load_certificate(path)
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError: pyzmq's parse
+        raise ValueError(f"{setting} {path}: not a CURVE key file ({e})") from None
+    if secret is None:
+        raise ValueError(f"{setting} {path}: holds no secret key (a public key file? give the server "
+                         "DIR/server.key_secret)")
+
+
+def check_curve_clients(config: ServerConfig, setting: str = "curve_clients") -> None:
+    if config.curve_clients and not os.path.isdir(config.curve_clients):
+        raise ValueError(f"{setting} {config.curve_clients}: not a folder of client public keys")
+
+
+def check_tenants_file(config: ServerConfig, setting: str = "tenants") -> None:
+    """ValueError unless the tenants file reads and checks whole (what the server loads at start)."""
+    if not config.tenants:
+        return
+    from lmcache_mp.server.tenants import load_tenants
+
+    try:
+        load_tenants(config.tenants)
+    except ValueError as e:  # TenantsFileError: names the file (and the line)
+        raise ValueError(f"{setting} {e}") from None  # ("--tenants FILE: ...")
+
+
+def check_audit_log(config: ServerConfig, setting: str = "audit_log") -> None:
+    """ValueError unless this process can append to the audit log (its folder is not made)."""
+    path = config.audit_log
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{setting} {path}: the folder {parent} does not exist: create it (mkdir -p {parent})")
+    if os.path.exists(path) and not os.access(path, os.W_OK) or not os.path.exists(path) and not os.access(
+            parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{setting} {path}: this server's user may not write it")
+
+
+def check_http_addr(config: ServerConfig, setting: str = "http_addr") -> bool:
+    """Whether the HTTP address is free (bound and released here); taken, a ValueError when the
+    settings named it, and False for the default address, which the server then leaves to the
+    other server on it and takes a free port of the same host instead (http_answerer says whose
+    the default's answers are)."""
+    if config.http_addr == "off":
+        return True
+    import socket
+
+    from lmcache_mp.config import DEFAULT_HTTP_ADDR, parse_addr
+
+    host, port = parse_addr(config.http_addr)
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the HTTP server binds)
+            s.bind((host, port))
+    except OSError as e:
+        if config.http_addr != DEFAULT_HTTP_ADDR or "http_addr" in config.given:
+            raise ValueError(f"cannot serve HTTP on {config.http_addr} ({setting}): {e.strerror or e}") from None
+        return False
+    return True
+
+
+def http_answerer(addr: str) -> str:
+    """Who answers HTTP on addr: 'the lmcache-mp server at URL (pid N)', or 'another process'."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{addr}/health", timeout=2) as r:
+            body = json.loads(r.read())
+    except Exception as e:  # noqa: BLE001 - a 503 (starting, draining) still has the body
+        try:
+            body = json.loads(e.read()) if hasattr(e, "read") else {}
+        except Exception:  # noqa: BLE001
+            body = {}
+    if isinstance(body, dict) and body.get("url"):
+        pid = f" (pid {body['pid']})" if body.get("pid") else ""
+        return f"the lmcache-mp server at {body['url']}{pid}"
+    return "another process (not an lmcache-mp server)"
+
+
 def check_start(config: ServerConfig, setting=lambda name: name) -> None:
     """Everything the machine must give these settings (ValueError, naming the setting as
     setting(name) does); warnings for what only may go wrong."""
     check_l1_fits(config, setting("l1_size"))
     check_ipc_group(config, setting("ipc_group"))
     check_socket_folder(config, setting("url"))
+    check_curve_secret_key(config, setting("curve_secret_key"))
+    check_curve_clients(config, setting("curve_clients"))
+    check_tenants_file(config, setting("tenants"))
+    check_audit_log(config, setting("audit_log"))
+    check_http_addr(config, setting("http_addr"))
     check_l2_disk(config, setting("l2_disk"))
     check_l2_disk_fits(config, setting("l2_disk_size"))
 

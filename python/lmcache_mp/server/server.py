@@ -42,7 +42,7 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
         audit = open_audit_log(config.audit_log)
         stops.append(audit.close)
         if config.tenants:
-            tenancy = Tenancy(config.tenants, audit)
+            tenancy = Tenancy(config.tenants, audit, l1_bytes=config.l1_size)
         if config.curve_secret_key:
             from lmcache_mp.server.curve import CurveServer
 
@@ -106,22 +106,26 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
 
 def _http_endpoint(config: ServerConfig, engine: MPCacheEngine, transport: Transport, setting: str):
     """The HTTP listener (stopped last, so that /health says "draining" while the server drains).
-    The default address taken (another server on this machine) is a warning, unless a setting
-    named it; any other failure to bind an error (probes would reach the other server); both name
-    `setting`, where the address came from."""
+    The default address taken (another server on this machine) leaves it to that server: this one
+    listens on a free port of the same host and says at WARNING which server answers on the
+    default address and where its own /health is; an address a setting named is an error when
+    taken (probes would reach the other server). Both name `setting`, where the address came from."""
     if config.http_addr == "off":
         return None
-    from lmcache_mp.config import DEFAULT_HTTP_ADDR
+    from lmcache_mp.config import DEFAULT_HTTP_ADDR, parse_addr
     from lmcache_mp.server.http import HttpEndpoint
+    from lmcache_mp.server.resources import http_answerer
 
     try:
         http = HttpEndpoint(config.http_addr, engine, transport)
     except OSError as e:
         if config.http_addr != DEFAULT_HTTP_ADDR or "http_addr" in config.given:
             raise OSError(f"cannot serve HTTP on {config.http_addr} ({setting}): {e}") from None
-        logger.warning("no HTTP listener (/metrics, /health): %s is taken (%s); set %s to a free address or off",
-                       config.http_addr, e.strerror or e, setting)
-        return None
+        host, _ = parse_addr(config.http_addr)
+        http = HttpEndpoint(f"{host}:0", engine, transport)
+        logger.warning("HTTP: %s is taken (%s answers there), so this server's /metrics, /health and /status are on "
+                       "%s; set %s to pin an address of its own", config.http_addr, http_answerer(config.http_addr),
+                       http.address, setting)
     engine.http, engine.http_endpoint = http.address, http
     engine.add_close_hook(http.stop)
     return http.start()
