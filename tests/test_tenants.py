@@ -575,6 +575,50 @@ def test_a_bad_tenants_file_is_one_clear_line(tmp_path, keys):
                      curve_clients=f"{keys}/clients")
 
 
+def test_l1_min_beyond_l1_stops_the_start_and_a_reload_in_one_line(tmp_path, keys, setups):
+    big = tenants_file(tmp_path, keys, extra={"alice": 'l1_min = "12MiB"', "bob": 'l1_min = "12MiB"'})
+    run = subprocess.run([sys.executable, "-m", "lmcache_mp.server.cli", "--url", "tcp://127.0.0.1:0", "--device",
+                          "cpu", "--l1-size", "16MiB", "--tenants", big, "--curve-secret-key",
+                          f"{keys}/server.key_secret", "--http-addr", "off"],
+                         capture_output=True, text=True, timeout=120)
+    err = [line for line in run.stderr.splitlines() if " WARNING " in line or " ERROR " in line]
+    assert run.returncode != 0 and len(err) == 1, run.stderr
+    assert "the l1_min of all tenants add up to 24.0 MiB" in err[0] and "(--l1-size 16.0 MiB)" in err[0], err[0]
+
+    s = setups(tmp_path, keys, l1_size="16MiB", extra={"alice": 'l1_min = "8MiB"'})
+    tenants_file(tmp_path, keys, extra={"alice": 'l1_min = "8MiB"', "bob": 'l1_min = "20MiB"'})
+    assert not s.server.engine.tenancy.reload()  # one larger than L1: the running configuration stays
+    failed = [e for e in s.audit_lines() if e["event"] == "tenants_reload_failed"]
+    assert len(failed) == 1 and ":6: tenants.bob.l1_min: 20.0 MiB is more than L1" in failed[0]["error"]
+    assert s.server.engine.tenants_status()["bob"]["limits"]["l1_min"] == 0
+
+
+def test_a_reload_warns_of_a_rename_and_of_an_engine_window_it_cannot_resize(tmp_path, keys, setups, caplog):
+    import logging
+
+    small = 'engine_window = "16MiB"'
+    s = setups(tmp_path, keys, url=f"ipc://{tmp_path}/srv.sock", extra={"alice": small, "bob": small})
+    a, b = s.client("client"), s.client("b")
+    h_a = a.register_kv_cache(w.make_kv("mha", 64, 8), model="m", transfer="engine")  # (maps alice's window)
+    _, h_b, _, hashes, ids = engine_of(b, seed=2, chunks=2)
+    assert b.store(h_b, hashes, ids).result().stored == 2
+    caplog.set_level(logging.WARNING, logger="lmcache_mp.server.tenancy")
+    tenants_file(tmp_path, keys, body=f'[tenants.alice]\ncurve_keys = ["{keys}/clients/client.key"]\n'
+                                        'engine_window = "32MiB"\n'
+                                        f'[tenants.robert]\ncurve_keys = ["{keys}/clients/b.key"]\n'
+                                        'engine_window = "32MiB"\n')
+    assert s.server.engine.tenancy.reload()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("tenant bob is now named robert" in m and "robert starts with an empty cache" in m for m in said)
+    assert any("alice's engine_window stays 16.0 MiB, not 32.0 MiB" in m for m in said), said
+    assert len(said) == 2, said  # (robert has no window yet: his is made at 32 MiB when first asked for)
+    line = [e for e in s.audit_lines() if e["event"] == "tenants_reloaded"][-1]
+    assert line["renamed"] == [["bob", "robert"]] and line["engine_window_kept"] == ["alice"]
+    c = s.client("b")  # robert now: bob's chunks are not his
+    assert c.status()["tenant"] == "robert" and c.lookup(hashes, model="m").hits == 0
+    a.unregister_kv_cache(h_a)
+
+
 def test_sighup_reloads_the_tenants_file_of_a_running_server(tmp_path, keys):
     tenants = tenants_file(tmp_path, keys)
     proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", "tcp://127.0.0.1:0",

@@ -231,3 +231,29 @@ def test_file_level_errors_are_tenants_file_errors(tmp_path, setup, message):
     with pytest.raises(TenantsFileError, match=message) as e:
         load_tenants(path)
     assert str(e.value).startswith(path)
+
+
+def test_the_l1_min_of_all_tenants_fit_in_l1(tmp_path):
+    # (issue 49 3.3: an l1_min larger than L1 was taken without a word; so was a sum larger than L1)
+    text = """
+        [tenants.a]
+        uids = [1]
+        l1_min = "{a}"
+        [tenants.b]
+        uids = [2]
+        l1_min = "{b}"
+        [shared]
+        l1_min = "{s}"
+    """
+    path = write(tmp_path, text.format(a="3GiB", b="3GiB", s="2GiB"))
+    assert load_tenants(path, l1_bytes=8 * GiB).tenants["a"].l1_min == 3 * GiB  # all of L1: allowed
+    assert load_tenants(path).tenants["a"].l1_min == 3 * GiB  # (no L1 given: not checked)
+    with pytest.raises(TenantsFileError) as e:
+        load_tenants(path, l1_bytes=7 * GiB)
+    assert str(e.value) == (f"{path}: the l1_min of all tenants add up to 8.0 GiB (a 3.0 GiB, b 3.0 GiB, shared "
+                            "2.0 GiB), more than L1 (--l1-size 7.0 GiB); keep their sum within L1 (well below it: "
+                            "others need room too)")
+    path = write(tmp_path, text.format(a="1GiB", b="9GiB", s="0"))
+    with pytest.raises(TenantsFileError) as e:
+        load_tenants(path, l1_bytes=8 * GiB)
+    assert str(e.value).startswith(f"{path}:6: tenants.b.l1_min: 9.0 GiB is more than L1 (--l1-size 8.0 GiB)")

@@ -30,6 +30,7 @@ import threading
 from typing import Callable
 
 from lmcache_mp import protocol as p
+from lmcache_mp.config import format_size
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.tenants import (SHARED, SharedLimits, Tenant, TenantsFileError, TenantTable,
                                        credential_fingerprint, load_tenants)
@@ -91,9 +92,11 @@ class TenantState:
 
 
 class Tenancy:
-    def __init__(self, path: str, audit):
+    def __init__(self, path: str, audit, l1_bytes: int = 0):
+        """l1_bytes: the server's L1, which the tenants' l1_min must fit (at start and at every reload)."""
         self.path = path
         self.audit = audit
+        self.l1_bytes = l1_bytes
         self._key = secrets.token_bytes(32)  # of client ids' hashes: a client cannot aim at another's
         self._lock = threading.Lock()
         self._states: dict[str, TenantState] = {}
@@ -101,11 +104,13 @@ class Tenancy:
         self._clients: dict[bytes, str] = {}  # scoped client id -> the credential it was last seen with
         self._tickets: dict[bytes, str] = {}  # lane ticket -> the credential its client proved
         self._ticket_of: dict[bytes, bytes] = {}  # scoped client id -> its lane ticket
-        self.table = load_tenants(path)
+        self.table = load_tenants(path, l1_bytes)
         self._apply(self.table)
         self.on_limits: Callable[[TenantState], None] | None = None  # (state) limits changed: L1 quotas
         self.on_shared_limits: Callable[[SharedLimits], None] | None = None  # the [shared] table's, at each load
         self.on_revoked: Callable[[str, list[bytes]], None] | None = None  # (credential, clients) to forget
+        # (tenant name) the size of its engine-copy window, 0 before one is made: a made one keeps its size
+        self.window_of: Callable[[str], int] | None = None
         logger.info("tenants: %d from %s (%s)", len(self.table), path, ", ".join(self.table.tenants))
 
     def _apply(self, table: TenantTable) -> None:
@@ -180,10 +185,30 @@ class Tenancy:
 
     # ---- reloads -----------------------------------------------------------------------------
 
+    def _not_applied(self, old: TenantTable, new: TenantTable, added: list[str], removed: list[str],
+                     changed: list[str]) -> tuple[list[list[str]], list[str]]:
+        """What a reload does not do as the file may suggest, each said in a WARNING: the tenants
+        renamed ([old, new]: a removed name's credentials now a new name's) and those whose
+        engine_window changed while their window is made (its size stays)."""
+        was, now = old.credentials(), new.credentials()
+        renamed = sorted({(was[c], now[c]) for c in was.keys() & now.keys() if was[c] in removed and now[c] in added})
+        for before, after in renamed:
+            logger.warning("tenants file reloaded: tenant %s is now named %s (the same credentials); a tenant's "
+                           "namespace is its name, so %s starts with an empty cache and %s's chunks stay, unused, "
+                           "until evicted (rename it back to use them)", before, after, after, before)
+        sizes = {n: self.window_of(n) if self.window_of is not None else 0 for n in changed
+                 if new.tenants[n].engine_window != old.tenants[n].engine_window}
+        kept = [n for n, size in sizes.items() if size and size != new.tenants[n].engine_window]
+        for name in kept:
+            logger.warning("tenants file reloaded: tenant %s's engine_window stays %s, not %s: its window is shared "
+                           "memory its processes have mapped; the new size applies once the server restarts", name,
+                           format_size(sizes[name]), format_size(new.tenants[name].engine_window))
+        return [list(r) for r in renamed], kept
+
     def reload(self) -> bool:
         """Re-read the tenants file (SIGHUP). A bad file keeps the running configuration."""
         try:
-            table = load_tenants(self.path)
+            table = load_tenants(self.path, self.l1_bytes)
         except TenantsFileError as e:
             logger.error("tenants file not reloaded, the running configuration stays: %s", e)
             self.audit.write("tenants_reload_failed", file=self.path, error=str(e))
@@ -202,7 +227,9 @@ class Tenancy:
         changed = sorted(n for n in set(table.tenants) & set(old.tenants) if table.tenants[n] != old.tenants[n])
         logger.info("tenants file reloaded: %d tenants (added %s, removed %s, changed %s), %d credentials revoked",
                     len(table), added or "none", removed or "none", changed or "none", len(revoked))
-        self.audit.write("tenants_reloaded", file=self.path, added=added, removed=removed, changed=changed)
+        renamed, kept = self._not_applied(old, table, added, removed, changed)
+        self.audit.write("tenants_reloaded", file=self.path, added=added, removed=removed, changed=changed,
+                         renamed=renamed, engine_window_kept=kept)
         for state in self.states():
             if self.on_limits is not None:
                 self.on_limits(state)

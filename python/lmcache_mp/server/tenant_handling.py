@@ -56,6 +56,7 @@ class TenantHandling:
             self._bulk.submit(lambda: [self._forget_client(c) for c in clients])
 
         tenancy.on_limits, tenancy.on_revoked = limits, revoked
+        tenancy.window_of = self._windows.size_of  # (a reload says when an engine_window cannot change)
         # the shared namespace's chunks are owned by "shared" in L1 and the tiers: its quotas are a tenant's
         tenancy.on_shared_limits = lambda shared: quotas(SHARED, shared)
         self.l1.quotas.on_breach = lambda name, quota, used, limit: tenancy.audit.breach(

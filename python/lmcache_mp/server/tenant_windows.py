@@ -92,6 +92,13 @@ class TenantWindows:
                 w = self._windows[tenant.name] = Window(tenant.tenant.engine_window, self._slab)
             return w
 
+    def size_of(self, name: str) -> int:
+        """The size of a tenant's window (0: none made yet). A made window never changes size:
+        its processes have it mapped, and the offsets they are given are into it."""
+        with self._lock:
+            w = self._windows.get(name)
+            return w.arena.capacity if w is not None else 0
+
     def stats(self) -> dict[str, dict]:
         with self._lock:
             return {name: w.stats() for name, w in self._windows.items()}

@@ -21,7 +21,7 @@ from typing import Any
 import zmq.auth
 from zmq.utils import z85
 
-from lmcache_mp.config import parse_size
+from lmcache_mp.config import format_size, parse_size
 from lmcache_mp.server.refusals import fingerprint
 
 SHARED = "shared"
@@ -110,7 +110,9 @@ def credential_fingerprint(credential: str) -> str:
     return f"curve:{fingerprint(value)}" if kind == "curve" else credential
 
 
-def load_tenants(path: str) -> TenantTable:
+def load_tenants(path: str, l1_bytes: int = 0) -> TenantTable:
+    """The tenants file, checked whole; l1_bytes: the server's L1 (--l1-size), which the l1_min of
+    all tenants (and [shared]) together must fit (0: not checked)."""
     try:
         with open(path, "rb") as f:
             text = f.read().decode("utf-8")
@@ -129,7 +131,11 @@ def load_tenants(path: str) -> TenantTable:
         else:
             where = path
         raise TenantsFileError(f"{where}: not valid TOML: {msg}") from None
-    return _Checker(path, text).table(doc)
+    checker = _Checker(path, text)
+    table = checker.table(doc)
+    if l1_bytes:
+        checker.fits_l1(table, l1_bytes)
+    return table
 
 
 def _credentials(t: Tenant) -> list[str]:
@@ -285,3 +291,18 @@ class _Checker:
         if not _is_z85_key(key):
             raise self.error(at + ("curve_keys",), f"key file {file}: public-key is not a 40-character z85 key")
         return key
+
+    def fits_l1(self, table: TenantTable, l1_bytes: int) -> None:
+        """The l1_min of every tenant and of [shared] fit in L1, one by one and together: an l1_min
+        is memory other tenants' stores leave alone, and L1 cannot leave alone more than it has."""
+        mins = {(("tenants", n) if n != SHARED else (SHARED,)): q.l1_min
+                for n, q in [*table.tenants.items(), (SHARED, table.shared)] if q.l1_min}
+        l1 = f"L1 (--l1-size {format_size(l1_bytes)})"
+        for at, n in mins.items():
+            if n > l1_bytes:
+                raise self.error(at + ("l1_min",), f"{format_size(n)} is more than {l1}; expected at most L1, "
+                                 "and the l1_min of all tenants together within it")
+        if sum(mins.values()) > l1_bytes:
+            each = ", ".join(f"{at[-1]} {format_size(n)}" for at, n in mins.items())
+            raise self.error((), f"the l1_min of all tenants add up to {format_size(sum(mins.values()))} ({each}), "
+                             f"more than {l1}; keep their sum within L1 (well below it: others need room too)")
