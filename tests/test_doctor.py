@@ -86,6 +86,8 @@ def test_what_the_server_checks_at_start_doctor_fails_in_the_same_words(capsys, 
     regular.write_text("")
     bad_toml = tmp_path / "bad.toml"
     bad_toml.write_text("[tenants.a\n")
+    big_min = tmp_path / "big-min.toml"  # (an l1_min larger than L1)
+    big_min.write_text('[tenants.a]\nuids = [1]\nl1_min = "128MiB"\n')
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
@@ -100,6 +102,7 @@ def test_what_the_server_checks_at_start_doctor_fails_in_the_same_words(capsys, 
         ([*ipc, "--curve-secret-key", str(regular)], "not a CURVE key file"),
         ([*ipc, "--tenants", f"{tmp_path}/no-tenants.toml"], "cannot read the tenants file"),
         ([*ipc, "--tenants", str(bad_toml)], "not valid TOML"),
+        ([*ipc, "--tenants", str(big_min)], "tenants.a.l1_min: 128.0 MiB is more than L1 (--l1-size 64.0 MiB)"),
         ([*ipc, "--audit-log", f"{tmp_path}/no-such-folder/audit.jsonl"], "does not exist: create it"),
         ([*ipc, "--http-addr", "127.0.0.1:%d" % busy.getsockname()[1]], "cannot serve HTTP on 127.0.0.1:"),
     ]

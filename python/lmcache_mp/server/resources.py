@@ -175,7 +175,7 @@ def check_tenants_file(config: ServerConfig, setting: str = "tenants") -> None:
     from lmcache_mp.server.tenants import load_tenants
 
     try:
-        load_tenants(config.tenants)
+        load_tenants(config.tenants, config.l1_size)  # (the l1_min must fit L1, as at start)
     except ValueError as e:  # TenantsFileError: names the file (and the line)
         raise ValueError(f"{setting} {e}") from None  # ("--tenants FILE: ...")
 
