@@ -516,3 +516,35 @@ def test_sigkill_during_writes_then_restart_serves_only_whole_objects(tmp_path):
     finally:
         srv2.proc.send_signal(signal.SIGTERM)
         srv2.proc.wait(30)
+
+
+def test_a_clean_stop_leaves_the_disk_holding_what_l1_held(tmp_path):
+    """The documented disk tier (write policy evicted, the default; FP8 codec): chunks stored, then
+    SIGTERM, no eviction ever wrote them. The stop writes what L1 holds that the disk lacks (within
+    FLUSH_SECONDS), and a restarted server serves them; the start-up lines name each tier's codec."""
+    path = tmp_path / "l2"
+    url = f"ipc://{tmp_path}/s.sock"
+    args = ["--url", url, "--device", "cpu", "--chunk-size", str(CHUNK), "--l1-size", "1MiB", "--http-addr", "off",
+            "--l2-disk", str(path), "--l2-disk-codec", "fp8"]
+    srv = ServerProcess(args)
+    try:
+        srv.wait_ready()
+        assert "codec fp8, writes evicted (a clean stop writes what L1 holds" in srv.wait_for("L2 disk: codec")
+        with Client(url) as c:
+            kv, h = register_mha(c, num_blocks=128)
+            store_prompts(c, h, kv, [3])  # 4 chunks, far from filling L1: nothing is written ahead of eviction
+            assert not _kv_files(path)
+    finally:
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0
+    assert "wrote 4 chunks" in srv.wait_for("of L1 at shutdown")
+    assert len(_kv_files(path)) == 4
+    srv2 = ServerProcess(args)
+    try:
+        srv2.wait_ready()
+        with Client(url) as c:
+            kv, h = register_mha(c, num_blocks=128)
+            assert c.lookup(chunk_hashes(w.prompt(3, 4), CHUNK), model="m", lock=True) == 4
+    finally:
+        srv2.proc.send_signal(signal.SIGTERM)
+        srv2.proc.wait(60)

@@ -156,6 +156,15 @@ class L1Writeback:
         if obj.uses == self.l2_admit and self.on_l2_dirty is not None:
             self.on_l2_dirty(obj)
 
+    def l2_flush_order(self) -> list:
+        """Every object L1 holds, the most valuable first: those outside the eviction order (read
+        or leased now), then the reverse of that order. What a stopping server writes to its
+        write-back tiers (a writer skips what a tier has, and writes predecessors first)."""
+        with self._lock:
+            ordered = list(self._policy.order())
+            seen = {id(o) for o in ordered}
+            return [o for o in self._at.values() if id(o) not in seen] + ordered[::-1]
+
     def l2_take(self, bit: int, below: int, max_bytes: int, fresh=None, scan: int = SCAN,
                 dry: bool = False) -> list:
         """For the writer of tier `bit`: the dirty objects to write now, each after its unwritten

@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 LOAD_BATCH_CHUNKS = 16  # chunks per get() call: a deadline can answer with the chunks loaded so far
 DRAIN_SECONDS = 30.0  # on close, the writes listed for write-through get this long to finish
+# On close, a write-back tier (the disk's default) gets this long to take what L1 holds that it
+# lacks, most valuable first; so that a restarted server finds them there. (Within systemd's stop
+# timeout, deploy/lmcache-mp.service, beside the drain of requests.)
+FLUSH_SECONDS = 10.0
 
 _decode = msgspec.msgpack.decode
 
@@ -137,6 +141,10 @@ class L2Tiers:
                          self._evicted)
             logger.info("L2 writes: %s; written ahead of eviction while less than %s of L1 is free",
                         ", ".join(f"{t.name} {w}" for t, w in zip(self.tiers, writes)), format_size(self.queue_limit))
+        for tier, w in zip(self.tiers, writes):
+            logger.info("L2 %s: codec %s, writes %s%s", tier.name, getattr(tier, "codec", "none"), w,
+                        f" (a clean stop writes what L1 holds that it lacks, for at most {FLUSH_SECONDS:.0f} s)"
+                        if w == "evicted" else "")
 
     # ---- writes (writers.py), called by L1 with its lock held ----------------------------------
 
@@ -444,11 +452,14 @@ class L2Tiers:
 
     def close(self) -> None:
         """Finish the writes listed for write-through (for a while), stop the threads, close the tiers."""
-        deadline = time.monotonic() + DRAIN_SECONDS
+        now = time.monotonic()
         with self._cv:
             self._closing = True
+        flush = self.l1.l2_flush_order() if any(w.policy == "evicted" for w in self.writers) else None
+        for w in self.writers:  # (all at once: one deadline each, not one after the other)
+            w.begin_close(now + (FLUSH_SECONDS if w.policy == "evicted" else DRAIN_SECONDS), flush)
         for w in self.writers:
-            w.close(deadline)
+            w.close(now + (FLUSH_SECONDS if w.policy == "evicted" else DRAIN_SECONDS))
         self.l1.attach_l2(0, 1, None, None, None)
         self._reads.put(None)
         self._reader.join()

@@ -176,11 +176,30 @@ class TierWriter:
                 "listed": len(self.fresh or ()),
                 "writing": self.writing, "writing_bytes": self.writing_bytes}
 
-    def close(self, deadline: float) -> None:
-        """Write what write-through still has listed (until deadline), then stop."""
+    def begin_close(self, deadline: float, flush: list | None = None) -> None:
+        """Write what write-through still has listed, and a write-back writer what L1 holds that
+        the tier lacks (`flush`: L1's objects, most valuable first), until deadline; then stop.
+        Without this a clean stop left a write-back tier (the disk's default) with nothing of
+        what L1 held: a restarted server found none of it."""
+        if self._closing:
+            return
+        if flush is not None and self.policy == "evicted":
+            self.fresh = collections.deque(flush)  # (taken as write-through's list: each after its predecessors)
+        self._flushing = len(flush) if flush is not None and self.policy == "evicted" else 0
+        self._close_started, self._written_before = time.monotonic(), (self.counts["written"], self.written_bytes)
         self._deadline = deadline
         self._closing = True
         self._wake.set()
+
+    def close(self, deadline: float, flush: list | None = None) -> None:
+        self.begin_close(deadline, flush)
         self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
-        if self._thread.is_alive():
-            logger.warning("L2 %s: %d listed writes not finished at shutdown", self.tier.name, len(self.fresh or ()))
+        n, nbytes = self.counts["written"] - self._written_before[0], self.written_bytes - self._written_before[1]
+        if self._flushing and n:
+            logger.info("L2 %s: wrote %d chunks (%s) of L1 at shutdown in %.1f s", self.tier.name, n,
+                        format_size(nbytes), time.monotonic() - self._close_started)
+        if self._thread.is_alive() or (self.fresh and time.monotonic() > deadline):
+            logger.warning("L2 %s: writes at shutdown stopped at their bound of %.0f s, %d %s", self.tier.name,
+                           deadline - self._close_started, len(self.fresh or ()),
+                           "chunks of L1 not looked at (those the tier lacks are lost)" if self._flushing
+                           else "listed writes not finished")
