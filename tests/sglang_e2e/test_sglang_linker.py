@@ -270,3 +270,38 @@ def test_a_hicache_instance_and_a_linker_instance_share_layer_first_pages(server
             linker, slots[kit.PAGE:])
     finally:
         hicache.close()
+
+
+def test_what_a_lookup_found_stays_on_the_server_until_its_load(instances):
+    """Between SGLang's match and the batch's load, other traffic fills the server's L1: the
+    pages and state the lookup found are leased and still load bit-exact, while an unleased
+    prompt stored at the same time is evicted."""
+    from lmcache_mp import Client, chunk_hashes, shared_cpu_tensor
+
+    srv = Server(ServerConfig(url=f"tcp://127.0.0.1:{free_port()}", l1_size="4MiB", device="cpu", chunk_size=256,
+                              heartbeat_timeout=5.0, http_addr="off"))
+    srv.start()
+    try:
+        a = instances(srv.url, seed=15)
+        b = instances(srv.url, seed=16)
+        tokens, other = kit.prompt(15, 3), kit.prompt(16, 3)
+        slots, state = a.insert(tokens)
+        a.insert(other)
+        assert a.settle_offloads() == 2
+        req, match = b.match(tokens + [1])
+        assert match.host_hit_length == 3 * kit.PAGE
+        loaded, dst = b.load_back(req)
+        with Client(srv.url) as filler:  # 8 MiB of another engine's chunks through a 4 MiB L1
+            kv = [shared_cpu_tensor((16, 256, 1024), torch.uint8, fill=1)]
+            handle = filler.register_kv_cache(kv, model="filler")
+            for i in range(8):
+                hashes = chunk_hashes(kit.prompt(100 + i, 64), 256)
+                filler.store(handle, hashes, [j % 16 for j in range(len(hashes))]).result(60)
+            filler.unregister_kv_cache(handle)
+        assert b.run_batch([req]) == []
+        assert same(b.kv_at(dst), a.kv_at(slots))
+        assert same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))
+        _, evicted = b.match(other + [1])
+        assert evicted.host_hit_length == 0
+    finally:
+        srv.stop()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Optional
 
 import torch
@@ -43,6 +44,8 @@ from lmcache_mp.protocol import ErrorCode
 logger = logging.getLogger(__name__)
 
 MAX_BOUNDARIES = 128  # deepest prefix lengths a lookup checks the state pools at
+LEASED_BOUNDARIES = 4  # deepest restorable lengths whose state objects a lookup leases until the load
+HELD_FOR = 25.0  # seconds a lookup's leases are kept for its load here (the server's default TTL is 30)
 
 
 class LMCacheMPLinker(UnifiedCacheLinker):
@@ -79,6 +82,10 @@ class LMCacheMPLinker(UnifiedCacheLinker):
             params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
         self._registered = None  # (client, {id(part): handle}) once registered with the connected server
         self.pending_loads: dict[str, list] = {}
+        # rid -> (when, client, KV lease, {(id(part), length): state lease}): what a lookup leased
+        # for the load that follows it, so that nothing it found is evicted before then
+        self._held: dict[str, tuple] = {}
+        self._held_lock = threading.Lock()
         self._loads: queue.Queue = queue.Queue()
         self._offloads: queue.Queue = queue.Queue()
         self._offload_results: queue.Queue = queue.Queue()
@@ -134,7 +141,11 @@ class LMCacheMPLinker(UnifiedCacheLinker):
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
         """Every prefix length (pages of the tail) whose KV pages are all on the server for every
-        rank and whose window (SWA pages, the Mamba state at its end) is there in every other pool."""
+        rank and whose window (SWA pages, the Mamba state at its end) is there in every other pool.
+
+        The KV pages found and the other pools' objects at the deepest lengths are leased (the
+        server keeps them) until the request's load reads them, or for HELD_FOR seconds."""
+        self._drop_held(rid)
         ready = self._ready()
         by_pool = {PoolName(t.name): t for t in transfers}
         kv = by_pool.get(PoolName.KV)
@@ -144,39 +155,95 @@ class LMCacheMPLinker(UnifiedCacheLinker):
         digests = [page_digest(k) for k in kv.keys]
         timeout = self.settings.request_timeout
         self.stats["lookups"] += 1
+        kv_lease, state_leases = 0, {}
         try:
             part = self.layout.parts[KV][0]
             world_size, _ = self._rank_of(part)
-            hits = int(client.lookup(b"".join(digests), model=self._namespaces[id(part)], world_size=world_size,
-                                     timeout=timeout))
-            candidates = list(range(max(1, hits - MAX_BOUNDARIES + 1), hits + 1))
+            found = client.lookup(b"".join(digests), model=self._namespaces[id(part)], world_size=world_size,
+                                  lock=True, timeout=timeout)
+            kv_lease = found.lease
+            candidates = list(range(max(1, int(found) - MAX_BOUNDARIES + 1), int(found) + 1))
+            windows = {}
             for name, transfer in by_pool.items():
                 if name == PoolName.KV or not candidates:
                     continue
                 if name not in self.pools:
-                    return []  # a pool this linker does not store: nothing is restorable
-                window = max(1, len(transfer.keys or ()))
-                checks = []
-                for part in self.pools[name]:
-                    world_size, _ = self._rank_of(part)
-                    for p in candidates:
-                        want = digests[max(0, p - window):p]
-                        checks.append((p, len(want), client.lookup_async(
-                            b"".join(want), model=self._namespaces[id(part)], world_size=world_size,
-                            timeout=timeout)))
-                missing = {p for p, n, fut in checks if int(fut.result(timeout + 1.0)) < n}
+                    candidates = []  # a pool this linker does not store: nothing is restorable
+                    break
+                windows[name] = max(1, len(transfer.keys or ()))
+                missing = self._missing(client, name, windows[name], digests, candidates, lock=False)
                 candidates = [p for p in candidates if p not in missing]
+            # lease the deepest lengths' windows; one gone since is no longer restorable
+            deepest = candidates[-LEASED_BOUNDARIES:]
+            for name, window in windows.items():
+                gone = self._missing(client, name, window, digests, deepest, lock=True, leases=state_leases)
+                candidates = [p for p in candidates if p not in gone]
         except (ServerUnavailable, RequestError) as e:
             self._failed("lookup", e)
+            self._release(client, [kv_lease, *state_leases.values()])
             return []
         except TimeoutError as e:
             self._failed("lookup", ServerUnavailable(str(e) or "lookup timed out"))
+            self._release(client, [kv_lease, *state_leases.values()])
             return []
         self.link.report_success()
         if candidates:
             self.stats["hits"] += 1
+            with self._held_lock:
+                self._held[rid] = (time.monotonic(), client, kv_lease, state_leases)
             logger.debug("lmcache-mp linker: %s restorable at %s of %d pages", rid, candidates, len(digests))
+        else:
+            self._release(client, [kv_lease, *state_leases.values()])
         return candidates
+
+    def _missing(self, client, name, window: int, digests: list, lengths: list, *, lock: bool,
+                 leases: dict | None = None) -> set:
+        """The lengths at which some part of pool `name` lacks the window of objects ending there
+        (all lookups in flight at once); with lock, the found ones' leases go into `leases`."""
+        timeout = self.settings.request_timeout
+        checks = []
+        for part in self.pools[name]:
+            world_size, _ = self._rank_of(part)
+            for p in lengths:
+                want = digests[max(0, p - window):p]
+                checks.append((part, p, len(want), client.lookup_async(
+                    b"".join(want), model=self._namespaces[id(part)], world_size=world_size, lock=lock,
+                    timeout=timeout)))
+        missing = set()
+        for part, p, n, fut in checks:
+            found = fut.result(timeout + 1.0)
+            if leases is not None and found.lease:
+                leases[(id(part), p)] = found.lease
+            if int(found) < n:
+                missing.add(p)
+        return missing
+
+    def _take_held(self, rid: str):
+        with self._held_lock:
+            return self._held.pop(rid, None)
+
+    def _drop_held(self, rid: str | None = None) -> None:
+        """Let go of a request's leases (None: of every lookup older than HELD_FOR seconds, which
+        the server ends by itself)."""
+        now = time.monotonic()
+        with self._held_lock:
+            if rid is not None:
+                held = [self._held.pop(rid)] if rid in self._held else []
+            else:
+                held = []
+            for old in [r for r, h in self._held.items() if now - h[0] > HELD_FOR]:
+                self._held.pop(old)
+        for _, client, kv_lease, state_leases in held:
+            self._release(client, [kv_lease, *state_leases.values()])
+
+    def _release(self, client, leases) -> None:
+        for lease in leases:
+            if lease:
+                try:
+                    client.release(lease=lease, timeout=min(self.settings.request_timeout, 1.0))
+                except (ServerUnavailable, RequestError) as e:
+                    logger.debug("lmcache-mp linker: releasing a lease failed: %s", e)
+                    return
 
     # ---- loads -------------------------------------------------------------------------------
 
@@ -206,20 +273,39 @@ class LMCacheMPLinker(UnifiedCacheLinker):
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         if rid in self.pending_loads:
             raise RuntimeError(f"a load of request {rid} is already queued")
-        if self._ready() is None:
+        held = self._take_held(rid)
+        ready = self._ready()
+        if ready is None:
             return False
         try:
             items = self._items(transfers, "a load")
         except ValueError as e:
             logger.error("lmcache-mp linker: refusing the load of %s: %s", rid, e)
+            if held is not None:
+                self._release(held[1], [held[2], *held[3].values()])
             return False
         if not items:
             return False
-        self.pending_loads[rid] = items
+        leases = []  # the lease each part's read consumes; the rest is let go after the load
+        if held is not None and held[1] is ready[0]:
+            _, _, kv_lease, state_leases = held
+            length = max((len(rows) for part, _, rows in items if part.pool == KV), default=0)
+            leases = [kv_lease if part.pool == KV else state_leases.get((id(part), length), 0)
+                      for part, _, _ in items]
+            leases.extend(lease for lease in state_leases.values() if lease not in leases)
+            if kv_lease and kv_lease not in leases:
+                leases.append(kv_lease)
+        self.pending_loads[rid] = (items, leases)
         return True
 
     def cancel_queued_load(self, rid: str) -> bool:
-        return self.pending_loads.pop(rid, None) is not None
+        cancelled = self.pending_loads.pop(rid, None)
+        if cancelled is None:
+            return False
+        ready = self._ready()
+        if ready is not None:
+            self._release(ready[0], set(cancelled[1]))
+        return True
 
     def start_layer_wise_loading(self) -> int:
         if not self.pending_loads:
@@ -262,9 +348,10 @@ class LMCacheMPLinker(UnifiedCacheLinker):
         timeout = self.settings.request_timeout
         futures = []
         try:
-            for items in batch.values():
-                for part, digests, rows in items:
-                    futures.append((part, len(rows), client.retrieve(handles[id(part)], digests, rows,
+            for items, leases in batch.values():
+                for i, (part, digests, rows) in enumerate(items):
+                    lease = leases[i] if i < len(leases) else 0
+                    futures.append((part, len(rows), client.retrieve(handles[id(part)], digests, rows, lease=lease,
                                                                      timeout=timeout)))
             for part, n, fut in futures:
                 loaded = fut.result(timeout + 1.0).loaded
@@ -280,6 +367,7 @@ class LMCacheMPLinker(UnifiedCacheLinker):
                         fut.result(timeout + 1.0)
                     except BaseException:  # noqa: BLE001
                         pass
+            self._release(client, {lease for _, leases in batch.values() for lease in leases})
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         return self.layer_done_counter.finish(counter_index)
@@ -351,6 +439,8 @@ class LMCacheMPLinker(UnifiedCacheLinker):
 
     def reset(self) -> None:
         self.pending_loads.clear()
+        with self._held_lock:
+            self._held.clear()  # (the server ends those leases by their TTL)
         self._loads.join()
         self._offloads.join()
         while True:
