@@ -45,6 +45,12 @@ def hybrid_config(**kw) -> CacheConfig:
                        full_attention_layer_ids=(1, 3, 5), kv_size=512, max_context_len=512, **kw)
 
 
+def swa_config(**kw) -> CacheConfig:
+    """Full attention on layers 1, 3 and a sliding window of one page on 0, 2."""
+    return CacheConfig(page_size=PAGE, components=(ComponentType.FULL, ComponentType.SWA), sliding_window_size=PAGE,
+                       num_layers=4, full_attention_layer_ids=(1, 3), kv_size=512, max_context_len=512, **kw)
+
+
 def dense_config(**kw) -> CacheConfig:
     return CacheConfig(page_size=PAGE, components=(ComponentType.FULL,), num_layers=4, kv_size=512,
                        max_context_len=512, **kw)
@@ -84,8 +90,9 @@ class Instance:
     """SGLang's tree, pools and allocator from the kit, its device pools filled from `seed`, and
     the linker made by SGLang's factory and attached as SGLang's registry attaches it."""
 
-    def __init__(self, url: str, *, hybrid: bool = True, seed: int = 0, config: dict | None = None):
-        self.cfg = hybrid_config() if hybrid else dense_config()
+    def __init__(self, url: str, *, hybrid: bool = True, seed: int = 0, config: dict | None = None,
+                 swa: bool = False):
+        self.cfg = swa_config() if swa else hybrid_config() if hybrid else dense_config()
         self.cache, self.allocator, self.req_pool = build(self.cfg)
         self.kvcache = self.allocator.get_kvcache()
         self.fill(seed)
@@ -108,8 +115,16 @@ class Instance:
     def fill(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         pool = self.attention_pool
-        for t in [*pool.k_buffer, *pool.v_buffer, *self.state_tensors()]:
+        swa = getattr(self.kvcache, "swa_kv_pool", None)
+        window = [*swa.k_buffer, *swa.v_buffer] if swa is not None else []
+        for t in [*pool.k_buffer, *pool.v_buffer, *window, *self.state_tensors()]:
             t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+    def swa_at(self, full_slots) -> list:
+        """The window layers' KV of these (full-attention) slots, through SGLang's full-to-SWA map."""
+        swa = self.kvcache.swa_kv_pool
+        rows = self.allocator.full_to_swa_index_mapping[full_slots.to(torch.int64)]
+        return [b[rows].clone() for b in [*swa.k_buffer, *swa.v_buffer]]
 
     @classmethod
     def reference(cls, *, hybrid: bool, seed: int) -> "Instance":
@@ -138,7 +153,11 @@ class Instance:
     def insert(self, tokens: list[int]):
         """A finished request's KV (and its Mamba state) into the tree: SGLang's write-through
         then offloads the new node through the linker. Returns (slots, state slot)."""
-        slots = self.allocator.alloc(len(tokens))
+        if self.cfg.has_swa:  # (as the kit's own _alloc: SWA's allocator allocates pages through alloc_extend)
+            slots = self.allocator.full_attn_allocator.alloc(len(tokens))
+            self.allocator.full_to_swa_index_mapping[slots] = self.allocator.swa_attn_allocator.alloc(len(tokens))
+        else:
+            slots = self.allocator.alloc(len(tokens))
         params = InsertParams(key=RadixKey(array("q", tokens)), value=slots)
         state = None
         if self.cfg.has_mamba:

@@ -93,16 +93,18 @@ def test_the_factory_makes_the_linker_from_the_dynamic_config(server, instances)
                                     config=typo, components=set(a.cache.components))
 
 
-@pytest.mark.parametrize("hybrid", [True, False], ids=["full+mamba", "full"])
-def test_offload_lookup_load_restore_kv_and_state_bit_exact(server, instances, hybrid):
+@pytest.mark.parametrize("kind", ["full+mamba", "full", "full+swa"])
+def test_offload_lookup_load_restore_kv_and_state_bit_exact(server, instances, kind):
     """Instance A inserts a finished request (SGLang's write-through offloads it); instance B,
     its own pools full of other bytes, matches the prompt, loads the hit and runs the batch: its
-    private slots hold A's KV, and its request's Mamba slot A's state, bit for bit."""
-    a = instances(server.url, hybrid=hybrid, seed=1)
-    b = instances(server.url, hybrid=hybrid, seed=2)
+    private slots hold A's KV, its request's Mamba slot A's state, and its window layers' slots
+    of the last page A's window KV, bit for bit."""
+    hybrid, swa = kind == "full+mamba", kind == "full+swa"
+    a = instances(server.url, hybrid=hybrid, swa=swa, seed=1)
+    b = instances(server.url, hybrid=hybrid, swa=swa, seed=2)
     tokens = kit.prompt(1, 3)
     slots, state = a.insert(tokens)
-    assert a.settle_offloads() == 1
+    assert a.settle_offloads() >= 1
     req, match = b.match(tokens + [9, 9])
     assert match.device_prefix_len == 0 and match.host_hit_length == 3 * kit.PAGE
     loaded, dst = b.load_back(req)
@@ -112,6 +114,10 @@ def test_offload_lookup_load_restore_kv_and_state_bit_exact(server, instances, h
     assert same(b.kv_at(dst), a.kv_at(slots))
     if hybrid:
         assert same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))
+    if swa:
+        assert match.swa_host_hit_length == kit.PAGE  # the window: one page
+        assert same(b.swa_at(dst[-kit.PAGE:]), a.swa_at(slots[-kit.PAGE:]))
+        assert not same(b.swa_at(dst[:kit.PAGE]), a.swa_at(slots[:kit.PAGE]))  # outside the window: not loaded
     assert b.linker.stats["loads"] == 1 and b.linker.stats["failed_loads"] == 0
 
 
