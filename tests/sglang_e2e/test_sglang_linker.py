@@ -311,3 +311,47 @@ def test_what_a_lookup_found_stays_on_the_server_until_its_load(instances):
         assert evicted.host_hit_length == 0
     finally:
         srv.stop()
+
+
+def test_reset_quiesces_and_the_linker_goes_on(server, instances):
+    """SGLang's cache reset (a flush) resets the linker: queued loads dropped, offloads finished
+    and their results dropped, the layer counter back at its start; afterwards it serves again."""
+    a = instances(server.url, seed=17)
+    b = instances(server.url, seed=18)
+    tokens = kit.prompt(17, 2)
+    a.insert(tokens)
+    a.settle_offloads()
+    req, _ = b.match(tokens + [1])
+    assert b.load_back(req)[0] == 2 * kit.PAGE
+    a.insert(kit.prompt(18, 2))  # an offload in flight or done, its result not yet taken
+    b.cache.reset()
+    a.cache.reset()
+    assert b.linker.pending_loads == {} and b.cache.linker.inflight_load_rids == []
+    assert a.linker.num_completed_offloads() == 0 and a.cache.linker.pending_offloads == []
+    assert b.linker.layer_done_counter.producer_index == -1
+    assert b.cache.ready_to_load_host_cache() == -1
+    again = kit.prompt(19, 2)
+    slots, state = a.insert(again)
+    assert a.settle_offloads() == 1
+    req, match = b.match(again + [1])
+    _, dst = b.load_back(req)
+    assert b.run_batch([req]) == [] and same(b.kv_at(dst), a.kv_at(slots))
+
+
+def test_mla_pages_have_the_hicache_backends_layer_first_format():
+    """An MLA pool (SGLang's MLATokenToKVPool) is described as one latent run per layer, in the
+    namespace format of the HiCache backend's layer_first MLA host pool of the same geometry."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang_pools import host_pool
+
+    from lmcache_mp.integration.sglang_linker_pools import describe_pools
+    from lmcache_mp.integration.sglang_pages import plan_pages
+
+    dev = MLATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, kv_lora_rank=96, qk_rope_head_dim=32,
+                           layer_num=3, device="cpu", enable_memory_saver=False)
+    pools = describe_pools(dev, None, {"FULL"}, 16)
+    (part,) = pools.parts["kv"]
+    assert pools.attention == "mla" and len(part.runs) == 3 and pools.num_layers == 3
+    host = host_pool("mla", "layer_first")
+    plan = plan_pages(host.kv_buffer, kind="mla", layout="layer_first", page_size=16, chunk_size=256)
+    assert part.tag == plan.format_tag and part.row_bytes == plan.run_bytes
