@@ -355,3 +355,42 @@ def test_mla_pages_have_the_hicache_backends_layer_first_format():
     host = host_pool("mla", "layer_first")
     plan = plan_pages(host.kv_buffer, kind="mla", layout="layer_first", page_size=16, chunk_size=256)
     assert part.tag == plan.format_tag and part.row_bytes == plan.run_bytes
+
+
+def test_two_tenants_linkers_share_no_pages(instances, tmp_path):
+    """A server with a tenants file: the CURVE keys in each instance's linker config decide its
+    tenant; one tenant's pages and states are misses for the other, hits for its own instances."""
+    from lmcache_mp.server.cli import main as cli_main
+
+    keys = tmp_path / "keys"
+    assert cli_main(["keygen", str(keys)]) == 0
+    assert cli_main(["keygen", str(keys), "--client", "bob"]) == 0
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.alice]\ncurve_keys = ["{keys}/clients/client.key"]\n'
+                       f'[tenants.bob]\ncurve_keys = ["{keys}/clients/bob.key"]\n')
+    srv = Server(ServerConfig(url=f"ipc://{tmp_path}/srv.sock", l1_size="64MiB", device="cpu", chunk_size=256,
+                              heartbeat_timeout=5.0, tenants=str(tenants), curve_secret_key=f"{keys}/server.key_secret",
+                              http_addr="off"))
+    srv.start()
+    try:
+        def config(secret: str) -> dict:
+            return kit.linker_config(srv.url, **{"lmcache_mp.curve_server_key": f"{keys}/server.key",
+                                                 "lmcache_mp.curve_client_key": f"{keys}/client-secret/{secret}"})
+
+        alice = instances(srv.url, seed=20, config=config("client.key_secret"))
+        alice2 = instances(srv.url, seed=21, config=config("client.key_secret"))
+        bob = instances(srv.url, seed=22, config=config("bob.key_secret"))
+        tokens = kit.prompt(20, 2)
+        slots, state = alice.insert(tokens)
+        assert alice.settle_offloads() == 1
+        _, miss = bob.match(tokens + [1])
+        assert miss.host_hit_length == 0
+        req, hit = alice2.match(tokens + [1])
+        assert hit.host_hit_length == 2 * kit.PAGE
+        _, dst = alice2.load_back(req)
+        assert alice2.run_batch([req]) == [] and same(alice2.kv_at(dst), alice.kv_at(slots))
+        status = srv.engine.status()
+        assert status["tenants"]["alice"]["l1"]["objects"] == 2 + len(alice.state_tensors())
+        assert status["tenants"]["bob"]["l1"]["objects"] == 0
+    finally:
+        srv.stop()

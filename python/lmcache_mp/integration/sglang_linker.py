@@ -43,7 +43,7 @@ from lmcache_mp.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
 
-MAX_BOUNDARIES = 128  # deepest prefix lengths a lookup checks the state pools at
+MAX_BOUNDARIES = 32  # deepest lengths a lookup checks the other pools at (SGLang takes the deepest common one)
 LEASED_BOUNDARIES = 4  # deepest restorable lengths whose state objects a lookup leases until the load
 HELD_FOR = 25.0  # seconds a lookup's leases are kept for its load here (the server's default TTL is 30)
 
@@ -90,8 +90,8 @@ class LMCacheMPLinker(UnifiedCacheLinker):
         self._offloads: queue.Queue = queue.Queue()
         self._offload_results: queue.Queue = queue.Queue()
         self.stats = {"lookups": 0, "hits": 0, "loads": 0, "failed_loads": 0, "offloads": 0, "failed_offloads": 0}
-        logger.info("lmcache-mp linker: %s, %.1f MiB of device pools, %d layers, rank %d/%d, namespaces %s",
-                    ", ".join(f"{n} ({len(ps)} part{'s' if len(ps) > 1 else ''})" for n, ps in self.layout.parts.items()),
+        pools = ", ".join(f"{n} ({len(ps)} part{'s' if len(ps) > 1 else ''})" for n, ps in self.layout.parts.items())
+        logger.info("lmcache-mp linker: %s, %.1f MiB of device pools, %d layers, rank %d/%d, namespaces %s", pools,
                     total_bytes(self.layout) / 2**20, self.num_layers, self.tp_rank, self.tp_size,
                     sorted(set(self._namespaces.values())))
         self.link = self.settings.make_link(f"lmcache-mp sglang-linker tp{self.tp_rank}", on_connect=self._register)
