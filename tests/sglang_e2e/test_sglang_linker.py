@@ -394,3 +394,39 @@ def test_two_tenants_linkers_share_no_pages(instances, tmp_path):
         assert status["tenants"]["bob"]["l1"]["objects"] == 0
     finally:
         srv.stop()
+
+
+def test_pages_and_states_come_back_from_the_disk_tier_after_a_restart(instances, tmp_path):
+    """L2 below: what one instance offloaded is written through to the disk tier; after the
+    server restarted with an empty L1, another instance's lookup finds it there (its leases bring
+    it back into L1) and the load restores KV and state bit-exact."""
+    port = free_port()
+    disk = dict(l2_disk=str(tmp_path / "l2"), l2_disk_size="64MiB", l2_disk_write="all")
+
+    def start():
+        srv = Server(ServerConfig(url=f"tcp://127.0.0.1:{port}", l1_size="64MiB", device="cpu", chunk_size=256,
+                                  heartbeat_timeout=5.0, http_addr="off", **disk))
+        srv.start()
+        return srv
+
+    srv = start()
+    try:
+        a = instances(srv.url, seed=23)
+        tokens = kit.prompt(23, 3)
+        slots, state = a.insert(tokens)
+        assert a.settle_offloads() == 1
+        deadline = time.monotonic() + 60
+        while not srv.engine.status()["l2"]["idle"]:
+            assert time.monotonic() < deadline, "the disk writes did not finish"
+            time.sleep(0.05)
+        srv.stop()
+        srv = start()
+        assert srv.engine.status()["l1"]["objects"] == 0
+        b = instances(srv.url, seed=24)
+        req, match = b.match(tokens + [1])
+        assert match.host_hit_length == 3 * kit.PAGE
+        _, dst = b.load_back(req)
+        assert b.run_batch([req]) == []
+        assert same(b.kv_at(dst), a.kv_at(slots)) and same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))
+    finally:
+        srv.stop()
