@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from typing import Optional
 
 import torch
@@ -36,6 +35,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 
 from lmcache_mp.errors import RequestError, ServerUnavailable
 from lmcache_mp.integration.sglang_keys import namespace, page_digest
+from lmcache_mp.integration.sglang_linker_leases import Held, HeldLeases
 from lmcache_mp.integration.sglang_linker_pools import (
     KV, MAMBA, LinkerPools, PoolPart, describe_pools, page_rows, registration_geometry, slot_rows, total_bytes)
 from lmcache_mp.integration.sglang_settings import SGLangStorageSettings
@@ -45,7 +45,6 @@ logger = logging.getLogger(__name__)
 
 MAX_BOUNDARIES = 32  # deepest lengths a lookup checks the other pools at (SGLang takes the deepest common one)
 LEASED_BOUNDARIES = 4  # deepest restorable lengths whose state objects a lookup leases until the load
-HELD_FOR = 25.0  # seconds a lookup's leases are kept for its load here (the server's default TTL is 30)
 
 
 class LMCacheMPLinker(UnifiedCacheLinker):
@@ -82,10 +81,7 @@ class LMCacheMPLinker(UnifiedCacheLinker):
             params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
         self._registered = None  # (client, {id(part): handle}) once registered with the connected server
         self.pending_loads: dict[str, list] = {}
-        # rid -> (when, client, KV lease, {(id(part), length): state lease}): what a lookup leased
-        # for the load that follows it, so that nothing it found is evicted before then
-        self._held: dict[str, tuple] = {}
-        self._held_lock = threading.Lock()
+        self._leases = HeldLeases(min(self.settings.request_timeout, 1.0))  # what lookups leased for their loads
         self._loads: queue.Queue = queue.Queue()
         self._offloads: queue.Queue = queue.Queue()
         self._offload_results: queue.Queue = queue.Queue()
@@ -145,7 +141,7 @@ class LMCacheMPLinker(UnifiedCacheLinker):
 
         The KV pages found and the other pools' objects at the deepest lengths are leased (the
         server keeps them) until the request's load reads them, or for HELD_FOR seconds."""
-        self._drop_held(rid)
+        self._leases.drop(rid)
         ready = self._ready()
         by_pool = {PoolName(t.name): t for t in transfers}
         kv = by_pool.get(PoolName.KV)
@@ -180,20 +176,19 @@ class LMCacheMPLinker(UnifiedCacheLinker):
                 candidates = [p for p in candidates if p not in gone]
         except (ServerUnavailable, RequestError) as e:
             self._failed("lookup", e)
-            self._release(client, [kv_lease, *state_leases.values()])
+            self._leases.release(client, [kv_lease, *state_leases.values()])
             return []
         except TimeoutError as e:
             self._failed("lookup", ServerUnavailable(str(e) or "lookup timed out"))
-            self._release(client, [kv_lease, *state_leases.values()])
+            self._leases.release(client, [kv_lease, *state_leases.values()])
             return []
         self.link.report_success()
         if candidates:
             self.stats["hits"] += 1
-            with self._held_lock:
-                self._held[rid] = (time.monotonic(), client, kv_lease, state_leases)
+            self._leases.hold(rid, Held(client, kv_lease, state_leases))
             logger.debug("lmcache-mp linker: %s restorable at %s of %d pages", rid, candidates, len(digests))
         else:
-            self._release(client, [kv_lease, *state_leases.values()])
+            self._leases.release(client, [kv_lease, *state_leases.values()])
         return candidates
 
     def _missing(self, client, name, window: int, digests: list, lengths: list, *, lock: bool,
@@ -217,33 +212,6 @@ class LMCacheMPLinker(UnifiedCacheLinker):
             if int(found) < n:
                 missing.add(p)
         return missing
-
-    def _take_held(self, rid: str):
-        with self._held_lock:
-            return self._held.pop(rid, None)
-
-    def _drop_held(self, rid: str | None = None) -> None:
-        """Let go of a request's leases (None: of every lookup older than HELD_FOR seconds, which
-        the server ends by itself)."""
-        now = time.monotonic()
-        with self._held_lock:
-            if rid is not None:
-                held = [self._held.pop(rid)] if rid in self._held else []
-            else:
-                held = []
-            for old in [r for r, h in self._held.items() if now - h[0] > HELD_FOR]:
-                self._held.pop(old)
-        for _, client, kv_lease, state_leases in held:
-            self._release(client, [kv_lease, *state_leases.values()])
-
-    def _release(self, client, leases) -> None:
-        for lease in leases:
-            if lease:
-                try:
-                    client.release(lease=lease, timeout=min(self.settings.request_timeout, 1.0))
-                except (ServerUnavailable, RequestError) as e:
-                    logger.debug("lmcache-mp linker: releasing a lease failed: %s", e)
-                    return
 
     # ---- loads -------------------------------------------------------------------------------
 
@@ -273,7 +241,7 @@ class LMCacheMPLinker(UnifiedCacheLinker):
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         if rid in self.pending_loads:
             raise RuntimeError(f"a load of request {rid} is already queued")
-        held = self._take_held(rid)
+        held = self._leases.take(rid)
         ready = self._ready()
         if ready is None:
             return False
@@ -282,13 +250,13 @@ class LMCacheMPLinker(UnifiedCacheLinker):
         except ValueError as e:
             logger.error("lmcache-mp linker: refusing the load of %s: %s", rid, e)
             if held is not None:
-                self._release(held[1], [held[2], *held[3].values()])
+                self._leases.release(held.client, held.all())
             return False
         if not items:
             return False
         leases = []  # the lease each part's read consumes; the rest is let go after the load
-        if held is not None and held[1] is ready[0]:
-            _, _, kv_lease, state_leases = held
+        if held is not None and held.client is ready[0]:
+            kv_lease, state_leases = held.kv, held.states
             length = max((len(rows) for part, _, rows in items if part.pool == KV), default=0)
             leases = [kv_lease if part.pool == KV else state_leases.get((id(part), length), 0)
                       for part, _, _ in items]
@@ -304,7 +272,7 @@ class LMCacheMPLinker(UnifiedCacheLinker):
             return False
         ready = self._ready()
         if ready is not None:
-            self._release(ready[0], set(cancelled[1]))
+            self._leases.release(ready[0], cancelled[1])
         return True
 
     def start_layer_wise_loading(self) -> int:
@@ -367,7 +335,7 @@ class LMCacheMPLinker(UnifiedCacheLinker):
                         fut.result(timeout + 1.0)
                     except BaseException:  # noqa: BLE001
                         pass
-            self._release(client, {lease for _, leases in batch.values() for lease in leases})
+            self._leases.release(client, [lease for _, leases in batch.values() for lease in leases])
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         return self.layer_done_counter.finish(counter_index)
@@ -439,8 +407,7 @@ class LMCacheMPLinker(UnifiedCacheLinker):
 
     def reset(self) -> None:
         self.pending_loads.clear()
-        with self._held_lock:
-            self._held.clear()  # (the server ends those leases by their TTL)
+        self._leases.clear()
         self._loads.join()
         self._offloads.join()
         while True:
