@@ -51,6 +51,14 @@ def swa_config(**kw) -> CacheConfig:
                        num_layers=4, full_attention_layer_ids=(1, 3), kv_size=512, max_context_len=512, **kw)
 
 
+def swa_mamba_config(**kw) -> CacheConfig:
+    """Full attention on layers 1, 3, 5; a window of one page and Mamba2 on 0, 2, 4 (the kit puts
+    both on its non-full layers)."""
+    return CacheConfig(page_size=PAGE, components=(ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA),
+                       sliding_window_size=PAGE, enable_mamba_extra_buffer=True, mamba_cache_size=24, num_layers=6,
+                       full_attention_layer_ids=(1, 3, 5), kv_size=512, max_context_len=512, **kw)
+
+
 def dense_config(**kw) -> CacheConfig:
     return CacheConfig(page_size=PAGE, components=(ComponentType.FULL,), num_layers=4, kv_size=512,
                        max_context_len=512, **kw)
@@ -92,7 +100,10 @@ class Instance:
 
     def __init__(self, url: str, *, hybrid: bool = True, seed: int = 0, config: dict | None = None,
                  swa: bool = False):
-        self.cfg = swa_config() if swa else hybrid_config() if hybrid else dense_config()
+        if swa:
+            self.cfg = swa_mamba_config() if hybrid else swa_config()
+        else:
+            self.cfg = hybrid_config() if hybrid else dense_config()
         self.cache, self.allocator, self.req_pool = build(self.cfg)
         self.kvcache = self.allocator.get_kvcache()
         self.fill(seed)

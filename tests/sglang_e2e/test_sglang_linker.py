@@ -93,13 +93,13 @@ def test_the_factory_makes_the_linker_from_the_dynamic_config(server, instances)
                                     config=typo, components=set(a.cache.components))
 
 
-@pytest.mark.parametrize("kind", ["full+mamba", "full", "full+swa"])
+@pytest.mark.parametrize("kind", ["full+mamba", "full", "full+swa", "full+swa+mamba"])
 def test_offload_lookup_load_restore_kv_and_state_bit_exact(server, instances, kind):
     """Instance A inserts a finished request (SGLang's write-through offloads it); instance B,
     its own pools full of other bytes, matches the prompt, loads the hit and runs the batch: its
     private slots hold A's KV, its request's Mamba slot A's state, and its window layers' slots
     of the last page A's window KV, bit for bit."""
-    hybrid, swa = kind == "full+mamba", kind == "full+swa"
+    hybrid, swa = "mamba" in kind, "swa" in kind
     a = instances(server.url, hybrid=hybrid, swa=swa, seed=1)
     b = instances(server.url, hybrid=hybrid, swa=swa, seed=2)
     tokens = kit.prompt(1, 3)
