@@ -430,3 +430,32 @@ def test_pages_and_states_come_back_from_the_disk_tier_after_a_restart(instances
         assert same(b.kv_at(dst), a.kv_at(slots)) and same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))
     finally:
         srv.stop()
+
+
+def test_tensor_parallel_ranks_store_their_own_shards(server, instances, monkeypatch):
+    """Two TP ranks (the rank the linker reads from torch.distributed, set here): each stores its
+    own KV pages and Mamba state; a prompt is a hit only once every rank stored it, and each rank
+    of another instance loads its own rank's bytes."""
+    import lmcache_mp.integration.sglang_linker as linker_module
+
+    def rank(r):
+        monkeypatch.setattr(linker_module, "_tp", lambda params: (r, 2))
+
+    made = {}
+    for name, r, seed in (("a0", 0, 30), ("a1", 1, 31), ("b0", 0, 32), ("b1", 1, 33)):
+        rank(r)
+        made[name] = instances(server.url, seed=seed)
+    tokens = kit.prompt(30, 2)
+    slots0, state0 = made["a0"].insert(tokens)
+    assert made["a0"].settle_offloads() == 1
+    _, partial = made["b0"].match(tokens + [1])
+    assert partial.host_hit_length == 0  # rank 1's shard is missing
+    slots1, state1 = made["a1"].insert(tokens)
+    assert made["a1"].settle_offloads() == 1
+    for b, a, slots, state in (("b0", "a0", slots0, state0), ("b1", "a1", slots1, state1)):
+        b, a = made[b], made[a]
+        req, match = b.match(tokens + [1])
+        assert match.host_hit_length == 2 * kit.PAGE
+        _, dst = b.load_back(req)
+        assert b.run_batch([req]) == []
+        assert same(b.kv_at(dst), a.kv_at(slots)) and same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))
