@@ -459,3 +459,51 @@ def test_tensor_parallel_ranks_store_their_own_shards(server, instances, monkeyp
         _, dst = b.load_back(req)
         assert b.run_batch([req]) == []
         assert same(b.kv_at(dst), a.kv_at(slots)) and same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))
+
+
+def test_mla_pages_are_stored_once_for_every_tp_rank(server, monkeypatch):
+    """An MLA pool (SGLang's MLATokenToKVPool on the CPU, the linker called as the tree calls it):
+    rank 0 writes a page once, rank 1's offload of the same node stores nothing and succeeds, and
+    rank 1 finds and loads rank 0's bytes."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
+    from sglang.srt.server_args import ServerArgs
+
+    import lmcache_mp.integration.sglang_linker as linker_module
+
+    def linker(rank, seed):
+        pool = MLATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, kv_lora_rank=96, qk_rope_head_dim=32,
+                                layer_num=3, device="cpu", enable_memory_saver=False)
+        g = torch.Generator().manual_seed(seed)
+        for b in pool.kv_buffer:
+            b.copy_(torch.randn(b.shape, generator=g).to(b.dtype))
+        params = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool),
+                                 req_to_token_pool=None, page_size=16, pp_size=1, attn_cp_size=1)
+        monkeypatch.setattr(linker_module, "_tp", lambda params: (rank, 2))
+        return pool, create_unified_cache_linker(ServerArgs(model_path="dummy"), params, backend="dynamic",
+                                                 config=kit.linker_config(server.url), components={ComponentType.FULL})
+
+    (pool0, l0), (pool1, l1) = linker(0, 40), linker(1, 41)
+    try:
+        keys = page_keys(kit.prompt(40, 2))
+        for lk in (l1, l0):  # rank 1 first: its offload stores nothing
+            assert lk.offload([PoolTransfer(name=PoolName.KV, keys=keys, device_indices=torch.arange(32, 64))])
+            deadline = time.monotonic() + 60
+            while lk.num_completed_offloads() == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert lk.pop_completed_offload() is True
+            if lk is l1:
+                assert server.engine.status()["l1"]["objects"] == 0
+        assert server.engine.status()["l1"]["objects"] == 2
+        assert l1.lookup("r", [PoolTransfer(name=PoolName.KV, keys=keys)]) == [1, 2]
+        assert l1.load("r", [PoolTransfer(name=PoolName.KV, keys=keys, device_indices=torch.arange(96, 128))])
+        index = l1.start_layer_wise_loading()
+        assert l1.finish_layer_wise_loading(index) is True
+        assert all(torch.equal(b1[96:128], b0[32:64]) for b0, b1 in zip(pool0.kv_buffer, pool1.kv_buffer))
+    finally:
+        l0.close()
+        l1.close()
