@@ -30,7 +30,7 @@ from lmcache_mp import shm
 from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_stream
 from lmcache_mp.client.curve import apply_curve
 from lmcache_mp.client.engine_copy import claim_lane
-from lmcache_mp.client.endpoint import check_url, unreachable_hint
+from lmcache_mp.client.endpoint import HandshakeWatch, check_url, unreachable_hint
 from lmcache_mp.client.engine_transfers import EngineTransfers
 from lmcache_mp.client.handles import KVCacheHandle
 from lmcache_mp.client.io_thread import ZMQ_EVENTS, ZMQ_POLLIN, IOThread, add_trace
@@ -56,7 +56,8 @@ _LANE_CALLS = (p.Lookup, p.Release, p.Ping, p.UnregisterKVCache, p.Clear)
 
 class Client(RestartRecovery):
     """Connects to a server (handshake first: raises ServerUnavailable if none answers within
-    connect_timeout, ProtocolMismatch on a version mismatch). spin_us: how long a thread waiting
+    connect_timeout, at once when nothing listens at the URL or the server refused this client's
+    credential; ProtocolMismatch on a version mismatch). spin_us: how long a thread waiting
     on a store or retrieve polls for its reply before it sleeps (a sleeping thread wakes tens of
     microseconds late; 0: sleep at once; default: 5000 on machines of at least 8 cores, else 0).
     local_lane: send small requests on the server's local lane when it offers one and this
@@ -95,6 +96,7 @@ class Client(RestartRecovery):
         self._revoked = ""  # why the server refuses this client's credential, for good (recovery.py)
         self._gone = False  # and nothing listens at its address: no request it took will be answered
         self._restarting = threading.Lock()
+        self._connect_watch: HandshakeWatch | None = None  # while the first handshake is pending
         self._io: IOThread | None = None
         self._engine = EngineTransfers(self)
         try:
@@ -212,6 +214,8 @@ class Client(RestartRecovery):
         while True:
             if self._away:
                 raise self._away_error(self._away)
+            if self._connect_watch is not None and (why := self._connect_watch.known()):
+                raise ServerUnavailable(f"no server at {self.url}: {why}")
             left = deadline - time.monotonic()
             if left <= 0:
                 hint = " (with CURVE: are the server key and this client's key the right ones?)" if self.curve else ""
@@ -233,13 +237,20 @@ class Client(RestartRecovery):
                        start_time=process_start(os.getpid()) or 0)
 
     def _hello(self, timeout: float) -> p.HelloReply:
+        # what makes the wait pointless (a refused credential, nothing listening) ends it at once
+        self._connect_watch = HandshakeWatch(self._socket(), self.url, self.curve)
         try:
             return self._call(self._hello_msg(), p.HelloReply, timeout)
-        except ServerUnavailable:
+        except ServerUnavailable as e:
+            if str(e).startswith(f"no server at {self.url}: "):  # (the watch's: known already)
+                raise
             hint = unreachable_hint(self._ctx, self.url, self.curve)  # what is there: nothing, or a CURVE server?
             if not hint:
                 raise
             raise ServerUnavailable(f"no server reachable at {self.url} within {timeout:.3g} s: {hint}") from None
+        finally:
+            watch, self._connect_watch = self._connect_watch, None
+            watch.close()
 
     def lookup(self, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1, lock: bool = False,
                salt: bytes = b"", timeout: float | None = None) -> LookupResult:

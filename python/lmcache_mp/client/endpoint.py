@@ -67,25 +67,70 @@ def unreachable_hint(ctx: zmq.Context, url: str, curve: bool, wait: float = 1.0)
         monitor.close()
         sock.close()
     if zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen:
-        if not curve:  # NULL on ipc:// with a ZAP handler: a server with tenants, by uid/gid
-            return (f"the server refused this process (status {auth_status}): its tenants file names neither this "
-                    f"user (uid {os.getuid()}) nor its group (gid {os.getgid()})")
-        return (f"the server refused this client's CURVE key (status {auth_status}): its --curve-clients folder "
-                "or tenants file lacks this client's public key")
+        return _refused(auth_status, curve)
     if seen & set(_FAILED):
-        if curve:
-            return ("the ZeroMQ handshake failed: is the server's public key (curve_server_key, "
-                    "LMCACHE_MP_CURVE_SERVER_KEY) the one of this server, and does it use CURVE?")
-        return ("the ZeroMQ handshake failed: the server probably requires CURVE. Give the client the server's "
-                "public key (curve_server_key=DIR/server.key or LMCACHE_MP_CURVE_SERVER_KEY) and a client key "
-                "(curve_client_key=, LMCACHE_MP_CURVE_CLIENT_KEY); see docs/OPERATIONS.md")
+        return _failed(curve)
     if zmq.EVENT_HANDSHAKE_SUCCEEDED in seen:
         return ""  # a server is there now: it was only slow
     if zmq.EVENT_CONNECTED in seen:
         return "something accepts connections there but does not speak ZeroMQ (the server's HTTP port?)"
     if seen & {zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CLOSED}:
-        return "nothing listens there (is the server running, on this URL?)"
+        return NOTHING_LISTENS
     return ""
+
+
+NOTHING_LISTENS = "nothing listens there (is the server running, on this URL?)"
+
+
+def _refused(status: int, curve: bool) -> str:
+    if not curve:  # NULL on ipc:// with a ZAP handler: a server with tenants, by uid/gid
+        return (f"the server refused this process (status {status}): its tenants file names neither this "
+                f"user (uid {os.getuid()}) nor its group (gid {os.getgid()})")
+    return (f"the server refused this client's CURVE key (status {status}): its --curve-clients folder "
+            "or tenants file lacks this client's public key")
+
+
+def _failed(curve: bool) -> str:
+    if curve:
+        return ("the ZeroMQ handshake failed: is the server's public key (curve_server_key, "
+                "LMCACHE_MP_CURVE_SERVER_KEY) the one of this server, and does it use CURVE?")
+    return ("the ZeroMQ handshake failed: the server probably requires CURVE. Give the client the server's "
+            "public key (curve_server_key=DIR/server.key or LMCACHE_MP_CURVE_SERVER_KEY) and a client key "
+            "(curve_client_key=, LMCACHE_MP_CURVE_CLIENT_KEY); see docs/OPERATIONS.md")
+
+
+class HandshakeWatch:
+    """The events of a client's socket while its first handshake is pending, for what makes
+    waiting out the connect timeout pointless: the server refused the credential, the handshake
+    failed (wrong keys), or a connection was refused with nothing listening at the address."""
+
+    def __init__(self, sock: zmq.Socket, url: str, curve: bool):
+        self.url, self.curve, self._sock = url, curve, sock
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+    def known(self) -> str:
+        """Why no handshake will come ('': nothing known yet); never waits."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return _refused(event["value"], self.curve)
+            if kind in _FAILED:
+                return _failed(self.curve)
+            if kind == zmq.EVENT_CONNECT_RETRIED and nothing_listens(self.url):
+                return NOTHING_LISTENS
+        return ""
+
+    def close(self) -> None:
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
 
 
 def nothing_listens(url: str, timeout: float = 0.5) -> bool:
