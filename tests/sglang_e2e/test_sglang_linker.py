@@ -507,3 +507,21 @@ def test_mla_pages_are_stored_once_for_every_tp_rank(server, monkeypatch):
     finally:
         l0.close()
         l1.close()
+
+
+def test_large_nodes_move_in_several_requests(server, instances, monkeypatch):
+    """A node of more pages than one request carries (page size 1 makes 100k-page nodes) is
+    stored and loaded in several requests, all of which must land."""
+    import lmcache_mp.integration.sglang_linker as linker_module
+
+    monkeypatch.setattr(linker_module, "BATCH", 2)
+    a = instances(server.url, seed=50)
+    b = instances(server.url, seed=51)
+    tokens = kit.prompt(50, 5)
+    slots, state = a.insert(tokens)
+    assert a.settle_offloads() == 1
+    req, match = b.match(tokens + [1])
+    assert match.host_hit_length == 5 * kit.PAGE
+    _, dst = b.load_back(req)
+    assert b.run_batch([req]) == []
+    assert same(b.kv_at(dst), a.kv_at(slots)) and same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))

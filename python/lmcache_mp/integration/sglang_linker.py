@@ -39,12 +39,14 @@ from lmcache_mp.integration.sglang_linker_leases import Held, HeldLeases
 from lmcache_mp.integration.sglang_linker_pools import (
     KV, MAMBA, LinkerPools, PoolPart, describe_pools, page_rows, registration_geometry, slot_rows, total_bytes)
 from lmcache_mp.integration.sglang_settings import SGLangStorageSettings
-from lmcache_mp.protocol import ErrorCode
+from lmcache_mp.keys import DIGEST_BYTES
+from lmcache_mp.protocol import MAX_CHUNKS, ErrorCode
 
 logger = logging.getLogger(__name__)
 
 MAX_BOUNDARIES = 32  # deepest lengths a lookup checks the other pools at (SGLang takes the deepest common one)
 LEASED_BOUNDARIES = 4  # deepest restorable lengths whose state objects a lookup leases until the load
+BATCH = 4096  # objects per store or retrieve request (a node of page size 1 may hold 100k pages)
 
 
 class LMCacheMPLinker(UnifiedCacheLinker):
@@ -148,7 +150,7 @@ class LMCacheMPLinker(UnifiedCacheLinker):
         if ready is None or kv is None or not kv.keys:
             return []
         client, handles = ready
-        digests = [page_digest(k) for k in kv.keys]
+        digests = [page_digest(k) for k in kv.keys[:MAX_CHUNKS]]
         timeout = self.settings.request_timeout
         self.stats["lookups"] += 1
         kv_lease, state_leases = 0, {}
@@ -180,6 +182,10 @@ class LMCacheMPLinker(UnifiedCacheLinker):
             return []
         except TimeoutError as e:
             self._failed("lookup", ServerUnavailable(str(e) or "lookup timed out"))
+            self._leases.release(client, [kv_lease, *state_leases.values()])
+            return []
+        except Exception:  # noqa: BLE001 - a lookup is a miss, never an error in SGLang's scheduler
+            logger.exception("lmcache-mp linker: a lookup failed")
             self._leases.release(client, [kv_lease, *state_leases.values()])
             return []
         self.link.report_success()
@@ -319,8 +325,9 @@ class LMCacheMPLinker(UnifiedCacheLinker):
             for items, leases in batch.values():
                 for i, (part, digests, rows) in enumerate(items):
                     lease = leases[i] if i < len(leases) else 0
-                    futures.append((part, len(rows), client.retrieve(handles[id(part)], digests, rows, lease=lease,
-                                                                     timeout=timeout)))
+                    for some, at in _batches(digests, rows):
+                        futures.append((part, len(at), client.retrieve(handles[id(part)], some, at, lease=lease,
+                                                                       timeout=timeout)))
             for part, n, fut in futures:
                 loaded = fut.result(timeout + 1.0).loaded
                 if loaded < n:
@@ -385,8 +392,8 @@ class LMCacheMPLinker(UnifiedCacheLinker):
         client, handles = ready
         timeout = self.settings.request_timeout
         try:
-            futures = [client.store(handles[id(part)], digests, rows, timeout=timeout)
-                       for part, digests, rows in items]
+            futures = [client.store(handles[id(part)], some, at, timeout=timeout)
+                       for part, digests, rows in items for some, at in _batches(digests, rows)]
             results = [fut.result(timeout + 1.0) for fut in futures]
         except (ServerUnavailable, RequestError) as e:
             self._failed("offload", e)
@@ -439,6 +446,12 @@ class LMCacheMPLinker(UnifiedCacheLinker):
             release_shared_memory(self._shm)
             self._shm = []
         logger.info("lmcache-mp linker stats: %s", self.stats)
+
+
+def _batches(digests: bytes, rows):
+    """(packed digests, rows) of at most BATCH objects each."""
+    for start in range(0, len(rows), BATCH):
+        yield digests[start * DIGEST_BYTES:(start + BATCH) * DIGEST_BYTES], rows[start:start + BATCH]
 
 
 def _tp(params) -> tuple[int, int]:
