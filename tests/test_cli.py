@@ -212,6 +212,23 @@ def test_an_endpoint_in_use_fails_with_a_clear_message(sock_path):
         first.kill()
 
 
+def test_sighup_without_tenants_is_logged_and_the_server_serves_on(sock_path):
+    """SIGHUP's default action ended the process (rc 129, no log line); a server without a tenants
+    file has nothing to reload and says so."""
+    srv = ServerProcess(["--url", f"ipc://{sock_path}", "--device", "cpu", "--l1-size", "16MiB", "--http-addr", "off"])
+    try:
+        url = srv.wait_ready()
+        srv.proc.send_signal(signal.SIGHUP)
+        assert "nothing to reload" in srv.wait_for("received SIGHUP")
+        assert srv.proc.poll() is None
+        with Client(url, connect_timeout=30) as c:
+            assert c.chunk_size > 0
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.kill()
+
+
 def test_version_and_help():
     out = subprocess.run(server_command() + ["--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and __version__ in out.stdout
@@ -307,6 +324,16 @@ def test_keygen_adds_a_second_clients_key_pair(tmp_path, capsys):
     assert cli_main(["keygen", str(keys)]) == 1 and "--client NAME" in capsys.readouterr().err
     assert cli_main(["keygen", str(keys), "--client", "engine-b"]) == 0
     assert (keys / "clients" / "engine-b.key").exists() and (keys / "client-secret" / "engine-b.key_secret").exists()
-    assert "engine-b.key_secret" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "engine-b.key_secret" in out
+    # with --tenants, --curve-clients is refused: the tenants file takes the key, and SIGHUP reloads it
+    assert f"{keys}/clients/engine-b.key is in a tenant's curve_keys" in out and "SIGHUP" in out, out
+    # public keys are for others to read, secret keys this user's only
+    import stat
+
+    modes = {p.relative_to(keys).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in keys.rglob("*")}
+    assert modes["server.key"] == modes["clients/client.key"] == modes["clients/engine-b.key"] == 0o644, modes
+    assert modes["server.key_secret"] == modes["client-secret/engine-b.key_secret"] == 0o600, modes
+    assert modes["client-secret"] == 0o700, modes
     assert cli_main(["keygen", str(keys), "--client", "engine-b"]) == 1  # never overwritten
     assert cli_main(["keygen", str(tmp_path / "none"), "--client", "x"]) == 1  # no server keys there

@@ -57,3 +57,17 @@ def test_the_http_port_instead_of_the_server_is_said_so():
             Client("tcp://" + srv.engine.http, connect_timeout=0.3)
     finally:
         srv.stop()
+
+
+def test_a_missing_key_file_names_its_setting(tmp_path, monkeypatch):
+    """pyzmq says only "Invalid certificate file"; the client names the setting and the fix."""
+    monkeypatch.delenv("LMCACHE_MP_CURVE_CLIENT_KEY", raising=False)
+    monkeypatch.delenv("LMCACHE_MP_CURVE_SERVER_KEY", raising=False)
+    with pytest.raises(ValueError, match=f"curve_server_key {tmp_path}/server.key: no such file .*keygen"):
+        Client("tcp://127.0.0.1:5555", curve_server_key=str(tmp_path / "server.key"))
+    monkeypatch.setenv("LMCACHE_MP_CURVE_SERVER_KEY", str(tmp_path / "gone.key"))
+    with pytest.raises(ValueError, match=f"LMCACHE_MP_CURVE_SERVER_KEY {tmp_path}/gone.key: no such file"):
+        Client("tcp://127.0.0.1:5555")
+    (tmp_path / "empty.key").write_text("")
+    with pytest.raises(ValueError, match="curve_server_key .*empty.key: not a CURVE key file"):
+        Client("tcp://127.0.0.1:5555", curve_server_key=str(tmp_path / "empty.key"))

@@ -128,7 +128,7 @@ def keygen(directory: str, client: str = "") -> str:
         if os.path.exists(path):
             raise FileExistsError(f"{path} exists: keys are never overwritten")
     os.makedirs(os.path.join(directory, "clients"), exist_ok=True)
-    os.makedirs(secret_dir, exist_ok=True)
+    os.makedirs(secret_dir, mode=0o700, exist_ok=True)
     old = os.umask(0o077)  # secret keys: this user only
     try:
         if not client:
@@ -137,9 +137,16 @@ def keygen(directory: str, client: str = "") -> str:
     finally:
         os.umask(old)
     os.replace(os.path.join(directory, "clients", f"{name}.key_secret"), os.path.join(secret_dir, f"{name}.key_secret"))
+    # public keys are for others to read (the clients the server's, the server or its tenants file the clients')
+    for public in ([os.path.join(directory, "server.key")] if not client else []) + [
+            os.path.join(directory, "clients", f"{name}.key")]:
+        os.chmod(public, 0o644)
+    key = f"{directory}/clients/{name}.key"
     return ((f"server:  --curve-secret-key {directory}/server.key_secret --curve-clients {directory}/clients\n"
+             f"         (or, with --tenants FILE instead of --curve-clients: list {key} in a tenant's curve_keys)\n"
              if not client else f"a server started with --curve-clients {directory}/clients lets it in once "
-                                "restarted\n")
+                                f"restarted; a server with --tenants FILE once {key} is in a tenant's curve_keys "
+                                "there and the server got SIGHUP (kill -HUP PID: no restart)\n")
             + f"clients: LMCACHE_MP_CURVE_SERVER_KEY={directory}/server.key "
             f"LMCACHE_MP_CURVE_CLIENT_KEY={secret_dir}/{name}.key_secret\n"
             + ("" if client else f"(more clients: keygen {directory} --client NAME)"))

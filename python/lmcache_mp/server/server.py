@@ -92,6 +92,9 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
     if tenancy is not None:  # the reload runs on a thread of its own, not in the signal handler
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, frame: threading.Thread(
             target=tenancy.reload, name="lmcache-tenants-reload", daemon=True).start())
+    else:  # (SIGHUP's default action ends the process, silently: an operator's reload must not)
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, frame: logger.info(
+            "received SIGHUP: nothing to reload (no --tenants file; every other setting needs a restart)"))
     logger.info("ready: serving on %s", transport.url)
     try:
         while not stop.wait(3600):
