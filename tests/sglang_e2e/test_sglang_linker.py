@@ -525,3 +525,26 @@ def test_large_nodes_move_in_several_requests(server, instances, monkeypatch):
     _, dst = b.load_back(req)
     assert b.run_batch([req]) == []
     assert same(b.kv_at(dst), a.kv_at(slots)) and same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))
+
+
+def test_engine_side_copies_restore_bit_exact_and_share_with_server_copies(server, instances):
+    """`lmcache_mp.transfer: engine`: the instance maps the server's L1 and copies its pools
+    itself (no shared memory); its pages and states are the same objects as a server-copying
+    instance's, both ways."""
+    engine = kit.linker_config(server.url, **{"lmcache_mp.transfer": "engine"})
+    a = instances(server.url, seed=60, config=engine)
+    b = instances(server.url, seed=61)
+    c = instances(server.url, seed=62, config=engine)
+    assert a.linker._shm == [] and b.linker._shm != []
+    for src, dst, seed in ((a, b, 60), (b, c, 61)):
+        tokens = kit.prompt(seed, 3)
+        slots, state = src.insert(tokens)
+        assert src.settle_offloads() == 1
+        req, match = dst.match(tokens + [1])
+        assert match.host_hit_length == 3 * kit.PAGE
+        _, into = dst.load_back(req)
+        assert dst.run_batch([req]) == []
+        assert same(dst.kv_at(into), src.kv_at(slots))
+        assert same(dst.state_at(req.kv.mamba_pool_idx), src.state_at(state[0]))
+    with pytest.raises(ValueError, match="lmcache_mp.transfer"):
+        instances(server.url, config=kit.linker_config(server.url, **{"lmcache_mp.transfer": "both"}))

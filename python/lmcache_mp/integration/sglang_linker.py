@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BOUNDARIES = 32  # deepest lengths a lookup checks the other pools at (SGLang takes the deepest common one)
 LEASED_BOUNDARIES = 4  # deepest restorable lengths whose state objects a lookup leases until the load
+TRANSFER_KEY = "lmcache_mp.transfer"
 BATCH = 4096  # objects per store or retrieve request (a node of page size 1 may hold 100k pages)
 
 
@@ -53,7 +54,13 @@ class LMCacheMPLinker(UnifiedCacheLinker):
     """SGLang's `UnifiedCacheLinker` on an lmcache-mp server (made by SGLang's `dynamic` factory)."""
 
     def __init__(self, server_args, params, *, components, extra_config=None, forward_stream=None):
-        self.settings = SGLangStorageSettings.from_linker_config(extra_config)
+        extra = dict(extra_config or {})
+        # who copies: "server" (its copy engines / copy threads; the default) or "engine" (this
+        # process maps L1 and copies itself, keeping its GPU work in its own context; docs/engine-copies.md)
+        self.transfer = str(extra.pop(TRANSFER_KEY, "server"))
+        if self.transfer not in ("server", "engine"):
+            raise ValueError(f"{TRANSFER_KEY} must be 'server' or 'engine', got {self.transfer!r}")
+        self.settings = SGLangStorageSettings.from_linker_config(extra)
         self.forward_stream = forward_stream
         self.page_size = params.page_size
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
@@ -74,7 +81,7 @@ class LMCacheMPLinker(UnifiedCacheLinker):
                             for parts in self.layout.parts.values() for p in parts}
         self.on_cuda = self.layout.tensors()[0].device.type == "cuda"
         self._shm = []
-        if not self.on_cuda:  # the server maps CPU pools by name: into shared memory, in place
+        if not self.on_cuda and self.transfer == "server":  # the server maps CPU pools by name: into shared memory
             from lmcache_mp.integration.cpu_shm import move_to_shared_memory
 
             self._shm = move_to_shared_memory(self.layout.tensors())
@@ -118,7 +125,7 @@ class LMCacheMPLinker(UnifiedCacheLinker):
                 world_size, rank = self._rank_of(part)
                 handles[id(part)] = client.register_kv_cache(
                     list(part.runs), model=self._namespaces[id(part)], world_size=world_size, rank=rank,
-                    layout="opaque", block_size=block_size, chunk_size=chunk_size)
+                    layout="opaque", block_size=block_size, chunk_size=chunk_size, transfer=self.transfer)
         self._registered = (client, handles)
 
     def _ready(self):
