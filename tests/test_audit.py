@@ -218,3 +218,41 @@ def test_open_audit_log(tmp_path: Path) -> None:
     log = open_audit_log(str(tmp_path / "audit.log"))
     assert isinstance(log, AuditLog)
     log.close()
+
+
+@pytest.mark.parametrize("tenants", [False, True])
+def test_failed_curve_handshakes_are_audited(tmp_path: Path, tenants: bool) -> None:
+    """A client with another server's public key (or a key not let in) fails the handshake: the
+    audit log has a connection_refused line for it, as for keys in no tenant."""
+    import time
+
+    from lmcache_mp import Client, Server, ServerConfig, ServerUnavailable
+    from lmcache_mp.server.cli import main as cli_main
+
+    for d in ("keys", "other"):
+        assert cli_main(["keygen", str(tmp_path / d)]) == 0
+    keys, other = tmp_path / "keys", tmp_path / "other"
+    audit = tmp_path / "audit.jsonl"
+    access = dict(curve_clients=str(keys / "clients"))
+    if tenants:
+        (tmp_path / "tenants.toml").write_text(f'[tenants.a]\ncurve_keys = ["{keys}/clients/client.key"]\n')
+        access = dict(tenants=str(tmp_path / "tenants.toml"))
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="16MiB", http_addr="off",
+                              curve_secret_key=str(keys / "server.key_secret"), audit_log=str(audit), **access)).start()
+    try:
+        with pytest.raises(ServerUnavailable):  # another server's public key
+            Client(srv.url, connect_timeout=5, curve_server_key=str(other / "server.key"),
+                   curve_client_key=str(keys / "client-secret" / "client.key_secret"))
+        with pytest.raises(ServerUnavailable):  # a key not let in
+            Client(srv.url, connect_timeout=5, curve_server_key=str(keys / "server.key"),
+                   curve_client_key=str(other / "client-secret" / "client.key_secret"))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            refused = [r for r in lines(audit) if r["event"] == "connection_refused"] if audit.exists() else []
+            if len(refused) >= 2:
+                break
+            time.sleep(0.1)
+    finally:
+        srv.stop()
+    assert any("handshake failed" in r.get("reason", "") and r["transport"] == "zmq" for r in refused), refused
+    assert any(r.get("fingerprint", "").startswith("curve:") for r in refused), refused

@@ -6,7 +6,8 @@ Its vocabulary:
 
 - server_start: tenants file, tenant count
 - connection_accepted: tenant, credential fingerprint, transport ("zmq" | "lane"), peer
-- connection_refused: credential fingerprint or peer, transport, reason
+- connection_refused: credential fingerprint or peer, transport, reason (a failed CURVE handshake:
+  transport and reason only, ZeroMQ names no peer)
 - registration: tenant, model, kv_id, world_size, rank
 - unregistration: the same fields as registration
 - tenants_reloaded: file, added, removed, changed (tenant names)

@@ -31,7 +31,7 @@ class CurveServer:
     a ZeroMQ context of its own (`context`, for the server's socket too): a context has one ZAP
     endpoint, so two servers in one process each need theirs."""
 
-    def __init__(self, secret_key_file: str, clients_dir: str = "", tenancy=None):
+    def __init__(self, secret_key_file: str, clients_dir: str = "", tenancy=None, audit=None):
         from zmq.auth.thread import ThreadAuthenticator
 
         public, secret = zmq.auth.load_certificate(secret_key_file)
@@ -41,6 +41,7 @@ class CurveServer:
             raise ValueError(f"curve_clients: {clients_dir} is not a folder of client public keys")
         self.public, self._secret = public, secret
         self.refusals = RefusalLog()
+        self._audit = audit  # (--audit-log: refused handshakes and keys go there too, rate-limited)
         self._clients_dir = clients_dir
         self.context = zmq.Context()
         self._auth = self._gate = None
@@ -66,8 +67,11 @@ class CurveServer:
         """ZAP (the authenticator's thread): is this client's key let in?"""
         if z85_key in self._allowed:
             return True
-        self.refusals.refused("key", f"its CURVE key {fingerprint(z85_key)} is not in --curve-clients "
-                                     f"{self._clients_dir}")
+        fp = fingerprint(z85_key)
+        self.refusals.refused("key", f"its CURVE key {fp} is not in --curve-clients {self._clients_dir}")
+        if self._audit is not None:
+            self._audit.refused(f"curve:{fp}", transport="zmq", fingerprint=f"curve:{fp}",
+                                reason="its CURVE key is not in --curve-clients")
         return False
 
     def apply(self, sock: zmq.Socket) -> None:
@@ -94,6 +98,9 @@ class CurveServer:
                     return
                 self.refusals.refused("handshake", "its CURVE handshake failed (it has another server's public "
                                       "key, or uses no CURVE: give it this server's server.key)")
+                if self._audit is not None:  # (ZeroMQ names no peer of a failed handshake)
+                    self._audit.refused("handshake", transport="zmq", reason="the CURVE handshake failed (another "
+                                        "server's public key, or no CURVE)")
         except zmq.ZMQError:
             return
         finally:

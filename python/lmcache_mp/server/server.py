@@ -46,7 +46,7 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
         if config.curve_secret_key:
             from lmcache_mp.server.curve import CurveServer
 
-            curve = CurveServer(config.curve_secret_key, config.curve_clients, tenancy)
+            curve = CurveServer(config.curve_secret_key, config.curve_clients, tenancy, audit)
             stops.append(curve.stop)
             context = curve.context
         elif tenancy is not None:  # ipc:// peers by uid/gid: the ZAP handler on a context of its own
