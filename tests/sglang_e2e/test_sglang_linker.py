@@ -548,3 +548,18 @@ def test_engine_side_copies_restore_bit_exact_and_share_with_server_copies(serve
         assert same(dst.state_at(req.kv.mamba_pool_idx), src.state_at(state[0]))
     with pytest.raises(ValueError, match="lmcache_mp.transfer"):
         instances(server.url, config=kit.linker_config(server.url, **{"lmcache_mp.transfer": "both"}))
+
+
+def test_the_benchmark_runs_and_checks_its_loads(tmp_path):
+    """bench/bench_sglang_linker.py, small: every load is checked byte for byte inside it; the
+    bound is loose on purpose (a loaded 2-core machine): it catches a path that moves pages over
+    the socket or per token, not noise."""
+    out = tmp_path / "bench.json"
+    bench = HERE.parents[1] / "bench" / "bench_sglang_linker.py"
+    run = subprocess.run([sys.executable, str(bench), "--layers", "2", "--repeat", "3", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    print(run.stdout)
+    r = json.loads(out.read_text())
+    assert r["pages"] == 64 and r["bytes"] == 64 * r["page_bytes"]
+    assert r["offload_x_memcpy"] > 0.1 and r["load_x_memcpy"] > 0.1, r

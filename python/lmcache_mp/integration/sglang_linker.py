@@ -10,7 +10,9 @@ Launch SGLang with::
 
 How it works: each device pool (the full-attention KV pool, an SWA pool, each Mamba state tensor)
 is registered with the server once, as vLLM's KV caches are (CUDA IPC on the GPU, shared memory
-on the CPU device); the server copies pages between them and L1 (integration/sglang_linker_pools.py).
+on the CPU device); the server copies pages between them and L1 (integration/sglang_linker_pools.py),
+or with ``"lmcache_mp.transfer": "engine"`` this process maps L1 and copies them itself. What a
+lookup finds is leased until the load reads it (integration/sglang_linker_leases.py).
 Keys are SGLang's page keys hashed as the HiCache backend hashes them (integration/sglang_keys.py);
 the KV pool's pages are the HiCache backend's ``layer_first`` pages, in the same namespace, so a
 linker instance and a HiCache instance with a ``layer_first`` host pool share them. A Mamba state
