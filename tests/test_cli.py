@@ -238,6 +238,33 @@ def test_version_and_help():
         assert flag in out.stdout
 
 
+def test_help_groups_every_setting_and_explains_the_obscure_ones(capsys):
+    """--help was one flat list of 50 flags: now in groups, each setting in exactly one; the settings
+    a new user could not read (--slab-size, --l2-queue-size, --direct-ctas) say what they do."""
+    import dataclasses
+    import re
+
+    from lmcache_mp import ServerConfig
+    from lmcache_mp.server.cli import GROUPS, _parser
+
+    grouped = [name for _, _, names in GROUPS for name in names]
+    assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(ServerConfig)), "a setting in no group"
+    _parser().print_help()
+    text = capsys.readouterr().out
+    sections = re.split(r"\n(?=\S[^\n]*:\n)", text)  # "title:" lines start the groups
+    titles = [sec.split(":\n", 1)[0] for sec in sections[1:]]
+    assert titles[titles.index("options"):] == ["options"] + [t for t, _, _ in GROUPS], titles
+    assert "other:" not in text
+    for title, _, names in GROUPS:
+        section = next(sec for sec in sections if sec.startswith(title + ":"))
+        for name in names:
+            assert "--" + name.replace("_", "-") in section, (title, name)
+    flat = " ".join(text.split())
+    assert "each cut into slots of one chunk size" in flat and "moves between chunk sizes a whole slab" in flat
+    assert "so that eviction finds them written" in flat and "absorbs longer bursts" in flat
+    assert "thread blocks (CTAs)" in flat and "an SM the engine loses" in flat
+
+
 def test_switches_turn_on_and_off(capsys):
     from lmcache_mp.server.cli import _parser
 

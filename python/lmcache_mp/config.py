@@ -82,10 +82,14 @@ class ServerConfig:
         "auto: dma for caches whose blocks are contiguous spans of 768 KiB or more, else staged")
     staging_size: int | str = _setting(
         "256MiB", "device staging ring per registration and direction (staged); deep enough to pack ahead")
-    direct_ctas: int = _setting(4, "CTAs of the zero-copy kernel (direct): few, to leave SMs to the engine")
+    direct_ctas: int = _setting(
+        4, "with --transfer-mode direct, how many thread blocks (CTAs) of the GPU its copy kernel takes: a few "
+           "already reach PCIe line rate, and every one more is an SM the engine loses while a transfer runs")
     slab_size: int | str = _setting(
-        "256MiB", "arena slab (at most l1_size/16): one chunk of one rank must fit; each object size may hold "
-                  "up to one slab of free slots, so smaller slabs waste less when sizes mix")
+        "256MiB", "L1 is handed out in slabs of this size, each cut into slots of one chunk size; memory moves "
+                  "between chunk sizes a whole slab at a time. One rank's chunk must fit in a slab, which is at "
+                  "most l1_size/16; smaller slabs leave less memory idle when layouts of several sizes share L1. "
+                  "The default suits chunks up to 256 MiB")
     eviction_policy: str = _setting(
         DEFAULT_POLICY, "which chunks L1 and the disk tier keep: adaptive (frequency, whole prompts and an admission "
         "share learned from the traffic; measured in docs/eviction.md), lru, arc or s3fifo")
@@ -146,8 +150,10 @@ class ServerConfig:
     l2_admit: int = _setting(
         1, "a chunk goes to L2 only once stored or looked up this many times (keeps one-off chunks off the disk)")
     l2_queue_size: int | str = _setting(
-        "0", "L2 writers write ahead of L1's eviction (nearest it first) while less than this much of L1 is free; "
-             "one write holds at most this much of L1 (0: a quarter of L1; at most half of L1)")
+        "0", "how far ahead of L1's eviction the L2 writers work: once less than this much of L1 is free they "
+             "write the chunks L1 evicts next (nearest first), so that eviction finds them written; one write "
+             "holds at most this much of L1. Larger absorbs longer bursts of stores before writes are dropped "
+             "(0: a quarter of L1; at most half of L1)")
     l2_io_threads: int = _setting(4, "threads of each L2 tier's I/O")
     prefetch_timeout: float = _setting(
         0.5, "seconds a lookup with lock waits for chunks found in L2 to reach L1 before it answers")

@@ -36,6 +36,24 @@ DOCTOR_HELP = ("Check whether a server with these settings would work on this ma
 CHOICES = {"device": DEVICES, "transfer_mode": TRANSFER_MODES, "log_level": LOG_LEVELS,
            "eviction_policy": EVICTION_POLICIES, **{name: L2_CODECS for name in L2_CODEC_FIELDS},
            **{name: L2_WRITE_POLICIES for name in L2_WRITE_FIELDS}}
+# --help in groups, in this order (every setting in one: test_cli checks)
+GROUPS = (
+    ("endpoint and access", "where clients connect, who gets in, what is recorded",
+     ("url", "local_lane", "ipc_group", "curve_secret_key", "curve_clients", "tenants", "audit_log", "http_addr")),
+    ("L1: host memory", "the chunks kept in this machine's memory, and which go first",
+     ("l1_size", "chunk_size", "eviction_policy", "l1_persist", "slab_size", "numa_node")),
+    ("device and transfers", "how chunks move between engines' KV caches and L1",
+     ("device", "transfer_mode", "staging_size", "direct_ctas", "cpu_threads")),
+    ("L2: tiers below L1", "local disk, Valkey/Redis, Mooncake Store; what goes there and when it is read back",
+     ("l2_disk", "l2_disk_size", "l2_disk_write", "l2_disk_codec", "l2_redis", "l2_redis_cluster", "l2_redis_prefix",
+      "l2_redis_ttl", "l2_redis_write", "l2_redis_codec", "l2_mooncake", "l2_mooncake_metadata",
+      "l2_mooncake_segment", "l2_mooncake_write", "l2_mooncake_codec", "l2_write", "l2_admit", "l2_queue_size",
+      "l2_io_threads", "prefetch_timeout", "max_prefetches")),
+    ("clients and limits", "leases, heartbeats, per-client limits, events, stopping",
+     ("lease_ttl", "heartbeat_timeout", "max_registrations_per_client", "max_queued_requests", "kv_events",
+      "drain_timeout")),
+    ("process", "", ("spin_us", "log_level")),
+)
 USAGE = {"lmcache-mp-server": "lmcache-mp-server [--SETTING VALUE ...] | doctor [--SETTING VALUE ...] | keygen DIR"
                               "  (--help: the settings)",
          "lmcache-mp-server doctor": "lmcache-mp-server doctor [--SETTING VALUE ...]  (--help: the settings)"}
@@ -52,18 +70,23 @@ def _parser(prog: str = "lmcache-mp-server", description: str = SERVER_HELP) -> 
     )
     ap.add_argument("--config", metavar="FILE", help="TOML file with settings (keys as below, e.g. l1_size)")
     ap.add_argument("--version", action="version", version=f"lmcache-mp {__version__}")
+    groups = {}
+    for title, about, names in GROUPS:
+        group = ap.add_argument_group(title, about or None)
+        groups.update((name, group) for name in names)
     for f in dataclasses.fields(ServerConfig):
         doc = (f.metadata or {}).get("help", "")
         kind = type(f.default)
         flag = "--" + f.name.replace("_", "-")
+        group = groups.get(f.name) or ap.add_argument_group("other")
         if kind is bool:  # a switch: --local-lane / --no-local-lane
-            ap.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
-                            help=f"{doc} (default: {'on' if f.default else 'off'})".replace("%", "%%"))
+            group.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
+                               help=f"{doc} (default: {'on' if f.default else 'off'})".replace("%", "%%"))
             continue
         choices = CHOICES.get(f.name)
         if choices is not None and f.default == "":  # (empty: a default of its own, which the help says)
             choices = ("", *choices)
-        ap.add_argument(
+        group.add_argument(
             flag,
             dest=f.name,
             default=None,
