@@ -563,3 +563,54 @@ def test_the_benchmark_runs_and_checks_its_loads(tmp_path):
     r = json.loads(out.read_text())
     assert r["pages"] == 64 and r["bytes"] == 64 * r["page_bytes"]
     assert r["offload_x_memcpy"] > 0.1 and r["load_x_memcpy"] > 0.1, r
+
+
+def test_a_server_restart_gives_misses_then_hits_again(instances):
+    """The server restarts empty: lookups are misses and offloads refused while it is away; the
+    linkers register their pools again by themselves, and what is offloaded afterwards is found
+    and loaded bit-exact."""
+    port = free_port()
+
+    def start():
+        srv = Server(ServerConfig(url=f"tcp://127.0.0.1:{port}", l1_size="64MiB", device="cpu", chunk_size=256,
+                                  heartbeat_timeout=5.0, http_addr="off"))
+        srv.start()
+        return srv
+
+    srv = start()
+    try:
+        a = instances(srv.url, seed=70)
+        b = instances(srv.url, seed=71)
+        first = kit.prompt(70, 2)
+        a.insert(first)
+        assert a.settle_offloads() == 1
+        srv.stop()
+        _, away = b.match(first + [1])
+        assert away.host_hit_length == 0
+        srv = start()
+        second = kit.prompt(71, 2)
+        deadline = time.monotonic() + 60
+        while True:  # until the linker is connected and registered again, its offloads are refused
+            slots, state = a.insert(second)
+            if a.cache.linker.pending_offloads:
+                break
+            assert time.monotonic() < deadline, "the linker did not come back"
+            time.sleep(0.2)
+            second = kit.prompt(int(time.monotonic() * 1000) % 100000, 2)
+        assert a.settle_offloads() == 1
+        _, gone = b.match(first + [1])
+        assert gone.host_hit_length == 0  # (the restarted server is empty)
+        deadline = time.monotonic() + 60
+        while True:
+            req, match = b.match(second + [1])
+            if match.host_hit_length:
+                break
+            b.cache.linker.release_request(req.rid)
+            assert time.monotonic() < deadline, "the other linker did not come back"
+            time.sleep(0.2)
+        assert match.host_hit_length == 2 * kit.PAGE
+        _, dst = b.load_back(req)
+        assert b.run_batch([req]) == []
+        assert same(b.kv_at(dst), a.kv_at(slots)) and same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))
+    finally:
+        srv.stop()
