@@ -232,19 +232,36 @@ def run_server(trace: list[dict], size: int, policy: str, disk_blocks: int, dige
             "requests_per_s": round(got["requests"] / got["seconds"], 1)}
 
 
-def print_server(rows: list[dict], sim: list[dict]) -> None:
-    print("\nthrough the server (blocks served, as a share of those requested; tokens from L1 / the disk tier / "
-          "recomputed), beside the simulation of the same run:")
-    print(f"{'blocks':>8} {'disk':>7} {'codec':>5} {'policy':>9} {'served':>7} {'sim':>7} {'belady':>7} "
-          f"{'x belady':>9} "
-          f"{'x lru':>6} {'tokens L1':>10} {'disk':>7} {'recomp.':>8} {'req/s':>7}")
+def print_server(rows: list[dict], sim: list[dict], requests: list[list[int]]) -> None:
+    """The server's rows beside simulations. A row with a disk tier is measured against Belady and
+    LRU of one cache as large as L1 and the disk together (simulated here: L1's own Belady is no
+    ceiling of two tiers), one without against those of L1's size; "sim L1" is the same policy on
+    L1 alone. The disk tier's writes and the writes it dropped (stores that outran it: chunks it
+    never got) stand beside, and explain most of what it serves."""
+
+    def simulated(policy: str, blocks: int) -> float:
+        for s in sim:
+            if s["size"] == blocks and s["policy"] == policy:
+                return s["ratio"]
+        return (belady(requests, blocks) if policy == "belady" else replay(requests, policy, blocks))["ratio"]
+
+    print("\nthrough the server (blocks served, as a share of those requested; x Belady and x LRU of a cache as "
+          "large as L1 and the disk together; tokens from L1 / the disk tier / recomputed; the disk tier's writes "
+          "and the writes it dropped), beside the simulation of the same run:")
+    print(f"{'blocks':>8} {'disk':>7} {'codec':>5} {'policy':>9} {'served':>7} {'sim L1':>7} {'belady':>7} "
+          f"{'x belady':>9} {'x lru':>6} {'tokens L1':>10} {'disk':>7} {'recomp.':>8} {'written':>8} "
+          f"{'dropped':>8} {'req/s':>7}")
     for r in rows:
-        by = {s["policy"]: s["ratio"] for s in sim if s["size"] == r["size"]}
-        best, lru = by.get("belady", 0), by.get("lru", 0)
-        print(f"{r['size']:>8} {r['disk_blocks']:>7} {r['disk_codec']:>5} {r['policy']:>9} {r['ratio']:>7.3f} "
-              f"{by.get(r['policy'], float('nan')):>7.3f} {best:>7.3f} {r['ratio'] / best if best else 0:>8.2f}x "
-              f"{r['ratio'] / lru if lru else 0:>5.2f}x {r['l1_token_share']:>10.3f} {r['l2_token_share']:>7.3f} "
-              f"{r['recomputed_token_share']:>8.3f} {r['requests_per_s']:>7.0f}")
+        total = r["size"] + r["disk_blocks"]
+        best, lru = simulated("belady", total), simulated("lru", total)
+        r["belady_same_blocks"], r["lru_same_blocks"] = best, lru
+        disk = r["disk_blocks"] > 0
+        print(f"{r['size']:>8} {r['disk_blocks']:>7} {r['disk_codec'] if disk else '-':>5} {r['policy']:>9} "
+              f"{r['ratio']:>7.3f} {simulated(r['policy'], r['size']):>7.3f} {best:>7.3f} "
+              f"{r['ratio'] / best if best else 0:>8.2f}x {r['ratio'] / lru if lru else 0:>5.2f}x "
+              f"{r['l1_token_share']:>10.3f} {r['l2_token_share']:>7.3f} {r['recomputed_token_share']:>8.3f} "
+              f"{r['disk_written'] if disk else '-':>8} {r['disk_dropped_writes'] if disk else '-':>8} "
+              f"{r['requests_per_s']:>7.0f}")
 
 
 def main() -> int:
@@ -285,7 +302,7 @@ def main() -> int:
                 for codec in args.disk_codec.split(",") if disk else ["none"]:
                     served.append(run_server(trace, size, policy, disk, digests, args.heads, codec))
                     print(f"  {size} blocks, {policy}, disk codec {codec}: {served[-1]['seconds']} s", file=sys.stderr)
-        print_server(served, sim)
+        print_server(served, sim, requests)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "bench_trace", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -278,3 +278,23 @@ def test_the_trace_benchmark_through_a_server_matches_its_simulation(tmp_path):
         assert abs(row["ratio"] - sim[row["policy"]]) <= 0.01, (row, sim)
         assert row["l2_token_share"] == 0 and row["stored"] > 0
     assert "through the server" in run.stdout
+
+
+def test_the_trace_benchmark_with_a_disk_tier_prints_its_writes_and_fair_ratios(tmp_path):
+    """With a disk tier the served share was divided by L1's own Belady ("x belady 1.10x") and by
+    LRU's even when LRU was not simulated ("x lru 0.00x"), and the writes the disk dropped, which
+    explain what it serves, were not shown. Now both ceilings are of a cache as large as L1 and the
+    disk together, and the disk's writes and dropped writes are printed and in the JSON."""
+    out = tmp_path / "trace.json"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_trace.py"), "--requests", "1500",
+                          "--sizes", "400", "--mode", "server", "--policies", "adaptive", "--server-policies",
+                          "adaptive", "--disk-blocks", "4X", "--json", str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["server"]
+    assert row["disk_blocks"] == 1600 and row["l2_token_share"] > 0
+    assert 0 < row["ratio"] <= row["belady_same_blocks"] + 0.01 and row["lru_same_blocks"] > 0, row
+    table = run.stdout.split("through the server", 1)[1]
+    assert "written" in table and "dropped" in table and "0.00x" not in table, table
+    line = next(ln for ln in table.splitlines() if ln.split()[:2] == ["400", "1600"])
+    assert line.split()[-3:-1] == [str(row["disk_written"]), str(row["disk_dropped_writes"])], line
