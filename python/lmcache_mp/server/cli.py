@@ -27,7 +27,8 @@ SERVER_HELP = ("Standalone multiprocess KV-cache server for LLM inference engine
                "--curve-secret-key).")
 DOCTOR_HELP = ("Check whether a server with these settings would work on this machine, without starting one: "
                "the build, GPUs (compute capability, NUMA node), CUDA IPC between two processes, memory and the "
-               "locked-memory limit, /dev/shm, the endpoint and HTTP address, each L2 target. Prints one line per "
+               "locked-memory limit, /dev/shm, the endpoint and HTTP address, the CURVE keys, tenants file and audit "
+               "log, each L2 target: everything the server checks at start, with its words. Prints one line per "
                "check (OK, WARN or FAIL, with a fix); exit code 0 only when that server would work here. Takes the "
                "server's settings, from the same sources.")
 
