@@ -614,3 +614,24 @@ def test_a_server_restart_gives_misses_then_hits_again(instances):
         assert same(b.kv_at(dst), a.kv_at(slots)) and same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))
     finally:
         srv.stop()
+
+
+def test_unsupported_pools_are_refused_at_start_with_the_reason():
+    from types import SimpleNamespace
+
+    from lmcache_mp.integration.sglang_linker_pools import describe_pools
+    from lmcache_mp.integration.sglang_pages import UnsupportedPool
+
+    cache, allocator, req_pool = kit.build(kit.dense_config())
+    kv = allocator.get_kvcache()
+    with pytest.raises(UnsupportedPool, match="C128"):
+        describe_pools(kv, req_pool, {"FULL", "C128"}, kit.PAGE)
+    with pytest.raises(UnsupportedPool, match="neither MHA"):
+        describe_pools(SimpleNamespace(layer_num=2), req_pool, {"FULL"}, kit.PAGE)
+    with pytest.raises(UnsupportedPool, match="KV scales"):
+        describe_pools(SimpleNamespace(k_buffer=kv.k_buffer, v_buffer=kv.v_buffer, k_scale_buffer=[1]), req_pool,
+                       {"FULL"}, kit.PAGE)
+    with pytest.raises(UnsupportedPool, match="not whole pages of 40"):
+        describe_pools(kv, req_pool, {"FULL"}, 40)
+    with pytest.raises(UnsupportedPool, match="without a Mamba pool"):
+        describe_pools(kv, req_pool, {"FULL", "MAMBA"}, kit.PAGE)
