@@ -13,8 +13,10 @@
 # while it computes, each transfer path ("contentionquick": shorter windows); "persist" for
 # 64-chunk stores with and without --l1-persist; "segments" for the copy engines' rate by copy size,
 # which sets auto's threshold; "contentionpacked" for block-outermost caches next to per-layer ones
-# under auto). TESTS_LIMIT bounds the gpu tests (seconds, default 600). "install" instead of "build"
-# installs a wheel built elsewhere (.whl/lmcache_mp-*.whl, same Python) with this tree's Python files.
+# under auto; "sglang" for SGLang-shaped pools through the unified cache linker and through HiCache's
+# host pool and storage backend, against memcpy). TESTS_LIMIT bounds the gpu tests (seconds, default
+# 600). "install" instead of "build" installs a wheel built elsewhere (.whl/lmcache_mp-*.whl, same
+# Python) with this tree's Python files.
 set -uo pipefail
 LOG=${1:-${OUT:-$PWD/gpu-check-logs}}
 mkdir -p "$LOG"
@@ -94,6 +96,7 @@ for step in $STEPS; do
         --json "$LOG/bench_transfer.json" --png "$LOG/bench_transfer.png" ;;
     benchfull) run benchfull 600 python3 bench/bench_transfer.py --gemm \
         --json "$LOG/bench_transfer.json" --png "$LOG/bench_transfer.png" ;;
+    sglang) run sglang 300 python3 bench/bench_sglang_gpu.py --quick --json "$LOG/bench_sglang_gpu.json" ;;
     peer) run peer 300 python3 bench/peers/lmcache_peer.py --json "$LOG/lmcache_peer.json" ;;
     server) run server 400 python3 bench/bench_server.py --requests 1 --workers 1,2,4 --json "$LOG/bench_server.json" ;;
     server2) run server2 400 python3 bench/bench_server.py --gpus 2 --requests 1 --workers 2,4 \
