@@ -12,9 +12,13 @@ runs in its own process (lmcache-mp-server), as deployed. Arms, each timed as SG
   `sglang_keys`), the server mapping them (CUDA IPC; shared memory on ``--device cpu``) and
   copying. Offload: the forward's ready event, then the store of the request's pages, until the
   server says every page is in L1. Load: the retrieve of the leased pages into *other* device
-  slots, as the linker's loader issues it, until the last layer landed in device memory.
+  slots, as the linker's loader issues them (`sglang_linker_loads.load_batch`), until the last
+  layer landed in device memory.
 - ``linker-engine``: the same with ``lmcache_mp.transfer: engine`` (this process maps L1 and
   copies, its kernels in the engine's own CUDA context).
+- ``linker-groups``: the linker with ``lmcache_mp.layer_groups`` (``--layer-groups``, 4): the KV
+  pool registered as groups of layers, a load landing group by group; also reports when the first
+  group's layers landed (when SGLang's forward could start).
 - ``hicache``: SGLang's HiCache path for the same pages. Offload: SGLang's device -> host-pool
   copy (emulated: the `layer_first` host pool ``[2, layers, tokens, heads, head_dim]`` in pinned
   memory, one torch copy per layer and K/V per run of consecutive pages, as SGLang's ``direct``
@@ -30,7 +34,8 @@ for bit against the pages it came from. The server's L1 is fully pinned before t
 
     python bench/bench_sglang_gpu.py [--device cuda|cpu] [--kind mha|mla] [--pages 1,64]
         [--page-size 64] [--layers 32] [--heads 8] [--head-dim 128] [--repeat 7] [--quick]
-        [--arms linker,linker-engine,hicache] [--transfer-mode auto] [--json out.json]
+        [--arms linker,linker-engine,linker-groups,hicache]
+        [--layer-groups 4] [--in-flight 2] [--transfer-mode auto] [--json out.json]
 """
 
 from __future__ import annotations
@@ -55,11 +60,12 @@ import torch  # noqa: E402
 
 from lmcache_mp import Client, ServerUnavailable, _C, shared_cpu_tensor  # noqa: E402
 from lmcache_mp.integration.sglang_keys import namespace, page_digest  # noqa: E402
+from lmcache_mp.integration.sglang_linker_loads import IN_FLIGHT, batches, load_batch  # noqa: E402
 from lmcache_mp.integration.sglang_linker_pools import (  # noqa: E402
-    KV, describe_pools, page_rows, registration_geometry)
+    KV, describe_pools, page_rows, registration_geometry, split_layer_groups)
 from lmcache_mp.integration.sglang_pages import plan_pages  # noqa: E402
 
-ARMS = ("linker", "linker-engine", "hicache")
+ARMS = ("linker", "linker-engine", "linker-groups", "hicache")
 MODEL = "bench"
 
 
@@ -151,18 +157,22 @@ class Server:
 
 
 class LinkerArm:
-    """The linker's data plane over the device pool: registration, offload, load."""
+    """The linker's data plane over the device pool: registration, offload, load (its own code)."""
 
-    def __init__(self, client, pool: DevicePool, transfer: str):
-        self.client, self.pool, self.ps = client, pool, pool.page_size
+    def __init__(self, client, pool: DevicePool, transfer: str, groups: int = 1, in_flight: int = IN_FLIGHT):
+        self.client, self.pool, self.ps, self.in_flight = client, pool, pool.page_size, in_flight
         self.layout = describe_pools(pool, None, {"FULL"}, pool.page_size)
-        (self.part,) = self.layout.parts[KV]
-        self.ns = namespace(MODEL, self.part.tag)
-        block_size, chunk_size = registration_geometry(self.part, client.chunk_size)
-        self.handle = client.register_kv_cache(list(self.part.runs), model=self.ns, world_size=1, rank=0,
-                                               layout="opaque", block_size=block_size, chunk_size=chunk_size,
-                                               transfer=transfer)
-        self.on_cuda = self.part.runs[0].is_cuda
+        if groups > 1:
+            split_layer_groups(self.layout, groups)
+        self.parts = self.layout.parts[KV]
+        self.ns = {id(p): namespace(MODEL, p.tag) for p in self.parts}
+        self.handles = {}
+        for part in self.parts:
+            block_size, chunk_size = registration_geometry(part, client.chunk_size)
+            self.handles[id(part)] = client.register_kv_cache(
+                list(part.runs), model=self.ns[id(part)], world_size=1, rank=0, layout="opaque",
+                block_size=block_size, chunk_size=chunk_size, transfer=transfer)
+        self.on_cuda = self.parts[0].runs[0].is_cuda
 
     def _ready(self) -> None:
         if self.on_cuda:  # the forward's writes come first (the linker waits on SGLang's ready events)
@@ -175,22 +185,30 @@ class LinkerArm:
         t0 = time.perf_counter()
         self._ready()
         rows = page_rows(slots, self.ps, "an offload")
-        r = self.client.store(self.handle, digests, rows).result()
+        futures = [self.client.store(self.handles[id(p)], some, at) for p in self.parts
+                   for some, at in batches(digests, rows)]
+        results = [f.result() for f in futures]
         dt = time.perf_counter() - t0
-        assert r.skipped == 0, r
+        assert all(r.skipped == 0 for r in results), results
         return dt
 
-    def load(self, keys: list[str], slots: torch.Tensor) -> float:
+    def load(self, keys: list[str], slots: torch.Tensor) -> tuple[float, float]:
+        """(seconds until every layer landed, seconds until the first layers did)."""
         digests = b"".join(page_digest(k) for k in keys)
-        found = self.client.lookup(digests, model=self.ns, lock=True)  # (SGLang's match, before the batch)
-        assert int(found) == len(keys), (int(found), len(keys))
+        leases = []
+        for part in self.parts:  # (SGLang's match, before the batch: leased until the load)
+            found = self.client.lookup(digests, model=self.ns[id(part)], lock=True)
+            assert int(found) == len(keys), (int(found), len(keys))
+            leases.append(found.lease)
+        first = []
         t0 = time.perf_counter()
         self._ready()
         rows = page_rows(slots, self.ps, "a load")
-        loaded = self.client.retrieve(self.handle, digests, rows, lease=found.lease).result().loaded
-        dt = time.perf_counter() - t0
-        assert loaded == len(keys), (loaded, len(keys))
-        return dt
+        load_batch(self.client, self.handles, [([(p, digests, rows) for p in self.parts], leases)],
+                   self.layout.group_ends, lambda start, end: first.append(time.perf_counter()), timeout=120,
+                   in_flight=self.in_flight)
+        t1 = time.perf_counter()
+        return t1 - t0, first[0] - t0
 
 
 class HiCacheArm:
@@ -303,6 +321,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="3 rounds (finishes in well under 90 s on a GPU)")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--transfer-mode", default="auto", help="the server's --transfer-mode (GPU)")
+    ap.add_argument("--layer-groups", type=int, default=4, help="KV layer groups of the linker-groups arm")
+    ap.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="layer groups a load asks for at once")
     ap.add_argument("--order", choices=("contiguous", "shuffled"), default="contiguous",
                     help="device pages of a request: consecutive, or scattered over the pool")
     ap.add_argument("--json", default="")
@@ -314,6 +334,8 @@ def main() -> int:
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (use --device cpu)")
+    if device == "cpu":  # small torch copies on a busy machine: one thread, no parallel region to wake
+        torch.set_num_threads(1)
     ps, most = args.page_size, max(counts)
     dev_pages = 2 * most  # sources and load targets
     pool = DevicePool(args.kind, dev_pages * ps, ps, args.layers, args.heads, args.head_dim, device)
@@ -340,8 +362,12 @@ def main() -> int:
             made = {}
             for arm in arms:  # one client per arm, as one SGLang worker would have
                 c = Client(server.url, timeout=120)
-                made[arm] = (LinkerArm(c, pool, "server" if arm == "linker" else "engine") if arm.startswith("linker")
-                             else HiCacheArm(c, pool, 2 * most))
+                if arm == "hicache":
+                    made[arm] = HiCacheArm(c, pool, 2 * most)
+                else:
+                    made[arm] = LinkerArm(c, pool, "engine" if arm == "linker-engine" else "server",
+                                          groups=args.layer_groups if arm == "linker-groups" else 1,
+                                          in_flight=args.in_flight)
             for r in range(repeat + 1):  # interleaved rounds; the first warms up (L1 slots, mappings)
                 admin.clear()
                 for n in counts:
@@ -360,7 +386,7 @@ def main() -> int:
                             rec[arm + "_load"] = a.load(keys, dst, host_dst)
                         else:
                             rec[arm + "_offload"] = a.offload(keys, src_slots)
-                            rec[arm + "_load"] = a.load(keys, dst_slots)
+                            rec[arm + "_load"], rec[arm + "_first"] = a.load(keys, dst_slots)
                         if device == "cuda":
                             torch.cuda.synchronize()
                         if not all(torch.equal(x, y) for x, y in zip(pool.pages(dst_slots), pool.pages(src_slots))):
@@ -390,6 +416,9 @@ def main() -> int:
                 row[f"{arm}_{op}_gbs"] = nbytes / s / 1e9
                 row[f"{arm}_{op}_x_memcpy"] = med[ceil] / s
                 print(f"{'':14s}{arm + ' ' + op:22s}{nbytes / s / 1e9:8.2f}{1e3 * s:9.2f}{med[ceil] / s:10.2f}")
+            if f"{arm}_first" in med:  # when the forward could start: the first layers landed
+                row[f"{arm}_first_layers_ms"] = 1e3 * med[f"{arm}_first"]
+                print(f"{'':14s}{arm + ' first layers':22s}{'':8s}{1e3 * med[arm + '_first']:9.2f}")
         results.append(row)
     print("bit-exact:", "ALL PASS" if not failures else f"FAILED {failures}")
     out = {"benchmark": "bench_sglang_gpu", "env": env, "args": vars(args), "repeat": repeat,

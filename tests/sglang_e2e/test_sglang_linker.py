@@ -121,6 +121,100 @@ def test_offload_lookup_load_restore_kv_and_state_bit_exact(server, instances, k
     assert b.linker.stats["loads"] == 1 and b.linker.stats["failed_loads"] == 0
 
 
+@pytest.mark.parametrize("kind", ["full+mamba", "full", "full+swa+mamba"])
+def test_layer_groups_restore_kv_and_state_bit_exact(server, instances, kind):
+    """With lmcache_mp.layer_groups the KV pool is registered as one part per group of layers
+    (pages in namespaces of their own, not the HiCache layer_first ones); offload, lookup and load
+    restore the same bytes as with one part."""
+    hybrid, swa = "mamba" in kind, "swa" in kind
+    config = kit.linker_config(server.url, **{"lmcache_mp.layer_groups": 2})
+    a = instances(server.url, hybrid=hybrid, swa=swa, seed=41, config=config)
+    b = instances(server.url, hybrid=hybrid, swa=swa, seed=42, config=config)
+    one = instances(server.url, hybrid=hybrid, swa=swa, seed=43)  # one part: finds none of the groups' pages
+    parts = b.linker.layout.parts["kv"]
+    assert b.linker.layer_groups == 2 and len(parts) == 2
+    assert b.linker.layout.group_ends[-1] == b.linker.num_layers
+    whole = one.linker.layout.parts["kv"][0]
+    assert len({b.linker._namespaces[id(p)] for p in parts} | {one.linker._namespaces[id(whole)]}) == 3
+    tokens = kit.prompt(41, 3)
+    slots, state = a.insert(tokens)
+    assert a.settle_offloads() >= 1
+    _, miss = one.match(tokens + [9])
+    assert miss.host_hit_length == 0
+    req, match = b.match(tokens + [9])
+    assert match.host_hit_length == 3 * kit.PAGE
+    _, dst = b.load_back(req)
+    assert b.run_batch([req]) == []
+    assert same(b.kv_at(dst), a.kv_at(slots))
+    if hybrid:
+        assert same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))
+    if swa:
+        assert same(b.swa_at(dst[-kit.PAGE:]), a.swa_at(slots[-kit.PAGE:]))
+
+
+def test_the_first_layers_complete_while_the_last_group_is_still_copied(server, instances):
+    """Layer by layer: with three layer groups, the last group's retrieve is held back; the
+    counter's first layers complete (their KV and the Mamba state are in the slots) while the last
+    layer's is still pending, so a forward runs its first layers before the load has finished.
+    Released, the rest lands and the batch finishes bit-exact."""
+    import threading
+    from concurrent.futures import Future
+
+    config = kit.linker_config(server.url, **{"lmcache_mp.layer_groups": 3})
+    a = instances(server.url, seed=44, config=config)
+    b = instances(server.url, seed=45, config=config)
+    layout = b.linker.layout
+    assert layout.kv_layers == (1, 3, 5) and layout.group_ends == (3, 5, 6)  # attention on 1, 3, 5
+    tokens = kit.prompt(44, 2)
+    slots, state = a.insert(tokens)
+    assert a.settle_offloads() == 1
+    req, match = b.match(tokens + [1])
+    _, dst = b.load_back(req)
+    client, handles = b.linker._registered
+    last = handles[id(layout.parts["kv"][-1])]
+    release, held = threading.Event(), []
+    real = client.retrieve
+
+    def retrieve(handle, *args, **kw):
+        if handle is not last:
+            return real(handle, *args, **kw)
+        out = Future()
+
+        def later():
+            release.wait(60)
+            try:
+                out.set_result(real(handle, *args, **kw).result(60))
+            except BaseException as e:  # noqa: BLE001
+                out.set_exception(e)
+
+        held.append(threading.Thread(target=later, daemon=True))
+        held[-1].start()
+        return out
+
+    client.retrieve = retrieve
+    try:
+        index = b.cache.ready_to_load_host_cache()
+        counter = b.linker.layer_done_counter
+        counter.set_consumer(index)
+        futures = counter.futures[index]
+        futures[0].result(30)  # the forward's wait_until(0) returns ...
+        futures[4].result(30)
+        assert held and not futures[5].done()  # ... while the last layer's copy is held
+        first = [t[dst] for t in (b.attention_pool.k_buffer[0], b.attention_pool.v_buffer[0])]
+        source = [t[slots] for t in (a.attention_pool.k_buffer[0], a.attention_pool.v_buffer[0])]
+        assert same(first, source)  # layer 1's KV has landed
+        assert same(b.state_at(req.kv.mamba_pool_idx), a.state_at(state[0]))
+        assert not torch.equal(b.attention_pool.k_buffer[2][dst], a.attention_pool.k_buffer[2][slots])
+        release.set()
+        for layer in range(b.linker.num_layers):
+            counter.wait_until(layer)
+        assert b.cache.finish_external_linker_loads([req]) == []
+    finally:
+        release.set()
+        del client.retrieve
+    assert same(b.kv_at(dst), a.kv_at(slots))
+
+
 def test_lookup_gives_every_restorable_boundary(server, instances):
     """A Mamba state exists only where a node ended: a prompt inserted page by page restores at
     every page; one inserted at once only at its end. KV pages alone are not a hit."""
@@ -512,9 +606,9 @@ def test_mla_pages_are_stored_once_for_every_tp_rank(server, monkeypatch):
 def test_large_nodes_move_in_several_requests(server, instances, monkeypatch):
     """A node of more pages than one request carries (page size 1 makes 100k-page nodes) is
     stored and loaded in several requests, all of which must land."""
-    import lmcache_mp.integration.sglang_linker as linker_module
+    import lmcache_mp.integration.sglang_linker_loads as loads_module
 
-    monkeypatch.setattr(linker_module, "BATCH", 2)
+    monkeypatch.setattr(loads_module, "BATCH", 2)
     a = instances(server.url, seed=50)
     b = instances(server.url, seed=51)
     tokens = kit.prompt(50, 5)

@@ -18,8 +18,11 @@ the KV pool's pages are the HiCache backend's ``layer_first`` pages, in the same
 linker instance and a HiCache instance with a ``layer_first`` host pool share them. A Mamba state
 is one object per state tensor under the key of the page it ends at.
 
-Loads run on a thread of their own and complete the layer counter for the whole batch at once
-(the server's retrieve is per request, not per layer). A server that is away means misses
+Loads run on a thread of their own and complete the layer counter as they land: for the whole
+batch at once by default (a retrieve moves every layer of a page), or layer group by layer group
+with ``"lmcache_mp.layer_groups": N`` (the KV pool then registered as N parts of consecutive layers,
+integration/sglang_linker_loads.py), so that the forward starts on the first layers while the
+rest arrive. A server that is away means misses
 (lookup answers no length at once), loads refused or failed (SGLang recomputes or aborts those
 requests) and offloads not made; never a wait longer than `lmcache_mp.request_timeout`.
 """
@@ -38,10 +41,11 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 from lmcache_mp.errors import RequestError, ServerUnavailable
 from lmcache_mp.integration.sglang_keys import namespace, page_digest
 from lmcache_mp.integration.sglang_linker_leases import Held, HeldLeases
+from lmcache_mp.integration.sglang_linker_loads import batches, load_batch
 from lmcache_mp.integration.sglang_linker_pools import (
-    KV, MAMBA, LinkerPools, PoolPart, describe_pools, page_rows, registration_geometry, slot_rows, total_bytes)
+    KV, MAMBA, LinkerPools, PoolPart, describe_pools, page_rows, registration_geometry, slot_rows,
+    split_layer_groups, total_bytes)
 from lmcache_mp.integration.sglang_settings import SGLangStorageSettings
-from lmcache_mp.keys import DIGEST_BYTES
 from lmcache_mp.protocol import MAX_CHUNKS, ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -49,7 +53,9 @@ logger = logging.getLogger(__name__)
 MAX_BOUNDARIES = 32  # deepest lengths a lookup checks the other pools at (SGLang takes the deepest common one)
 LEASED_BOUNDARIES = 4  # deepest restorable lengths whose state objects a lookup leases until the load
 TRANSFER_KEY = "lmcache_mp.transfer"
-BATCH = 4096  # objects per store or retrieve request (a node of page size 1 may hold 100k pages)
+# KV layer groups a load lands and completes one after another (1: one registration of the whole
+# pool, whose pages are the HiCache backend's layer_first pages)
+GROUPS_KEY = "lmcache_mp.layer_groups"
 
 
 class LMCacheMPLinker(UnifiedCacheLinker):
@@ -62,12 +68,19 @@ class LMCacheMPLinker(UnifiedCacheLinker):
         self.transfer = str(extra.pop(TRANSFER_KEY, "server"))
         if self.transfer not in ("server", "engine"):
             raise ValueError(f"{TRANSFER_KEY} must be 'server' or 'engine', got {self.transfer!r}")
+        groups = int(extra.pop(GROUPS_KEY, 1))
+        if groups < 1:
+            raise ValueError(f"{GROUPS_KEY} must be at least 1, got {groups}")
         self.settings = SGLangStorageSettings.from_linker_config(extra)
         self.forward_stream = forward_stream
         self.page_size = params.page_size
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         names = {getattr(c, "name", str(c)) for c in components}
         self.layout: LinkerPools = describe_pools(kvcache, params.req_to_token_pool, names, self.page_size)
+        self.layer_groups = split_layer_groups(self.layout, groups) if groups > 1 else 1
+        if self.layer_groups != groups:
+            logger.warning("lmcache-mp linker: %s %d: the KV pool's layers make %d group(s)", GROUPS_KEY, groups,
+                           self.layer_groups)
         self.pools = {PoolName(name): parts for name, parts in self.layout.parts.items()}
         self.num_layers = self.layout.num_layers
         self.tp_rank, self.tp_size = _tp(params)
@@ -162,14 +175,26 @@ class LMCacheMPLinker(UnifiedCacheLinker):
         digests = [page_digest(k) for k in kv.keys[:MAX_CHUNKS]]
         timeout = self.settings.request_timeout
         self.stats["lookups"] += 1
-        kv_lease, state_leases = 0, {}
+        kv_leases, state_leases = {}, {}
         try:
-            part = self.layout.parts[KV][0]
-            world_size, _ = self._rank_of(part)
-            found = client.lookup(b"".join(digests), model=self._namespaces[id(part)], world_size=world_size,
-                                  lock=True, timeout=timeout)
-            kv_lease = found.lease
-            candidates = list(range(max(1, int(found) - MAX_BOUNDARIES + 1), int(found) + 1))
+            checks = []
+            for part in self.layout.parts[KV]:  # (one per layer group; all in flight at once)
+                world_size, _ = self._rank_of(part)
+                checks.append((part, client.lookup_async(b"".join(digests), model=self._namespaces[id(part)],
+                                                         world_size=world_size, lock=True, timeout=timeout)))
+            hit, error = len(digests), None
+            for part, fut in checks:  # every answer taken (its lease kept for release) before any error
+                try:
+                    found = fut.result(timeout + 1.0)
+                except Exception as e:  # noqa: BLE001 - raised below, once every lease is known
+                    error = error or e
+                    continue
+                if found.lease:
+                    kv_leases[id(part)] = found.lease
+                hit = min(hit, int(found))
+            if error is not None:
+                raise error
+            candidates = list(range(max(1, hit - MAX_BOUNDARIES + 1), hit + 1))
             windows = {}
             for name, transfer in by_pool.items():
                 if name == PoolName.KV or not candidates:
@@ -187,23 +212,23 @@ class LMCacheMPLinker(UnifiedCacheLinker):
                 candidates = [p for p in candidates if p not in gone]
         except (ServerUnavailable, RequestError) as e:
             self._failed("lookup", e)
-            self._leases.release(client, [kv_lease, *state_leases.values()])
+            self._leases.release(client, [*kv_leases.values(), *state_leases.values()])
             return []
         except TimeoutError as e:
             self._failed("lookup", ServerUnavailable(str(e) or "lookup timed out"))
-            self._leases.release(client, [kv_lease, *state_leases.values()])
+            self._leases.release(client, [*kv_leases.values(), *state_leases.values()])
             return []
         except Exception:  # noqa: BLE001 - a lookup is a miss, never an error in SGLang's scheduler
             logger.exception("lmcache-mp linker: a lookup failed")
-            self._leases.release(client, [kv_lease, *state_leases.values()])
+            self._leases.release(client, [*kv_leases.values(), *state_leases.values()])
             return []
         self.link.report_success()
         if candidates:
             self.stats["hits"] += 1
-            self._leases.hold(rid, Held(client, kv_lease, state_leases))
+            self._leases.hold(rid, Held(client, kv_leases, state_leases))
             logger.debug("lmcache-mp linker: %s restorable at %s of %d pages", rid, candidates, len(digests))
         else:
-            self._leases.release(client, [kv_lease, *state_leases.values()])
+            self._leases.release(client, [*kv_leases.values(), *state_leases.values()])
         return candidates
 
     def _missing(self, client, name, window: int, digests: list, lengths: list, *, lock: bool,
@@ -271,13 +296,11 @@ class LMCacheMPLinker(UnifiedCacheLinker):
             return False
         leases = []  # the lease each part's read consumes; the rest is let go after the load
         if held is not None and held.client is ready[0]:
-            kv_lease, state_leases = held.kv, held.states
+            kv_leases, state_leases = held.kv, held.states
             length = max((len(rows) for part, _, rows in items if part.pool == KV), default=0)
-            leases = [kv_lease if part.pool == KV else state_leases.get((id(part), length), 0)
+            leases = [kv_leases.get(id(part), 0) if part.pool == KV else state_leases.get((id(part), length), 0)
                       for part, _, _ in items]
-            leases.extend(lease for lease in state_leases.values() if lease not in leases)
-            if kv_lease and kv_lease not in leases:
-                leases.append(kv_lease)
+            leases.extend(lease for lease in held.all() if lease and lease not in leases)
         self.pending_loads[rid] = (items, leases)
         return True
 
@@ -312,45 +335,33 @@ class LMCacheMPLinker(UnifiedCacheLinker):
                 try:
                     for event in events:
                         event.synchronize()
-                    self._load_batch(batch)
+                    self._load_batch(index, batch)
                 except BaseException as e:  # noqa: BLE001 - reported through the counter
                     self.stats["failed_loads"] += 1
                     logger.warning("lmcache-mp linker: a load of %d request(s) failed: %s", len(batch), e)
-                    self.layer_done_counter.fail(index, e)
-                else:
-                    for layer in range(self.num_layers):  # the whole batch at once (see the module's doc)
-                        self.layer_done_counter.complete(index, layer)
+                    self.layer_done_counter.fail(index, e)  # (the layers that landed stay done)
             finally:
                 self._loads.task_done()
 
-    def _load_batch(self, batch: dict) -> None:
+    def _load_batch(self, index: int, batch: dict) -> None:
+        """Every request's objects into its slots; the counter's layers completed as their KV
+        layer group lands (all at the end with one group)."""
         ready = self._ready()
         if ready is None:
             raise ServerUnavailable("the lmcache-mp server is away")
         client, handles = ready
-        timeout = self.settings.request_timeout
-        futures = []
+
+        def landed(start: int, end: int) -> None:
+            for layer in range(start, end):
+                self.layer_done_counter.complete(index, layer)
+
         try:
-            for items, leases in batch.values():
-                for i, (part, digests, rows) in enumerate(items):
-                    lease = leases[i] if i < len(leases) else 0
-                    for some, at in _batches(digests, rows):
-                        futures.append((part, len(at), client.retrieve(handles[id(part)], some, at, lease=lease,
-                                                                       timeout=timeout)))
-            for part, n, fut in futures:
-                loaded = fut.result(timeout + 1.0).loaded
-                if loaded < n:
-                    raise RuntimeError(f"the {part.pool} pool's load found {loaded} of {n} objects on the server")
+            load_batch(client, handles, list(batch.values()), self.layout.group_ends, landed,
+                       timeout=self.settings.request_timeout)
         except (ServerUnavailable, RequestError) as e:
             self._failed("load", e)
             raise
-        finally:  # nothing may still write into the slots once this returns
-            for _, _, fut in futures:
-                if not fut.done():
-                    try:
-                        fut.result(timeout + 1.0)
-                    except BaseException:  # noqa: BLE001
-                        pass
+        finally:
             self._leases.release(client, [lease for _, leases in batch.values() for lease in leases])
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
@@ -402,7 +413,7 @@ class LMCacheMPLinker(UnifiedCacheLinker):
         timeout = self.settings.request_timeout
         try:
             futures = [client.store(handles[id(part)], some, at, timeout=timeout)
-                       for part, digests, rows in items for some, at in _batches(digests, rows)]
+                       for part, digests, rows in items for some, at in batches(digests, rows)]
             results = [fut.result(timeout + 1.0) for fut in futures]
         except (ServerUnavailable, RequestError) as e:
             self._failed("offload", e)
@@ -455,12 +466,6 @@ class LMCacheMPLinker(UnifiedCacheLinker):
             release_shared_memory(self._shm)
             self._shm = []
         logger.info("lmcache-mp linker stats: %s", self.stats)
-
-
-def _batches(digests: bytes, rows):
-    """(packed digests, rows) of at most BATCH objects each."""
-    for start in range(0, len(rows), BATCH):
-        yield digests[start * DIGEST_BYTES:(start + BATCH) * DIGEST_BYTES], rows[start:start + BATCH]
 
 
 def _tp(params) -> tuple[int, int]:

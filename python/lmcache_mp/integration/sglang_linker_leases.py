@@ -25,15 +25,16 @@ HELD_FOR = 25.0  # seconds a lookup's leases are kept for its load here (the ser
 
 @dataclass(frozen=True)
 class Held:
-    """One lookup's leases: on the KV pages, and per (part id, length) on a state window."""
+    """One lookup's leases: per part id on the KV pages (one part per layer group), and per
+    (part id, length) on a state window."""
 
     client: Any
-    kv: int
+    kv: dict
     states: dict = field(default_factory=dict)
     when: float = field(default_factory=time.monotonic)
 
     def all(self) -> list[int]:
-        return [self.kv, *self.states.values()]
+        return [*self.kv.values(), *self.states.values()]
 
 
 class HeldLeases:

@@ -14,13 +14,18 @@ SGLang's own buffers, no copies. A row is what one key names:
   state, then each convolution state: their rows differ in size and dtype), keyed by the page key
   of the boundary the state summarises.
 
+With ``lmcache_mp.layer_groups`` over 1 the KV pool is registered as that many parts instead, each
+the runs of a range of its layers (`split_layer_groups`), so that a load lands, and completes,
+group by group in layer order. Such a part's page is an object of its own, in a namespace of its
+own: pages shared with HiCache instances need the single part.
+
 No SGLang import here: the pools are read through their attributes.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lmcache_mp.integration.sglang_pages import UnsupportedPool
 from lmcache_mp.protocol import MAX_LAYERS
@@ -37,6 +42,7 @@ class PoolPart:
     runs: tuple
     rows_are_pages: bool  # KV/SWA: a row is a page of `page_size` token slots; MAMBA: a state slot
     row_bytes: int
+    group: int = -1  # KV: its layer group (LinkerPools.group_ends); -1: read before every group
 
 
 @dataclass
@@ -48,6 +54,9 @@ class LinkerPools:
     num_layers: int = 0
     page_size: int = 1
     attention: str = "mha"  # of the KV pool: "mha" or "mla" (MLA pages are the same on every rank)
+    kv_layers: tuple = ()  # the layer counter's index of each layer of the KV pool, in pool order
+    # per KV group, the counter's layers [previous end, end) it completes (with the ungrouped parts)
+    group_ends: tuple = ()
 
     def tensors(self) -> list:
         return [run for parts in self.parts.values() for part in parts for run in part.runs]
@@ -159,12 +168,50 @@ def describe_pools(kvcache, req_to_token_pool, components: set[str], page_size: 
         out.parts[MAMBA] = _mamba_parts(req_to_token_pool)
         layers.update(gid - start for gid in getattr(req_to_token_pool, "mamba_map", {}) or {})
     out.num_layers = max(layers) + 1 if layers else len(out.parts[KV][0].runs)
+    out.kv_layers = _kv_layers(kvcache, out, start)
+    out.parts[KV][0] = replace(out.parts[KV][0], group=0)
+    out.group_ends = (out.num_layers,)
     for parts in out.parts.values():
         for part in parts:
             if len(part.runs) > MAX_LAYERS:
                 raise UnsupportedPool(f"the {part.pool} pool has {len(part.runs)} runs per row, over the "
                                       f"{MAX_LAYERS} a registration may have")
     return out
+
+
+def _kv_layers(kvcache, pools: LinkerPools, start: int) -> tuple:
+    """The counter's layer of each layer of the KV pool (model layer minus the pool's first)."""
+    (part,) = pools.parts[KV]
+    n = len(part.runs) // (2 if pools.attention == "mha" else 1)
+    if hasattr(kvcache, "full_kv_pool") and hasattr(kvcache, "swa_kv_pool"):
+        mapping = {idx: gid for gid, (idx, is_swa) in getattr(kvcache, "layers_mapping", {}).items() if not is_swa}
+    elif hasattr(kvcache, "full_kv_pool"):
+        mapping = {idx: gid for gid, idx in getattr(kvcache, "full_attention_layer_id_mapping", {}).items()}
+    else:
+        return tuple(range(n))
+    if sorted(mapping) != list(range(n)):
+        return tuple(range(n))
+    return tuple(mapping[i] - start for i in range(n))
+
+
+def split_layer_groups(pools: LinkerPools, groups: int) -> int:
+    """Register the KV pool as `groups` parts of consecutive layers (as even as can be) instead of
+    one; returns the number of groups made (1: the pool's layers cannot be split in order)."""
+    (full,) = pools.parts[KV]
+    n = len(pools.kv_layers)
+    groups = max(1, min(groups, n))
+    if groups == 1 or list(pools.kv_layers) != sorted(pools.kv_layers):
+        return 1
+    mha = pools.attention == "mha"
+    parts, ends = [], []
+    for g in range(groups):
+        a, b = g * n // groups, (g + 1) * n // groups
+        runs = full.runs[a:b] + (full.runs[n + a:n + b] if mha else ())
+        parts.append(replace(full, tag=f"{full.tag}.layers{a}-{b - 1}", runs=runs, group=g))
+        ends.append(pools.num_layers if g == groups - 1 else pools.kv_layers[b])  # up to the next group's first
+    pools.parts[KV] = parts
+    pools.group_ends = tuple(ends)
+    return groups
 
 
 def registration_geometry(part: PoolPart, server_chunk_size: int) -> tuple[int, int]:

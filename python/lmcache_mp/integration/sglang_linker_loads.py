@@ -1,0 +1,84 @@
+"""The SGLang linker's loads: a batch's retrieves, and the layer counter completed as they land.
+
+No SGLang import here (benchmarks without SGLang use it as the linker does).
+
+A batch is every loading request's objects of every pool part. The parts that are not a KV layer
+group (`PoolPart.group` -1: Mamba states, an SWA window) are read first, with the first groups;
+the KV pool's groups follow in layer order, at most `IN_FLIGHT` of them at a time: when group g
+has landed (and the ungrouped parts), the layers up to `group_ends[g]` are reported done and the
+next group is asked for. With one group (the default registration) the whole batch is one step
+and every layer completes when everything landed.
+
+Why a bounded window rather than every group at once: the server runs each registration's
+requests on a worker of its own, so groups asked for together are copied side by side and land
+together, which is no earlier for the first layers than one retrieve of everything; one group at
+a time leaves the copy idle for a round trip between groups. Measured in docs/sglang.md.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from lmcache_mp.keys import DIGEST_BYTES
+
+IN_FLIGHT = 2  # KV layer groups asked for at once
+BATCH = 4096  # objects per retrieve request (a node of page size 1 may hold 100k pages)
+
+
+def batches(digests: bytes, rows):
+    """(packed digests, rows) of at most BATCH objects each."""
+    for start in range(0, len(rows), BATCH):
+        yield digests[start * DIGEST_BYTES:(start + BATCH) * DIGEST_BYTES], rows[start:start + BATCH]
+
+
+def load_batch(client, handles: dict, requests, group_ends, on_layers: Callable[[int, int], None] | None, *,
+               timeout: float, in_flight: int = IN_FLIGHT) -> None:
+    """Retrieve every request's objects into their rows and report layers as their groups land.
+
+    requests: ``[(items, leases)]``, items ``[(part, packed digests, rows)]``, leases the lookup
+    lease each item's read consumes (0: none); handles: the registration of each part, by
+    ``id(part)``; on_layers(start, end): layers [start, end) landed. Raises when a read fails or
+    finds fewer objects than asked for (later groups are then not asked for); on return or raise,
+    no retrieve it issued still writes."""
+    steps: dict[int, list] = {}
+    for items, leases in requests:
+        for i, (part, digests, rows) in enumerate(items):
+            lease = leases[i] if i < len(leases) else 0
+            steps.setdefault(part.group, []).append((part, digests, rows, lease))
+    ungrouped = steps.pop(-1, [])
+    futures: dict[int, list] = {}
+
+    def ask(step: int, items: list) -> None:
+        out = futures.setdefault(step, [])
+        for part, digests, rows, lease in items:
+            for some, at in batches(digests, rows):
+                out.append((part, len(at), client.retrieve(handles[id(part)], some, at, lease=lease, timeout=timeout)))
+
+    def landed(step: int) -> None:
+        for part, n, fut in futures.get(step, ()):
+            loaded = fut.result(timeout + 1.0).loaded
+            if loaded < n:
+                raise RuntimeError(f"the {part.pool} pool's load found {loaded} of {n} objects on the server")
+
+    groups = len(group_ends)
+    try:
+        ask(-1, ungrouped)
+        for g in range(min(in_flight, groups)):
+            ask(g, steps.get(g, []))
+        landed(-1)
+        start = 0
+        for g in range(groups):
+            landed(g)
+            if g + in_flight < groups:
+                ask(g + in_flight, steps.get(g + in_flight, []))
+            if on_layers is not None and group_ends[g] > start:
+                on_layers(start, group_ends[g])
+            start = max(start, group_ends[g])
+    finally:  # nothing may still write into the slots once this returns
+        for issued in futures.values():
+            for _, _, fut in issued:
+                if not fut.done():
+                    try:
+                        fut.result(timeout + 1.0)
+                    except BaseException:  # noqa: BLE001
+                        pass
