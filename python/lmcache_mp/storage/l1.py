@@ -243,6 +243,8 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         set the tiers they came from in l2_copies)."""
         waiters = []
         objs = plan.objects
+        if self.journal is not None:  # room in the journal's queue, or this store sums its own chunks
+            self._sum_ahead(objs)
         with self._lock:
             for start in range(0, len(objs), SLICE):
                 if start:

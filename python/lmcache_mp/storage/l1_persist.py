@@ -2,13 +2,21 @@
 L1Store, which holds the lock and the index.
 
 A commit record carries the checksum of the chunk's bytes, so that a restarted server can tell a
-chunk's own bytes from whatever a lost or damaged record let it believe. Summing is not on the
-store path: committed objects are queued, and a thread sums them (a few at once, on threads that
-let go of the GIL) without the lock, then writes their records with it. An object freed or moved
-while it was summed is not recorded from that sum (a moved one is queued again at its new slot),
-so a sum never describes bytes that were not the chunk's. A crash loses the records of the chunks
-committed in the last moments before it (they are not re-attached; nothing else is lost), and a
-clean stop writes them all first (close_journal).
+chunk's own bytes from whatever a lost or damaged record let it believe. Summing is mostly not on
+the store path: committed objects are queued, and a thread sums them (a few at once, on threads
+that let go of the GIL) without the lock, then writes their records with it. An object freed or
+moved while it was summed is not recorded from that sum (a moved one is queued again at its new
+slot), so a sum never describes bytes that were not the chunk's.
+
+The queue is bounded: while others wait, at most MAX_LAG committed objects wait for their
+records (a request that finds none waiting is queued whole, however large). A store whose objects
+do not fit sums them itself before it is answered (the first ones of the request, its prefix: the
+rest is worth nothing without them), so a crash loses the records of at most MAX_LAG acknowledged
+chunks (or of one larger request), however busy the host. Unbounded, the queue fell seconds
+behind on a busy host: the stores (copies at normal priority, on every core) outran the summing
+thread (low priority, fewer cores), and nothing made them wait. The bound makes the stores wait
+instead, by what summing their own bytes costs (measured in docs/OPERATIONS.md). A clean stop
+writes every record first (close_journal).
 
 At start-up `restore` claims the slots the journal names and sums them all (on every core, before
 any request), keeping only the chunks whose bytes match.
@@ -32,7 +40,7 @@ logger = logging.getLogger(__name__)
 SUM_BATCH_BYTES = 256 << 20  # bytes summed between two takes of the lock
 SUM_INLINE_BYTES = 8 << 20  # a batch this small is summed on the summing thread alone
 SUM_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))  # while serving: a few cores at most
-MAX_UNSUMMED = 1 << 20  # objects waiting for their sum; beyond it the oldest go unrecorded
+MAX_LAG = 32  # committed objects whose records may wait for the summing thread (the most a crash loses)
 JOURNAL_RECORD_ESTIMATE = 170  # bytes of one chunk's journal record (a rewrite compares with this)
 
 
@@ -56,23 +64,57 @@ class L1Persistence:
         self._sums_wanted = threading.Condition(self._lock)  # the summing thread waits for work
         self._sums_done = threading.Condition(self._lock)  # flush_journal waits for records
         self._summing = 0  # objects taken by the summing thread and not yet recorded
+        self._reserved = 0  # room in the queue taken by stores about to commit (_sum_ahead)
         self._sums_stop = False
-        for name in ("unrecorded", "summed_bytes"):
+        # summed_by_stores: objects a store summed itself (the queue was full); journal_backlog_max:
+        # the most committed objects that waited for their records at once (at most MAX_LAG)
+        for name in ("summed_bytes", "summed_by_stores", "journal_backlog_max"):
             self.counters.setdefault(name, 0)
         self.counters.setdefault("sum_seconds", 0.0)
         self._sum_pool = ThreadPoolExecutor(SUM_THREADS, thread_name_prefix="lmcache-l1-sum", initializer=_background)
+        # a store waiting for its own sums must not wait behind low-priority threads
+        self._store_pool = ThreadPoolExecutor(SUM_THREADS, thread_name_prefix="lmcache-l1-store-sum")
         self._sum_thread = threading.Thread(target=self._sum_loop, name="lmcache-l1-journal-sums", daemon=True)
         self._sum_thread.start()
 
+    def _object_sum(self, obj) -> int:
+        return chunk_sum(self.arena.view(obj.offset, self._class_bytes[obj.size_class]))
+
+    def _sum_ahead(self, objs) -> None:
+        """(before objs are committed: nothing moves or frees them meanwhile) Reserve room in the
+        queue for the last ones of this request, and sum the others here, without the lock, so
+        that the store is answered only once their records are written. The room: while others
+        wait, up to MAX_LAG waiting objects in all; when none waits, the whole request (one large
+        request is not summed on the store path while the summing thread keeps up)."""
+        with self._lock:
+            waiting = self.journal_backlog()
+            room = len(objs) if waiting == 0 or self._sums_stop else max(0, min(len(objs), MAX_LAG - waiting))
+            self._reserved += room  # (once the journal closed nothing is recorded: no sums)
+        mine = objs[:len(objs) - room]
+        try:
+            if len(mine) > 1 and len(mine) * self._class_bytes[mine[0].size_class] > SUM_INLINE_BYTES:
+                sums = list(self._store_pool.map(self._object_sum, mine))  # a large request: as fast as the thread's
+            else:
+                sums = [self._object_sum(obj) for obj in mine]
+            for obj, value in zip(mine, sums):
+                obj.checksum = value
+        except BaseException:
+            with self._lock:
+                self._reserved -= room
+            raise
+
     def _journal_commits(self, objs) -> None:
-        """Committed objects, to be summed and recorded (lock held)."""
-        self._unsummed.extend(objs)
-        over = len(self._unsummed) - MAX_UNSUMMED
-        for _ in range(max(0, over)):
-            self._unsummed.popleft()
-        if over > 0:
-            self.counters["unrecorded"] += over
-        self._sums_wanted.notify()
+        """Committed objects (lock held; _sum_ahead saw them first): records now for those it
+        summed, the queue for those it reserved room for."""
+        records = [obj for obj in objs if obj.checksum is not None]
+        queued = [obj for obj in objs if obj.checksum is None]
+        self.counters["summed_by_stores"] += len(records)
+        self.journal.write([self._commit_record(obj) for obj in records])
+        if queued:
+            self._reserved -= len(queued)
+            self._unsummed.extend(queued)
+            self.counters["journal_backlog_max"] = max(self.counters["journal_backlog_max"], self.journal_backlog())
+            self._sums_wanted.notify()
 
     def _commit_record(self, obj) -> bytes:
         return commit_record(obj.offset, self._class_bytes[obj.size_class], obj.key, obj.format_key, obj.checksum)
@@ -119,8 +161,9 @@ class L1Persistence:
                 self._maybe_compact()
 
     def journal_backlog(self) -> int:
-        """Committed objects whose records are not written yet (lock held or not: a glance)."""
-        return len(self._unsummed) + self._summing if self.journal is not None else 0
+        """Committed objects whose records are not written yet, and those of stores about to be
+        committed that will wait for theirs (lock held or not: a glance)."""
+        return len(self._unsummed) + self._summing + self._reserved if self.journal is not None else 0
 
     def flush_journal(self, timeout: float = 60.0) -> bool:
         """Wait until every object committed so far is recorded; False after timeout."""
@@ -146,6 +189,7 @@ class L1Persistence:
             self._sums_wanted.notify_all()
         self._sum_thread.join(timeout)
         self._sum_pool.shutdown(wait=False)
+        self._store_pool.shutdown(wait=False)
         self.journal.close()
 
     # ---- rewrites -----------------------------------------------------------------------------
