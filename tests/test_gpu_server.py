@@ -372,7 +372,8 @@ def test_hybrid_pages_of_attention_and_state_groups_round_trip_exact(cuda_server
 
     from lmcache_mp import Client, chunk_hashes
 
-    layers, blocks, page, block_size = 4, 256, 256 << 10, 544
+    layers, blocks, block_size = 4, 256, 544
+    page = block_size * 512  # vLLM's pages hold whole tokens: a state page is padded to the attention page
     buf = torch.empty((layers, blocks, page), dtype=torch.uint8, device="cuda")
     buf.view(torch.int32).random_()
     views = [buf[i] for i in range(layers)]
