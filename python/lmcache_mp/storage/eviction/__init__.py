@@ -6,11 +6,12 @@ from __future__ import annotations
 from lmcache_mp.storage.eviction.adaptive import AdaptivePolicy
 from lmcache_mp.storage.eviction.arc import ArcPolicy
 from lmcache_mp.storage.eviction.base import EvictionPolicy
+from lmcache_mp.storage.eviction.follow import FollowPolicy
 from lmcache_mp.storage.eviction.lru import LruPolicy
 from lmcache_mp.storage.eviction.s3fifo import S3FifoPolicy
 
-POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (AdaptivePolicy, LruPolicy, ArcPolicy, S3FifoPolicy)}
-DEFAULT_POLICY = "adaptive"
+POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (FollowPolicy, AdaptivePolicy, LruPolicy, ArcPolicy, S3FifoPolicy)}
+DEFAULT_POLICY = "follow"
 
 
 def make_policy(name: str = DEFAULT_POLICY) -> EvictionPolicy:

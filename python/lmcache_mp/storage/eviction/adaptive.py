@@ -142,6 +142,10 @@ class AdaptivePolicy(EvictionPolicy):
 
     def evicted(self, obj) -> None:
         self._base = max(self._base, obj.stamp)
+        self.dropped(obj)
+
+    def dropped(self, obj) -> None:
+        """(L stays: it is the priority of this policy's own last victim.)"""
         if obj.queue & LUCKY:
             cls = obj.queue & CLASS
             age = self.clock - obj.since

@@ -18,6 +18,8 @@ Calls, all with the store's lock held:
 - `park(obj)` / `unpark(obj)`: a candidate again, or held. Parking an object that is parked
   changes nothing for frequency policies; LRU counts it as recent (a lookup hit parks).
 - `evicted(obj)`: the store evicts obj for room (then removes it): it may be remembered (ghosts).
+- `dropped(obj)`: the same, but the victim was another policy's choice (follow.py): remembered as
+  evicted, without the policy reading it as its own choice.
 - `remove(obj)`: obj left the store (evicted, replaced, cleared).
 - `candidates()`: parked objects, the next victim first (may reorder the policy's queues as it
   goes, as S3-FIFO's eviction does); `order()`: the same order without changing anything, for
@@ -54,6 +56,9 @@ class EvictionPolicy:
 
     def evicted(self, obj) -> None:
         pass
+
+    def dropped(self, obj) -> None:
+        self.evicted(obj)
 
     def remove(self, obj) -> None:
         self.unpark(obj)
