@@ -36,7 +36,7 @@ import numpy as np
 CHUNK, BLOCK = 256, 16
 
 
-UNBOUNDED = ("import sys; import lmcache_mp.storage.l1_persist as p; p.MAX_LAG = 1 << 40; "
+UNBOUNDED = ("import sys; import lmcache_mp.storage.l1_persist as p; p.MAX_LAG_STORES = p.MAX_LAG_BYTES = 1 << 60; "
              "from lmcache_mp.server.cli import main; sys.argv[0] = 'lmcache-mp-server'; sys.exit(main())")
 
 

@@ -220,7 +220,7 @@ def journal_caught_up(client, timeout: float = 300) -> dict:
             break
         time.sleep(0.01)
     return {"lag_s": time.monotonic() - t0, "backlog": l1["journal_backlog"],
-            "summed_GiB": l1["summed_bytes"] / GiB,
+            "summed_GiB": l1["summed_bytes"] / GiB, "summed_by_stores": l1.get("summed_by_stores", 0),
             "sum_GBps": l1["summed_bytes"] / l1["sum_seconds"] / 1e9 if l1["sum_seconds"] else 0.0}
 
 
@@ -342,7 +342,8 @@ def main() -> int:
                 row["journal"] = journal_caught_up(client)
                 j = row["journal"]
                 print(f"  journal: every commit recorded {j['lag_s']:.2f} s after the run; checksums of "
-                      f"{j['summed_GiB']:.1f} GiB at {j['sum_GBps']:.1f} GB/s", flush=True)
+                      f"{j['summed_GiB']:.1f} GiB at {j['sum_GBps']:.1f} GB/s in the background, "
+                      f"{j['summed_by_stores']} chunks by their stores", flush=True)
             client.clear()  # the next run starts from an empty L1
 
         print()

@@ -1,7 +1,7 @@
-"""--l1-persist under load: the journal keeps up with the stores. At most MAX_LAG acknowledged
-chunks wait for their records at any moment (a store that finds the queue full sums its own
-bytes before it is answered), so a SIGKILL loses at most that many, however busy the host; and
-what comes back is byte-exact."""
+"""--l1-persist under load: the journal keeps up with the stores. The chunks of at most
+MAX_LAG_STORES answered stores (of at most MAX_LAG_BYTES) wait for their records at any moment (a
+store that finds no room sums its own bytes before it is answered), so a SIGKILL loses at most
+that many, however busy the host; and what comes back is byte-exact."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import traceback
 import numpy as np
 
 from lmcache_mp import Client, chunk_hashes
-from lmcache_mp.storage.l1_persist import MAX_LAG
+from lmcache_mp.storage.l1_persist import MAX_LAG_STORES
 from test_cli import ServerProcess
 from test_l1_persist import persist_path  # noqa: F401
 
@@ -76,8 +76,9 @@ def _store_without_pause(q, url: str, worker: int, acks, start, stop) -> None:
 def test_sigkill_under_load_loses_at_most_max_lag_acknowledged_stores(shm_files, tmp_path, persist_path):  # noqa: F811
     """Four client processes store 512 KiB chunks without pause into a server of its own
     process (2 cores: the server, the clients and whatever else runs here share them). The
-    journal's backlog never passes MAX_LAG; after a SIGKILL at ~600 answered stores, a restarted
-    server serves all but at most MAX_LAG of them, each byte-exact. (Unbounded, the summing
+    journal's backlog never passes MAX_LAG_STORES chunks (one per store here); after a SIGKILL at
+    ~600 answered stores, a restarted server serves all but at most MAX_LAG_STORES of them, each
+    byte-exact. (Unbounded, the summing
     thread fell hundreds of chunks behind here.)"""
     url = f"ipc://{tmp_path}/s.sock"
     args = ["--url", url, "--device", "cpu", "--chunk-size", str(CHUNK), "--l1-size", "1GiB", "--l1-persist",
@@ -113,7 +114,7 @@ def test_sigkill_under_load_loses_at_most_max_lag_acknowledged_stores(shm_files,
                 p.kill()
     answered = {worker: got for _, (worker, got) in results}
     assert sum(map(len, answered.values())) >= 600
-    assert max(backlog) <= MAX_LAG, max(backlog)
+    assert max(backlog) <= MAX_LAG_STORES, max(backlog)
 
     srv = ServerProcess(args)
     try:
@@ -139,42 +140,49 @@ def test_sigkill_under_load_loses_at_most_max_lag_acknowledged_stores(shm_files,
     finally:
         srv.proc.send_signal(signal.SIGTERM)
         srv.proc.wait(60)
-    assert missing <= MAX_LAG, f"{missing} of {sum(map(len, answered.values()))} answered stores lost"
+    assert missing <= MAX_LAG_STORES, f"{missing} of {sum(map(len, answered.values()))} answered stores lost"
 
 
-def test_stores_sum_their_own_chunks_while_the_summing_thread_is_stalled(persist_path, monkeypatch):  # noqa: F811
-    """The mechanism, without timing: the summing thread stalled, at most MAX_LAG committed
-    chunks wait in its queue and every later one is recorded before commit returns (a store is
-    answered after its commit), the first chunks of a request first; every record written
-    describes its chunk's bytes. Once the thread goes on, all are recorded; a request larger
-    than MAX_LAG that finds nothing waiting is queued whole."""
+def test_stores_sum_their_own_chunks_while_the_summing_threads_are_stalled(persist_path, monkeypatch):  # noqa: F811
+    """The mechanism, without timing: while the background sums are held, what waits for its
+    records stays within MAX_LAG_STORES stores and MAX_LAG_BYTES, and every other chunk is recorded
+    before commit returns (a store is answered after its commit), the first ones of a request
+    first; a store that finds nothing waiting is queued whole, however large. Every record
+    describes its chunk's bytes, and once the sums go on, every chunk is recorded."""
     from lmcache_mp.native import HostArena
     from lmcache_mp.storage import l1_persist
     from lmcache_mp.storage.l1 import L1Store, ObjectKey
     from lmcache_mp.storage.l1_journal import L1Journal, chunk_sum, replay
 
-    stalled = threading.Event()
-    real_loop = l1_persist.L1Persistence._sum_loop
+    size = 4096
+    held = threading.Event()  # set: the background's sums are held
+    real_sum = l1_persist.chunk_sum
 
-    def stalled_loop(self):
-        stalled.wait(60)
-        real_loop(self)
+    def gated_sum(data):
+        if threading.current_thread().name.startswith(("lmcache-l1-journal-sums", "lmcache-l1-sum")):
+            while held.is_set():
+                time.sleep(0.005)
+        return real_sum(data)
 
-    monkeypatch.setattr(l1_persist.L1Persistence, "_sum_loop", stalled_loop)
-    monkeypatch.setattr(l1_persist, "SUM_INLINE_BYTES", 16 << 10)  # 8 chunks a store sums: on its pool
-    slab, size = 1 << 20, 4096
+    monkeypatch.setattr(l1_persist, "chunk_sum", gated_sum)
+    monkeypatch.setattr(l1_persist, "MAX_LAG_STORES", 3)
+    monkeypatch.setattr(l1_persist, "MAX_LAG_BYTES", 40 * size)
+    monkeypatch.setattr(l1_persist, "SUM_INLINE_BYTES", 16 << 10)  # 10 chunks a store sums: on its pool
+    slab = 1 << 20
     journal = L1Journal(persist_path + ".journal", 8 * slab, slab)
     arena = HostArena(8 * slab, slab, False, -1, persist_path)
     l1 = L1Store(arena)
     l1.attach_journal(journal)
     l1.restore([])  # (writes the journal's header, as a server's start does)
     keys = iter(ObjectKey("m", 1, 0, i.to_bytes(16, "little"), b"") for i in range(10**6))
+    stored: list = []
 
     def store(n: int) -> list:
         plan = l1.begin_store([next(keys) for _ in range(n)], size, ("f",))
         for obj in plan.objects:
             np.frombuffer(arena.view(obj.offset, size), dtype=np.uint8)[:] = np.random.randint(0, 256, size)
         l1.commit(plan)
+        stored.extend(plan.objects)
         return plan.objects
 
     def recorded() -> set:
@@ -188,18 +196,34 @@ def test_stores_sum_their_own_chunks_while_the_summing_thread_is_stalled(persist
     def keys_of(objs) -> set:
         return {tuple(o.key) for o in objs}
 
+    def sums_go_on() -> set:
+        before = recorded()
+        held.clear()
+        assert l1.flush_journal(30) and l1.journal_backlog() == 0
+        assert recorded() == keys_of(stored)
+        held.set()
+        return before
+
+    held.set()
     try:
-        first = store(20)  # nothing waits: queued
-        second = store(20)  # room for 12: its first 8 are summed by its store, its last 12 queued
-        singles = [o for _ in range(30) for o in store(1)]  # the queue full: each summed by its store
-        assert l1.journal_backlog() == MAX_LAG and l1.counters["journal_backlog_max"] == MAX_LAG
-        assert recorded() == keys_of(second[:8] + singles)
-        assert l1.counters["summed_by_stores"] == 38
+        store(20)  # nothing waits: queued
+        store(1), store(1)  # 3 stores wait, 22 chunks
+        alone = store(1)  # no room for a 4th store: summed by its store
+        assert l1.journal_backlog() == 22 and l1.counters["summed_by_stores"] == 1
+        assert sums_go_on() == keys_of(alone)
+
+        before = set(keys_of(stored))
+        big = store(50)  # nothing waits: queued whole, more than MAX_LAG_BYTES
+        more = store(5)  # no bytes left: summed by its store
+        assert l1.counters["journal_backlog_max"] == 50 and l1.counters["summed_by_stores"] == 6
+        assert sums_go_on() == before | keys_of(more) and not keys_of(big) & before
+
+        before = set(keys_of(stored))
+        store(30)
+        part = store(20)  # room for 10 more: its first 10 are summed by its store, its last 10 wait
+        assert l1.journal_backlog() == 40 and l1.counters["summed_by_stores"] == 16
+        assert sums_go_on() == before | keys_of(part[:10])
     finally:
-        stalled.set()
-    assert l1.flush_journal(30) and l1.journal_backlog() == 0
-    assert recorded() == keys_of(first + second + singles)
-    big = store(MAX_LAG + 8)  # nothing waits: queued whole, summed in the background
-    assert l1.counters["summed_by_stores"] == 38 and l1.counters["journal_backlog_max"] == MAX_LAG + 8
+        held.clear()
     l1.close_journal()
-    assert recorded() == keys_of(first + second + singles + big)
+    assert recorded() == keys_of(stored)

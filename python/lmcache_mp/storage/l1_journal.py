@@ -18,7 +18,7 @@ itself may be damaged. Either way the bytes no longer match the checksum and the
 dropped. Records are written (one `write` per L1 operation, to a file in memory: it survives the
 process, SIGKILL included, as the arena does); a free record before L1 hands a freed slot to
 anyone else, so an undamaged journal is also exact. Chunks being written or not yet summed at
-a crash have no commit record and are dropped (at most l1_persist.MAX_LAG acknowledged ones);
+a crash have no commit record and are dropped (l1_persist.py bounds how many answered ones);
 the replay stops at the first torn or damaged record. Only one server may use a PATH at a time
 (an exclusive lock on the journal). A journal grown to several times what it describes is
 rewritten (to a temporary file, then renamed) from the live chunks, in the background: L1 holds

@@ -8,11 +8,11 @@ that let go of the GIL) without the lock, then writes their records with it. An 
 moved while it was summed is not recorded from that sum (a moved one is queued again at its new
 slot), so a sum never describes bytes that were not the chunk's.
 
-The queue is bounded: while others wait, at most MAX_LAG committed objects wait for their
-records (a request that finds none waiting is queued whole, however large). A store whose objects
-do not fit sums them itself before it is answered (the first ones of the request, its prefix: the
-rest is worth nothing without them), so a crash loses the records of at most MAX_LAG acknowledged
-chunks (or of one larger request), however busy the host. Unbounded, the queue fell seconds
+The queue is bounded: the objects of at most MAX_LAG_STORES stores, of at most MAX_LAG_BYTES,
+wait for their records (a store that finds none waiting is queued whole, however large). A store
+whose objects do not fit sums them itself before it is answered (the first ones of the request,
+its prefix: the rest is worth nothing without them), so a crash loses the chunks of at most
+MAX_LAG_STORES answered stores, however busy the host. Unbounded, the queue fell seconds
 behind on a busy host: the stores (copies at normal priority, on every core) outran the summing
 thread (low priority, fewer cores), and nothing made them wait. The bound makes the stores wait
 instead, by what summing their own bytes costs (measured in docs/OPERATIONS.md). A clean stop
@@ -40,7 +40,11 @@ logger = logging.getLogger(__name__)
 SUM_BATCH_BYTES = 256 << 20  # bytes summed between two takes of the lock
 SUM_INLINE_BYTES = 8 << 20  # a batch this small is summed on the summing thread alone
 SUM_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))  # while serving: a few cores at most
-MAX_LAG = 32  # committed objects whose records may wait for the summing thread (the most a crash loses)
+SUM_STORE_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))  # for a store that sums its own chunks
+# Answered stores whose records may wait for the summing thread, and their bytes (what a crash can
+# lose at most; a store that finds none waiting is queued whole, however large)
+MAX_LAG_STORES = 32
+MAX_LAG_BYTES = 4 << 30
 JOURNAL_RECORD_ESTIMATE = 170  # bytes of one chunk's journal record (a rewrite compares with this)
 
 
@@ -50,6 +54,15 @@ def _background() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except OSError:  # not allowed here: the thread runs at the process's priority
         pass
+
+
+class _Waiting:
+    """The objects of one store that wait for their records."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, left: int):
+        self.left = left
 
 
 class L1Persistence:
@@ -65,15 +78,17 @@ class L1Persistence:
         self._sums_done = threading.Condition(self._lock)  # flush_journal waits for records
         self._summing = 0  # objects taken by the summing thread and not yet recorded
         self._reserved = 0  # room in the queue taken by stores about to commit (_sum_ahead)
+        self._lag_stores = 0  # stores with objects queued, taken or reserved
+        self._lag_bytes = 0  # the bytes of those objects
         self._sums_stop = False
         # summed_by_stores: objects a store summed itself (the queue was full); journal_backlog_max:
-        # the most committed objects that waited for their records at once (at most MAX_LAG)
+        # the most committed objects that waited for their records at once
         for name in ("summed_bytes", "summed_by_stores", "journal_backlog_max"):
             self.counters.setdefault(name, 0)
         self.counters.setdefault("sum_seconds", 0.0)
         self._sum_pool = ThreadPoolExecutor(SUM_THREADS, thread_name_prefix="lmcache-l1-sum", initializer=_background)
         # a store waiting for its own sums must not wait behind low-priority threads
-        self._store_pool = ThreadPoolExecutor(SUM_THREADS, thread_name_prefix="lmcache-l1-store-sum")
+        self._store_pool = ThreadPoolExecutor(SUM_STORE_THREADS, thread_name_prefix="lmcache-l1-store-sum")
         self._sum_thread = threading.Thread(target=self._sum_loop, name="lmcache-l1-journal-sums", daemon=True)
         self._sum_thread.start()
 
@@ -83,24 +98,37 @@ class L1Persistence:
     def _sum_ahead(self, objs) -> None:
         """(before objs are committed: nothing moves or frees them meanwhile) Reserve room in the
         queue for the last ones of this request, and sum the others here, without the lock, so
-        that the store is answered only once their records are written. The room: while others
-        wait, up to MAX_LAG waiting objects in all; when none waits, the whole request (one large
-        request is not summed on the store path while the summing thread keeps up)."""
+        that the store is answered only once their records are written. The room: none while
+        MAX_LAG_STORES stores wait; else up to MAX_LAG_BYTES waiting in all; when none waits, the
+        whole request (one large request is not summed on the store path while the summing
+        thread keeps up)."""
+        if not objs:
+            return
+        nbytes = self._class_bytes[objs[0].size_class]  # (one object size per store)
         with self._lock:
-            waiting = self.journal_backlog()
-            room = len(objs) if waiting == 0 or self._sums_stop else max(0, min(len(objs), MAX_LAG - waiting))
-            self._reserved += room  # (once the journal closed nothing is recorded: no sums)
+            if self._lag_stores == 0 or self._sums_stop:  # (once the journal closed nothing is recorded)
+                room = len(objs)
+            elif self._lag_stores >= MAX_LAG_STORES:
+                room = 0
+            else:
+                room = min(len(objs), max(0, MAX_LAG_BYTES - self._lag_bytes) // nbytes)
+            if room:
+                self._reserved += room
+                self._lag_stores += 1
+                self._lag_bytes += room * nbytes
         mine = objs[:len(objs) - room]
         try:
-            if len(mine) > 1 and len(mine) * self._class_bytes[mine[0].size_class] > SUM_INLINE_BYTES:
-                sums = list(self._store_pool.map(self._object_sum, mine))  # a large request: as fast as the thread's
+            if len(mine) > 1 and len(mine) * nbytes > SUM_INLINE_BYTES:
+                sums = list(self._store_pool.map(self._object_sum, mine))  # a large request: on several cores
             else:
                 sums = [self._object_sum(obj) for obj in mine]
             for obj, value in zip(mine, sums):
                 obj.checksum = value
         except BaseException:
             with self._lock:
-                self._reserved -= room
+                if room:
+                    self._reserved -= room
+                    self._settled(_Waiting(1), room * nbytes)
             raise
 
     def _journal_commits(self, objs) -> None:
@@ -112,9 +140,17 @@ class L1Persistence:
         self.journal.write([self._commit_record(obj) for obj in records])
         if queued:
             self._reserved -= len(queued)
-            self._unsummed.extend(queued)
+            waiting = _Waiting(len(queued))
+            self._unsummed.extend((obj, waiting) for obj in queued)
             self.counters["journal_backlog_max"] = max(self.counters["journal_backlog_max"], self.journal_backlog())
             self._sums_wanted.notify()
+
+    def _settled(self, waiting: _Waiting, nbytes: int) -> None:
+        """(lock held) An object of this store waits no more: recorded, or gone."""
+        self._lag_bytes -= nbytes
+        waiting.left -= 1
+        if waiting.left == 0:
+            self._lag_stores -= 1
 
     def _commit_record(self, obj) -> bytes:
         return commit_record(obj.offset, self._class_bytes[obj.size_class], obj.key, obj.format_key, obj.checksum)
@@ -129,11 +165,13 @@ class L1Persistence:
                     return
                 todo, size = [], 0
                 while self._unsummed and size < SUM_BATCH_BYTES:
-                    obj = self._unsummed.popleft()
+                    obj, waiting = self._unsummed.popleft()
+                    nbytes = self._class_bytes[obj.size_class]
                     if obj.committed and self._at.get(obj.offset) is obj and obj.checksum is None:
-                        nbytes = self._class_bytes[obj.size_class]
-                        todo.append((obj, obj.offset, nbytes))
+                        todo.append((obj, obj.offset, nbytes, waiting))
                         size += nbytes
+                    else:
+                        self._settled(waiting, nbytes)  # freed meanwhile: nothing to record
                 self._summing = len(todo)
             t0 = time.perf_counter()
             try:
@@ -147,12 +185,13 @@ class L1Persistence:
                 self.counters["summed_bytes"] += size
                 self.counters["sum_seconds"] += took
                 records = []
-                for (obj, offset, _), value in zip(todo, sums):
+                for (obj, offset, nbytes, waiting), value in zip(todo, sums):
+                    if obj.offset != offset and value is not None and self._at.get(obj.offset) is obj:
+                        self._unsummed.append((obj, waiting))  # moved meanwhile: sum its new slot
+                        continue
+                    self._settled(waiting, nbytes)
                     if value is None or self._at.get(obj.offset) is not obj:
                         continue  # freed meanwhile: nothing to record
-                    if obj.offset != offset:
-                        self._unsummed.append(obj)  # moved meanwhile: sum its new slot
-                        continue
                     obj.checksum = value
                     records.append(self._commit_record(obj))
                 self.journal.write(records)
