@@ -42,8 +42,9 @@ UNBOUNDED = ("import sys; import lmcache_mp.storage.l1_persist as p; p.MAX_LAG_S
 
 def server(url: str, args, persist: str | None, unbounded: bool = False) -> subprocess.Popen:
     """unbounded: the journal's queue without its bound (as before it had one), for comparison."""
-    cmd = [sys.executable] + (["-c", UNBOUNDED] if unbounded else ["-m", "lmcache_mp.server.cli"]) + ["--url", url, "--device", "cpu", "--chunk-size",
-           str(CHUNK), "--l1-size", args.l1_size, "--http-addr", "off", "--eviction-policy", args.policy]
+    cmd = [sys.executable] + (["-c", UNBOUNDED] if unbounded else ["-m", "lmcache_mp.server.cli"])
+    cmd += ["--url", url, "--device", "cpu", "--chunk-size", str(CHUNK), "--l1-size", args.l1_size, "--http-addr",
+            "off", "--eviction-policy", args.policy]
     if persist:
         cmd += ["--l1-persist", persist]
     log = tempfile.NamedTemporaryFile("w+", prefix="lmcache-mp-bench-", suffix=".log", delete=False)
