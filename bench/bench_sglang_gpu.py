@@ -359,15 +359,20 @@ def main() -> int:
         server = Server(device, l1_bytes, args.transfer_mode, Path(tmp) / "server.log")
         try:
             admin = server.client
-            made = {}
+            made, errors = {}, {}
             for arm in arms:  # one client per arm, as one SGLang worker would have
-                c = Client(server.url, timeout=120)
-                if arm == "hicache":
-                    made[arm] = HiCacheArm(c, pool, 2 * most)
-                else:
-                    made[arm] = LinkerArm(c, pool, "engine" if arm == "linker-engine" else "server",
-                                          groups=args.layer_groups if arm == "linker-groups" else 1,
-                                          in_flight=args.in_flight)
+                try:
+                    c = Client(server.url, timeout=120)
+                    if arm == "hicache":
+                        made[arm] = HiCacheArm(c, pool, 2 * most)
+                    else:
+                        made[arm] = LinkerArm(c, pool, "engine" if arm == "linker-engine" else "server",
+                                              groups=args.layer_groups if arm == "linker-groups" else 1,
+                                              in_flight=args.in_flight)
+                except Exception as e:  # noqa: BLE001 - one arm's failure is reported; the others still run
+                    errors[arm] = f"{type(e).__name__}: {e}"
+                    print(f"!! {arm}: {errors[arm]}", flush=True)
+            modes = {r["model"]: r["transfer_mode"] for r in admin.status()["registrations"]}
             for r in range(repeat + 1):  # interleaved rounds; the first warms up (L1 slots, mappings)
                 admin.clear()
                 for n in counts:
@@ -375,18 +380,23 @@ def main() -> int:
                     src, dst = src_pages[:n], dst_pages[:n]
                     src_slots, dst_slots = slots_of(src, ps, device), slots_of(dst, ps, device)
                     rec = {"memcpy_d2h": mc.run(True, nbytes), "memcpy_h2d": mc.run(False, nbytes)}
-                    for arm in arms:
+                    for arm in [a for a in arms if a not in errors]:
                         a = made[arm]
                         keys = [f"{arm}-{r}-{n}-{i}" for i in range(n)]
                         for b in pool.buffers():  # every load must write its slots
                             b[dst_slots] = 0
-                        if arm == "hicache":
-                            host_src, host_dst = list(range(n)), list(range(most, most + n))
-                            rec[arm + "_offload"] = a.offload(keys, src, host_src)
-                            rec[arm + "_load"] = a.load(keys, dst, host_dst)
-                        else:
-                            rec[arm + "_offload"] = a.offload(keys, src_slots)
-                            rec[arm + "_load"], rec[arm + "_first"] = a.load(keys, dst_slots)
+                        try:
+                            if arm == "hicache":
+                                host_src, host_dst = list(range(n)), list(range(most, most + n))
+                                rec[arm + "_offload"] = a.offload(keys, src, host_src)
+                                rec[arm + "_load"] = a.load(keys, dst, host_dst)
+                            else:
+                                rec[arm + "_offload"] = a.offload(keys, src_slots)
+                                rec[arm + "_load"], rec[arm + "_first"] = a.load(keys, dst_slots)
+                        except Exception as e:  # noqa: BLE001
+                            errors[arm] = f"{type(e).__name__}: {e}"
+                            print(f"!! {arm}: {errors[arm]}", flush=True)
+                            continue
                         if device == "cuda":
                             torch.cuda.synchronize()
                         if not all(torch.equal(x, y) for x, y in zip(pool.pages(dst_slots), pool.pages(src_slots))):
@@ -409,7 +419,7 @@ def main() -> int:
         print(f"{n:5d} {nbytes / 2**20:7.1f}  {'memcpy d2h / h2d':22s}{row['memcpy_d2h_gbs']:8.2f}"
               f"{1e3 * med['memcpy_d2h']:9.2f}{1.0:10.2f}   h2d {row['memcpy_h2d_gbs']:.2f} GB/s "
               f"{1e3 * med['memcpy_h2d']:.2f} ms")
-        for arm in arms:
+        for arm in [a for a in arms if a not in errors]:
             for op, ceil in (("offload", "memcpy_d2h"), ("load", "memcpy_h2d")):
                 s = med[f"{arm}_{op}"]
                 row[f"{arm}_{op}_ms"] = 1e3 * s
@@ -420,12 +430,16 @@ def main() -> int:
                 row[f"{arm}_first_layers_ms"] = 1e3 * med[f"{arm}_first"]
                 print(f"{'':14s}{arm + ' first layers':22s}{'':8s}{1e3 * med[arm + '_first']:9.2f}")
         results.append(row)
+    print("server transfer modes:", modes)
+    for arm, err in errors.items():
+        print(f"!! arm {arm} not measured: {err}")
     print("bit-exact:", "ALL PASS" if not failures else f"FAILED {failures}")
     out = {"benchmark": "bench_sglang_gpu", "env": env, "args": vars(args), "repeat": repeat,
-           "page_bytes": page_bytes, "runs_per_page": len(pool.buffers()), "results": results, "failures": failures}
+           "page_bytes": page_bytes, "runs_per_page": len(pool.buffers()), "transfer_modes": modes,
+           "results": results, "failures": failures, "errors": errors}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-    return 1 if failures else 0
+    return 1 if failures or errors else 0
 
 
 if __name__ == "__main__":
