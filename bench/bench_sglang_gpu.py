@@ -372,7 +372,7 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 - one arm's failure is reported; the others still run
                     errors[arm] = f"{type(e).__name__}: {e}"
                     print(f"!! {arm}: {errors[arm]}", flush=True)
-            modes = {r["model"]: r["transfer_mode"] for r in admin.status()["registrations"]}
+            modes = [f"{r['model']}: {r['transfer_mode']}" for r in admin.status()["registrations"]]
             for r in range(repeat + 1):  # interleaved rounds; the first warms up (L1 slots, mappings)
                 admin.clear()
                 for n in counts:
