@@ -13,10 +13,8 @@ serves, per eviction policy, next to Belady's offline optimum measured in the sa
            same policy and of Belady beside them
 
 A trace is JSON lines with `hash_ids` (prefix-chained ids of a prompt's 512-token blocks) and
-`input_length` (its tokens), as bench/traces/README.md describes; or `--synthetic docs` (12,000
-requests for 3,000 documents of 4-40 blocks drawn with a Zipf skew of 1, each with a question
-of its own) or `--synthetic agent` (about 60 sessions at a time, each turn adding 1-3 blocks to
-its session's prompt, sessions ending at random), generated with a fixed seed.
+`input_length` (its tokens), as bench/traces/README.md describes; or `--synthetic KIND`, generated
+with a fixed seed (SYNTHETIC below says what each models: docs, agent, chat, sessions, scan).
 
     python bench/bench_trace.py [--trace FILE] [--sizes 1000,2000,4000,8000,16000] [--mode sim|server|both]
         [--policies adaptive,lru,arc,s3fifo] [--server-policies adaptive] [--requests N] [--disk-blocks N|NX]
@@ -27,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import heapq
 import itertools
 import json
 import lzma
@@ -65,19 +64,37 @@ def load(path: str, limit: int = 0) -> list[dict]:
     return out
 
 
+SYNTHETIC = {
+    "docs": "popular documents (Zipf skew 1 over 3,000 of 4-40 blocks), each request with a question of its own",
+    "agent": "about 60 sessions at a time, each turn adding 1-3 blocks to its session's prompt, quick turns",
+    "chat": "a conversation service: 40 system prompts (Zipf), users' multi-turn chats whose next turn comes "
+            "hundreds of requests later, a third of them one turn only (reuse rare and late)",
+    "sessions": "agentic sessions: long contexts (10-250 blocks) growing 1-6 blocks a turn, 150 or more live, "
+                "turns after an exponential think time, sub-agents forking a parent's context",
+    "scan": "a hot set of 400 prompts of 4-16 blocks (Zipf) under a flood of one-off documents of 20-120 blocks "
+            "(a third of the requests): recency alone keeps the flood",
+}
+
+
 def synthetic(kind: str, requests: int = 12000, seed: int = 1) -> list[dict]:
+    """A generated trace (SYNTHETIC says what each models), with a fixed seed."""
     rng = random.Random(seed)
     out: list[list[int]] = []
+    fresh = itertools.count(1)
+
+    def zipf(n: int, s: float = 1.0):
+        weights = list(itertools.accumulate(1 / (i + 1) ** s for i in range(n)))
+        return lambda: bisect.bisect(weights, rng.random() * weights[-1])
+
     if kind == "docs":
         docs = 3000
         lengths = [rng.randint(4, 40) for _ in range(docs)]
-        weights = list(itertools.accumulate(1 / (i + 1) for i in range(docs)))
+        pick = zipf(docs)
         for n in range(requests):
-            d = bisect.bisect(weights, rng.random() * weights[-1])
+            d = pick()
             out.append([0, *(1 + d * 1000 + i for i in range(lengths[d])), 10**7 + n])
     elif kind == "agent":
         sessions: list[list[int]] = []
-        fresh = itertools.count(1)
         while len(out) < requests:
             if len(sessions) < 60 or rng.random() < 0.05:
                 sessions.append([0, *(next(fresh) for _ in range(rng.randint(2, 10)))])
@@ -86,9 +103,45 @@ def synthetic(kind: str, requests: int = 12000, seed: int = 1) -> list[dict]:
             out.append(list(sessions[i]))
             if len(sessions[i]) > 80 or rng.random() < 0.02:
                 sessions.pop(i)
+    elif kind == "chat":
+        prompts = [[next(fresh) for _ in range(rng.randint(2, 8))] for _ in range(40)]
+        pick = zipf(len(prompts))
+        due: list[tuple[float, int, list[int], int]] = []  # (when, tie, prompt so far, turns left)
+        for n in range(requests):
+            if due and due[0][0] <= n and rng.random() < 0.6:
+                _, _, prompt, left = heapq.heappop(due)
+            else:
+                prompt, left = list(prompts[pick()]), (0 if rng.random() < 0.33 else rng.randint(1, 8))
+            prompt = prompt + [next(fresh) for _ in range(rng.randint(2, 12))]  # the answer and a question
+            out.append(prompt)
+            if left:
+                heapq.heappush(due, (n + rng.expovariate(1 / 400), n, prompt, left - 1))
+    elif kind == "sessions":
+        live: list[tuple[float, int, list[int]]] = []  # (next turn, tie, context)
+        clock = 0.0
+        while len(out) < requests:
+            clock += rng.expovariate(1.0)
+            if len(live) < 150 or rng.random() < 0.02:
+                heapq.heappush(live, (clock, next(fresh), [next(fresh) for _ in range(rng.randint(10, 120))]))
+            when, tie, ctx = heapq.heappop(live)
+            clock = max(clock, when)
+            ctx = ctx + [next(fresh) for _ in range(rng.randint(1, 6))]
+            out.append(ctx)
+            if rng.random() < 0.03:  # a sub-agent: the parent's context and a task of its own
+                heapq.heappush(live, (clock + rng.expovariate(1 / 20), next(fresh), ctx + [next(fresh)]))
+            if len(ctx) < 250 and rng.random() > 0.01:
+                heapq.heappush(live, (clock + rng.expovariate(1 / 150), tie, ctx))
+    elif kind == "scan":
+        hot = [[next(fresh) for _ in range(rng.randint(4, 16))] for _ in range(400)]
+        pick = zipf(len(hot), 0.8)
+        for _ in range(requests):
+            if rng.random() < 0.33:
+                out.append([next(fresh) for _ in range(rng.randint(20, 120))])
+            else:
+                out.append(hot[pick()] + [next(fresh)])
     else:
-        raise ValueError(f"no synthetic trace {kind!r}: docs or agent")
-    return [{"blocks": b, "tokens": BLOCK_TOKENS * len(b)} for b in out]
+        raise ValueError(f"no synthetic trace {kind!r}: one of {', '.join(SYNTHETIC)}")
+    return [{"blocks": b, "tokens": BLOCK_TOKENS * len(b)} for b in out[:requests]]
 
 
 def block_tokens(req: dict) -> list[int]:
@@ -267,7 +320,8 @@ def print_server(rows: list[dict], sim: list[dict], requests: list[list[int]]) -
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=DEFAULT_TRACE)
-    ap.add_argument("--synthetic", choices=("docs", "agent"), help="a generated trace instead of --trace")
+    ap.add_argument("--synthetic", choices=tuple(SYNTHETIC), help="a generated trace instead of --trace: "
+                    + "; ".join(f"{k}: {v}" for k, v in SYNTHETIC.items()))
     ap.add_argument("--requests", type=int, default=0, help="the first N requests only (0: all)")
     ap.add_argument("--sizes", default="1000,2000,4000,8000,16000", help="cache sizes, in blocks")
     ap.add_argument("--mode", choices=("sim", "server", "both"), default="sim")
