@@ -1,5 +1,5 @@
-"""The default policy: frequency with ageing, whole prompts, and an admission share learned from
-the traffic.
+"""The adaptive policy (the default's first candidate, follow.py): frequency with ageing, whole
+prompts, and an admission share learned from the traffic.
 
 Measured on a production service's conversation trace (docs/eviction.md), a prefix cache differs
 from a generic cache in three ways this policy uses:
