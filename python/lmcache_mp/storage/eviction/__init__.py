@@ -11,7 +11,7 @@ from lmcache_mp.storage.eviction.lru import LruPolicy
 from lmcache_mp.storage.eviction.s3fifo import S3FifoPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (FollowPolicy, AdaptivePolicy, LruPolicy, ArcPolicy, S3FifoPolicy)}
-DEFAULT_POLICY = "follow"
+DEFAULT_POLICY = "adaptive"
 
 
 def make_policy(name: str = DEFAULT_POLICY) -> EvictionPolicy:
