@@ -24,7 +24,7 @@ import time
 
 from lmcache_mp.native import HostArena
 from lmcache_mp.server.cli import tune_process
-from lmcache_mp.server.gc_pauses import made_long_lived
+from lmcache_mp.server.ops.gc_pauses import made_long_lived
 from lmcache_mp.storage.l1 import L1Store, ObjectKey
 from lmcache_mp.storage.l1_journal import L1Journal
 

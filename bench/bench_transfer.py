@@ -42,7 +42,7 @@ import torch
 from lmcache_mp import _C
 from lmcache_mp.layout import infer_layout, pack_layers
 from lmcache_mp.native import HostArena, build_info
-from lmcache_mp.server.policy import choose_transfer_mode
+from lmcache_mp.server.copies.transfer_mode import choose_transfer_mode
 
 LAYOUTS = {
     "llama3-8b-bs16": dict(kind="mha", layers=32, heads=8, head_size=128, block_size=16),

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_mp.server.audit import AuditLog, NullAuditLog, open_audit_log
+from lmcache_mp.server.tenancy.audit import AuditLog, NullAuditLog, open_audit_log
 
 
 class FakeClock:
@@ -131,7 +131,7 @@ def test_write_error_never_raises_and_warns_once_a_minute(tmp_path: Path,
     log = AuditLog(str(path), clock=clock)
     real, failing = log._file, FailingFile()
     log._file = failing
-    with caplog.at_level(logging.WARNING, logger="lmcache_mp.server.audit"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_mp.server.tenancy.audit"):
         log.write("registration", tenant="a")
         log.breach("a", "bytes")
         clock.t += 30

@@ -123,7 +123,7 @@ def test_serves_a_client_and_exits_cleanly_on_sigterm(sock_path, shm_files):
 
 
 def test_the_start_up_lines_say_the_device_chosen_and_why_the_slabs_are_smaller(sock_path):
-    from lmcache_mp.server.devices import resolve_device
+    from lmcache_mp.server.copies.devices import resolve_device
 
     srv = ServerProcess(["--url", f"ipc://{sock_path}", "--l1-size", "1GiB", "--slab-size", "3GiB", "--http-addr",
                          "off"])  # --device auto, the default

@@ -285,7 +285,7 @@ def test_a_server_with_the_disk_codec_serves_evicted_chunks_decoded_and_a_restar
     assert codec["name"] == "fp8" and codec["raw_bytes_read"] >= 16 * 4096
     # rows of 16 fp16 values: a group a row, two bytes of scale per 16 bytes of codes
     assert codec["stored_bytes_written"] * 16 == codec["raw_bytes_written"] * 9
-    from lmcache_mp.server.metrics import StatusCollector
+    from lmcache_mp.server.ops.metrics import StatusCollector
 
     metrics = {(smp.name, smp.labels.get("tier")): smp.value
                for fam in StatusCollector(srv.engine).collect() for smp in fam.samples}

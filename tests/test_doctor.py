@@ -137,7 +137,7 @@ def test_a_group_the_servers_user_is_not_in_is_refused_before_anything_is_made(t
     import os
 
     from lmcache_mp import ServerConfig
-    from lmcache_mp.server.resources import check_ipc_group
+    from lmcache_mp.server.ops.resources import check_ipc_group
 
     mine = set(os.getgroups()) | {os.getegid()}
     other = next((g for g in grp.getgrall() if g.gr_gid not in mine), None)
@@ -157,7 +157,7 @@ def test_a_machine_without_gpus_is_no_warning_for_device_auto(monkeypatch, cuda_
     cuda there is a FAIL."""
     import io
 
-    from lmcache_mp.server import doctor as d
+    from lmcache_mp.server.ops import doctor as d
 
     monkeypatch.setattr(d, "_gpus", lambda: [])
     for device, status in (("auto", "OK"), ("cpu", "OK"), ("cuda", "FAIL" if cuda_build else None)):

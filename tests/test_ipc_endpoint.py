@@ -61,7 +61,7 @@ def test_a_live_lane_alone_is_refused_too(sock_path):
 def test_stale_socket_files_are_taken_over_and_said_so(sock_path, caplog):
     stale_socket_file(sock_path, socket.SOCK_STREAM)
     stale_socket_file(Path(f"{sock_path}.lane"), socket.SOCK_SEQPACKET)
-    with caplog.at_level(logging.WARNING, logger="lmcache_mp.server.socket_files"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_mp.server.transport.socket_files"):
         with Server(config(sock_path)) as server, Client(server.url) as client:
             assert client.ping() > 0 and client._io.has_lane
     taken = [r.getMessage() for r in caplog.records if "taking the socket file over" in r.getMessage()]

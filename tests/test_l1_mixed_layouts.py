@@ -14,7 +14,7 @@ import pytest
 import lmcache_mp
 from lmcache_mp.loadgen import cli as loadgen
 from lmcache_mp.loadgen.worker import WARM_UP
-from lmcache_mp.server.metrics import StatusCollector
+from lmcache_mp.server.ops.metrics import StatusCollector
 
 LLAMA, MLA8 = 32 << 20, 8 * 256 * 576 * 2  # object bytes at the default 256-token chunk
 

@@ -81,7 +81,7 @@ def test_evicted_chunks_come_back_from_disk_byte_exact(shm_files, servers, clien
     l2 = srv.engine.status()["l2"]
     assert l2["loaded"] >= 16 and l2["tiers"][0]["hits"] >= 16 and l2["write_errors"] == 0
     assert l2["tiers"][0]["objects"] >= 16 and l2["tiers"][0]["write_seconds"] > 0  # (GB/s: 0.0 on a slow disk)
-    from lmcache_mp.server.metrics import StatusCollector
+    from lmcache_mp.server.ops.metrics import StatusCollector
 
     metrics = {(smp.name, smp.labels.get("tier")): smp.value
                for fam in StatusCollector(srv.engine).collect() for smp in fam.samples}
@@ -354,7 +354,7 @@ def test_a_burst_keeps_whole_prompts_on_disk_and_says_what_it_dropped(shm_files,
     assert st["dropped_writes"] > 0 and st["written"] + st["dropped_writes"] <= 96 * 4
     warnings = [r.getMessage() for r in caplog.records if "chunk writes dropped" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith("L2 disk: "), warnings  # once a minute at most
-    from lmcache_mp.server.metrics import StatusCollector
+    from lmcache_mp.server.ops.metrics import StatusCollector
 
     metrics = {(smp.name, smp.labels.get("tier")): smp.value
                for fam in StatusCollector(srv.engine).collect() for smp in fam.samples}

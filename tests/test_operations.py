@@ -258,9 +258,9 @@ def test_per_client_limits_on_registrations_and_queued_requests(shm_files, serve
 def test_a_registration_refuses_requests_beyond_its_queue_limit():
     import threading
 
-    from lmcache_mp.server.registrations import Entry
+    from lmcache_mp.server.registry.registrations import Entry
     from lmcache_mp.server.validation import RequestFailure
-    from lmcache_mp.server.workers import SerialWorker
+    from lmcache_mp.server.copies.workers import SerialWorker
 
     entry = Entry(None, SerialWorker("test-entry"))
     gate, ran = threading.Event(), []
@@ -277,7 +277,7 @@ def test_a_registration_refuses_requests_beyond_its_queue_limit():
 
 
 def test_settling_freezes_only_when_the_process_is_only_a_server():
-    from lmcache_mp.server.gc_pauses import settle, settle_after_setup
+    from lmcache_mp.server.ops.gc_pauses import settle, settle_after_setup
 
     frozen = gc.get_freeze_count()
     try:
@@ -297,7 +297,7 @@ def test_listing_the_latest_collections_survives_a_collection_it_starts_itself()
     """The listing allocates (a dict per collection), so a young collection can start in the middle
     of it and append to what it lists: a status request once failed with 'deque mutated during
     iteration'."""
-    from lmcache_mp.server.gc_pauses import GCPauses
+    from lmcache_mp.server.ops.gc_pauses import GCPauses
 
     pauses = GCPauses(keep=64)
     thresholds = gc.get_threshold()
@@ -318,7 +318,7 @@ def test_a_full_l1_settles_its_new_chunk_objects_so_young_collections_stay_small
     import os
 
     from lmcache_mp.native import HostArena
-    from lmcache_mp.server import gc_pauses
+    from lmcache_mp.server.ops import gc_pauses
     from lmcache_mp.storage.l1 import L1Store, ObjectKey
 
     def young_after_churn(settling: bool) -> int:
@@ -354,7 +354,7 @@ def test_a_full_l1_settles_its_new_chunk_objects_so_young_collections_stay_small
 
 def test_an_l1_larger_than_the_machine_is_refused_with_its_memory():
     from lmcache_mp import Server
-    from lmcache_mp.server.resources import meminfo
+    from lmcache_mp.server.ops.resources import meminfo
 
     total = meminfo()["MemTotal"]
     with pytest.raises(ValueError, match=r"l1_size .* is more than this machine's memory allows: this machine has .* GiB"):
@@ -390,9 +390,9 @@ def test_a_curve_key_of_no_tenant_is_told_at_once_not_after_the_connect_timeout(
 def test_refused_curve_clients_are_logged_at_most_once_a_minute_each_kind(servers, keys, caplog):  # noqa: F811
     import logging
 
-    from lmcache_mp.server.curve import fingerprint
+    from lmcache_mp.server.transport.curve import fingerprint
 
-    caplog.set_level(logging.WARNING, logger="lmcache_mp.server.curve")
+    caplog.set_level(logging.WARNING, logger="lmcache_mp.server.transport.curve")
     srv = servers(curve_secret_key=keys["server_secret"], curve_clients=keys["clients"])
     for _ in range(2):  # a key pair not let in, twice: one line
         with pytest.raises(ServerUnavailable):

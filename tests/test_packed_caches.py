@@ -226,7 +226,7 @@ def test_a_packed_cache_describes_itself():
 
 def test_auto_takes_the_copy_engines_for_copies_of_768_kib_or_more():
     from lmcache_mp.layout import infer_layout, pack_layers
-    from lmcache_mp.server.policy import DMA_MIN_SEGMENT, choose_transfer_mode
+    from lmcache_mp.server.copies.transfer_mode import DMA_MIN_SEGMENT, choose_transfer_mode
 
     page = 16 * 8 * 256 * 2  # a Llama-3-8B layer's block of 16 tokens: 64 KiB
     per_layer = infer_layout((100, 8, 16, 256), (32 * 16 * 8 * 256, 256, 8 * 256, 1), 2, "bfloat16", 32, "opaque",

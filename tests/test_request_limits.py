@@ -216,7 +216,7 @@ def server_process_settings():
     import sys
 
     from lmcache_mp.server.cli import tune_process
-    from lmcache_mp.server.gc_pauses import settle_after_setup
+    from lmcache_mp.server.ops.gc_pauses import settle_after_setup
 
     interval, thresholds = sys.getswitchinterval(), gc.get_threshold()
     tune_process()

@@ -262,7 +262,7 @@ def test_without_a_reachable_lane_the_client_uses_zeromq(shm_files):
 
 def test_a_refused_lane_leaves_the_client_on_zeromq_without_reconnecting(shm_files, monkeypatch):
     from lmcache_mp import Server, ServerConfig
-    from lmcache_mp.server import lane
+    from lmcache_mp.server.transport import lane
 
     monkeypatch.setattr(lane, "MAX_CONNECTIONS", 0)  # every lane connection is closed at once
     connects = []
@@ -286,7 +286,8 @@ def test_a_refused_lane_leaves_the_client_on_zeromq_without_reconnecting(shm_fil
 
 def test_an_idle_server_keeps_its_housekeeping_tick_and_sleeps(monkeypatch):
     from lmcache_mp import Server, ServerConfig
-    from lmcache_mp.server import engine, transport
+    from lmcache_mp.server import engine
+    from lmcache_mp.server.transport import router as transport
 
     ticks, polls = [], []
     tick, poll = engine.MPCacheEngine.tick, transport.spin_poll

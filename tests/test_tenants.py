@@ -155,7 +155,7 @@ def test_events_and_status_show_a_tenant_only_its_own(tmp_path, keys, setups, no
     assert "secret-model" not in json.dumps(status)
     full = s.server.engine.status()  # the operator's view (HTTP /status): every tenant
     assert full["tenants"]["alice"]["l1"]["objects"] == 2 and full["tenants"]["bob"]["l1"]["objects"] == 1
-    from lmcache_mp.server.metrics import StatusCollector
+    from lmcache_mp.server.ops.metrics import StatusCollector
 
     series = {(x.name, tuple(sorted(x.labels.items()))): x.value
               for m in StatusCollector(s.server.engine).collect() for x in m.samples}
@@ -259,7 +259,7 @@ def test_engine_side_copies_map_the_tenants_own_window_never_l1(tmp_path, socket
 def test_a_tenants_window_is_the_size_its_file_gives(window, server_slab):
     """engine_window is the window's size, whatever the server's slab (a GPU server's is 128 MiB:
     four of them made a 256 MiB window 512 MiB)."""
-    from lmcache_mp.server.tenant_windows import Window
+    from lmcache_mp.server.tenancy.windows import Window
 
     w_ = Window(window, server_slab)
     try:
@@ -514,8 +514,8 @@ def test_lookups_of_another_tenants_hashes_take_the_time_of_random_ones(tmp_path
 
 
 def test_a_local_peers_uid_names_its_tenant_before_its_gid(tmp_path):
-    from lmcache_mp.server.audit import NullAuditLog
-    from lmcache_mp.server.tenancy import Tenancy
+    from lmcache_mp.server.tenancy.audit import NullAuditLog
+    from lmcache_mp.server.tenancy.tenancy import Tenancy
 
     (tmp_path / "t.toml").write_text("[tenants.a]\nuids = [5]\n[tenants.b]\ngids = [7]\n")
     tenancy = Tenancy(str(tmp_path / "t.toml"), NullAuditLog())
@@ -601,7 +601,7 @@ def test_a_reload_warns_of_a_rename_and_of_an_engine_window_it_cannot_resize(tmp
     h_a = a.register_kv_cache(w.make_kv("mha", 64, 8), model="m", transfer="engine")  # (maps alice's window)
     _, h_b, _, hashes, ids = engine_of(b, seed=2, chunks=2)
     assert b.store(h_b, hashes, ids).result().stored == 2
-    caplog.set_level(logging.WARNING, logger="lmcache_mp.server.tenancy")
+    caplog.set_level(logging.WARNING, logger="lmcache_mp.server.tenancy.tenancy")
     tenants_file(tmp_path, keys, body=f'[tenants.alice]\ncurve_keys = ["{keys}/clients/client.key"]\n'
                                         'engine_window = "32MiB"\n'
                                         f'[tenants.robert]\ncurve_keys = ["{keys}/clients/b.key"]\n'

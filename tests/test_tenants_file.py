@@ -13,7 +13,7 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from lmcache_mp.server.tenants import (
+from lmcache_mp.server.tenancy.tenants_file import (
     SHARED,
     Tenant,
     TenantsFileError,

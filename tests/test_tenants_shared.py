@@ -12,7 +12,7 @@ import pytest
 
 import cpu_workers as w
 from lmcache_mp import chunk_hashes
-from lmcache_mp.server.tenants import TenantsFileError, load_tenants
+from lmcache_mp.server.tenancy.tenants_file import TenantsFileError, load_tenants
 from test_server_e2e import CHUNK, no_internal_errors, wait_until  # noqa: F401
 from test_tenants import BPC, _store_prompts, engine_of, keys, setups  # noqa: F401
 
@@ -247,7 +247,7 @@ def test_a_flood_through_two_nodes_leaves_another_tenants_chunks_in_valkey(tmp_p
             assert 0 < st["l2_tiers"]["valkey"] <= 512 << 10 and st["limits"]["l2_valkey_max"] == 512 << 10
             tier = next(t for t in node.server.engine.status()["l2"]["tiers"] if t["name"] == "valkey")
             assert tier["tenant_cap_deletes"] > 0
-        from lmcache_mp.server.metrics import StatusCollector
+        from lmcache_mp.server.ops.metrics import StatusCollector
 
         series = {(x.name, tuple(sorted(x.labels.items()))): x.value
                   for m in StatusCollector(one.server.engine).collect() for x in m.samples}

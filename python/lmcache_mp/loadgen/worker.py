@@ -31,7 +31,7 @@ import traceback
 import numpy as np
 
 from lmcache_mp.errors import LMCacheMPError, ServerUnavailable
-from lmcache_mp.server.gc_pauses import GCPauses
+from lmcache_mp.server.ops.gc_pauses import GCPauses
 
 DTYPE_BYTES = 2  # bfloat16
 WARM_UP = 3  # untimed requests that begin each phase, of chunks of their own

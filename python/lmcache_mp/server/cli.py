@@ -15,7 +15,7 @@ import sys
 from lmcache_mp._version import __version__
 from lmcache_mp.config import (DEVICES, EVICTION_POLICIES, L2_CODEC_FIELDS, L2_CODECS, L2_WRITE_FIELDS,
                                L2_WRITE_POLICIES, LOG_LEVELS, TRANSFER_MODES, ServerConfig, format_size)
-from lmcache_mp.server.gc_pauses import settle_after_setup
+from lmcache_mp.server.ops.gc_pauses import settle_after_setup
 
 logger = logging.getLogger("lmcache_mp")
 
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     if command == "keygen":
-        from lmcache_mp.server.curve import keygen
+        from lmcache_mp.server.transport.curve import keygen
 
         try:
             print(keygen(*what))
@@ -174,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = what
     if command == "doctor":
-        from lmcache_mp.server.doctor import run as run_doctor
+        from lmcache_mp.server.ops.doctor import run as run_doctor
 
         return run_doctor(config)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from lmcache_mp.native import build_info
-    from lmcache_mp.server.devices import resolve_device
+    from lmcache_mp.server.copies.devices import resolve_device
     from lmcache_mp.server.server import run_cache_server
 
     info = build_info()

@@ -32,28 +32,28 @@ from lmcache_mp import protocol as p
 from lmcache_mp._version import __version__
 from lmcache_mp.config import ServerConfig, format_size
 from lmcache_mp.native import HostArena, set_cpu_threads
-from lmcache_mp.server.contexts import IpcEventCache, IpcMemoryCache
-from lmcache_mp.server.devices import gpu_numa_node, resolve_device
-from lmcache_mp.server.gc_pauses import GCPauses, made_long_lived
-from lmcache_mp.server import event_feed
+from lmcache_mp.server.copies.contexts import IpcEventCache, IpcMemoryCache
+from lmcache_mp.server.copies.devices import gpu_numa_node, resolve_device
+from lmcache_mp.server.ops.gc_pauses import GCPauses, made_long_lived
+from lmcache_mp.server.registry import event_feed
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.validation import RequestFailure
-from lmcache_mp.server.engine_copies import EngineCopies
-from lmcache_mp.server.lookups import LookupHandling
-from lmcache_mp.server.process_watch import ProcessWatch
+from lmcache_mp.server.copies.engine_copies import EngineCopies
+from lmcache_mp.server.registry.lookups import LookupHandling
+from lmcache_mp.server.registry.process_watch import ProcessWatch
 from lmcache_mp.processes import own_pid_namespace
-from lmcache_mp.server.server_copies import ServerCopies
-from lmcache_mp.server.registrations import Entry, RegistrationHandling
-from lmcache_mp.server.replies import Reply
-from lmcache_mp.server.workers import SerialWorker
+from lmcache_mp.server.copies.server_copies import ServerCopies
+from lmcache_mp.server.registry.registrations import Entry, RegistrationHandling
+from lmcache_mp.server.request import Reply
+from lmcache_mp.server.copies.workers import SerialWorker
 from lmcache_mp.storage.events import EventLog
 from lmcache_mp.storage.l1 import L1Store
 from lmcache_mp.storage.l1_journal import L1Journal
 from lmcache_mp.storage.l2.tiers import L2Tiers
 from lmcache_mp.storage.tenant_quotas import SEP, L1Quotas
-from lmcache_mp.server.tenancy import Tenancy, TenantState, shown
-from lmcache_mp.server.tenants import SHARED
-from lmcache_mp.server.tenant_handling import TenantHandling
+from lmcache_mp.server.tenancy.tenancy import Tenancy, TenantState, shown
+from lmcache_mp.server.tenancy.tenants_file import SHARED
+from lmcache_mp.server.tenancy.shares import TenantHandling
 
 logger = logging.getLogger(__name__)
 

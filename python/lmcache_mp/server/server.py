@@ -10,12 +10,12 @@ import zmq
 
 from lmcache_mp.config import ServerConfig, format_size
 from lmcache_mp.server.engine import MPCacheEngine
-from lmcache_mp.server.gc_pauses import settle
-from lmcache_mp.server.resources import check_start, memory_note
-from lmcache_mp.server.audit import open_audit_log
-from lmcache_mp.server.tenancy import Tenancy
-from lmcache_mp.server.tenant_gate import TenantGate
-from lmcache_mp.server.transport import Transport
+from lmcache_mp.server.ops.gc_pauses import settle
+from lmcache_mp.server.ops.resources import check_start, memory_note
+from lmcache_mp.server.tenancy.audit import open_audit_log
+from lmcache_mp.server.tenancy.tenancy import Tenancy
+from lmcache_mp.server.tenancy.gate import TenantGate
+from lmcache_mp.server.transport.router import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
         if config.tenants:
             tenancy = Tenancy(config.tenants, audit, l1_bytes=config.l1_size)
         if config.curve_secret_key:
-            from lmcache_mp.server.curve import CurveServer
+            from lmcache_mp.server.transport.curve import CurveServer
 
             curve = CurveServer(config.curve_secret_key, config.curve_clients, tenancy, audit)
             stops.append(curve.stop)
@@ -116,8 +116,8 @@ def _http_endpoint(config: ServerConfig, engine: MPCacheEngine, transport: Trans
     if config.http_addr == "off":
         return None
     from lmcache_mp.config import DEFAULT_HTTP_ADDR, parse_addr
-    from lmcache_mp.server.http import HttpEndpoint
-    from lmcache_mp.server.resources import http_answerer
+    from lmcache_mp.server.ops.http import HttpEndpoint
+    from lmcache_mp.server.ops.resources import http_answerer
 
     try:
         http = HttpEndpoint(config.http_addr, engine, transport)

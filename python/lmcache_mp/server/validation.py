@@ -11,7 +11,7 @@ import numpy as np
 from lmcache_mp import protocol as p
 from lmcache_mp.keys import DIGEST_BYTES, unpack_hashes
 from lmcache_mp.native import request_block_ids
-from lmcache_mp.server.contexts import Registration
+from lmcache_mp.server.copies.contexts import Registration
 from lmcache_mp.storage.l1 import SHARED_RANK, ObjectKey
 
 

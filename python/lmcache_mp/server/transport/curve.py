@@ -21,7 +21,7 @@ import threading
 import zmq
 import zmq.auth
 
-from lmcache_mp.server.refusals import RefusalLog, fingerprint  # noqa: F401 (fingerprint: re-exported)
+from lmcache_mp.server.transport.refusals import RefusalLog, fingerprint  # noqa: F401 (fingerprint: re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class CurveServer:
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()
         if tenancy is not None:  # the tenants file says which keys get in, and as whom
-            from lmcache_mp.server.tenant_gate import TenantGate
+            from lmcache_mp.server.tenancy.gate import TenantGate
 
             self._gate = TenantGate(self.context, tenancy, self.refusals)
             logger.info("CURVE: server key %s, clients with a key of a tenant in %s", public.decode(), tenancy.path)

@@ -21,10 +21,10 @@ from lmcache_mp import protocol as p
 from lmcache_mp.config import is_ipv6_url
 from lmcache_mp.errors import CREDENTIAL_REVOKED
 from lmcache_mp.native import spin_poll
-from lmcache_mp.server.lane import Lane, LaneConn, lane_path
-from lmcache_mp.server.request_stats import RequestStats
-from lmcache_mp.server.revoked_connections import RevokedConnections
-from lmcache_mp.server.socket_files import claim_socket_file, share_with_group, socket_files_private
+from lmcache_mp.server.transport.lane import Lane, LaneConn, lane_path
+from lmcache_mp.server.transport.request_stats import RequestStats
+from lmcache_mp.server.transport.revoked_connections import RevokedConnections
+from lmcache_mp.server.transport.socket_files import claim_socket_file, share_with_group, socket_files_private
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Transport:
         if curve is not None:
             curve.apply(self._sock)
         if tenancy is not None:
-            from lmcache_mp.server.tenant_gate import TenantGate
+            from lmcache_mp.server.tenancy.gate import TenantGate
 
             TenantGate.apply(self._sock)
         with socket_files_private():

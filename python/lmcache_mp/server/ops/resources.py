@@ -172,7 +172,7 @@ def check_tenants_file(config: ServerConfig, setting: str = "tenants") -> None:
     """ValueError unless the tenants file reads and checks whole (what the server loads at start)."""
     if not config.tenants:
         return
-    from lmcache_mp.server.tenants import load_tenants
+    from lmcache_mp.server.tenancy.tenants_file import load_tenants
 
     try:
         load_tenants(config.tenants, config.l1_size)  # (the l1_min must fit L1, as at start)

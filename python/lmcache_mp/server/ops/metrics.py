@@ -201,7 +201,7 @@ def _l2_metrics(l2: dict):
 def _request_metrics(snap: dict):
     from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-    from lmcache_mp.server.request_stats import BUCKETS
+    from lmcache_mp.server.transport.request_stats import BUCKETS
 
     requests = CounterMetricFamily("lmcache_mp_requests", "replies by op and outcome (OK or the error code)",
                                    labels=["op", "outcome"])

@@ -38,9 +38,9 @@ from lmcache_mp import protocol as p
 from lmcache_mp.keys import DIGEST_BYTES
 from lmcache_mp.processes import process_start
 from lmcache_mp.server import validation as check
-from lmcache_mp.server.replies import Reply, mark
-from lmcache_mp.server.server_copies import INLINE_CHUNKS
-from lmcache_mp.server.tenant_windows import Slots, TenantWindows
+from lmcache_mp.server.request import Reply, mark
+from lmcache_mp.server.copies.server_copies import INLINE_CHUNKS
+from lmcache_mp.server.tenancy.windows import Slots, TenantWindows
 from lmcache_mp.storage.l1 import StorePlan
 from lmcache_mp.server.validation import RequestFailure, chunk_keys, over_limit, parent_key, shared_keys
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Callable
 
 from lmcache_mp import protocol as p
-from lmcache_mp.server.replies import Reply
-from lmcache_mp.server.tenancy import Tenancy, TenantState
-from lmcache_mp.server.tenants import SHARED, SHARED_FIELDS, SharedLimits, Tenant
+from lmcache_mp.server.request import Reply
+from lmcache_mp.server.tenancy.tenancy import Tenancy, TenantState
+from lmcache_mp.server.tenancy.tenants_file import SHARED, SHARED_FIELDS, SharedLimits, Tenant
 from lmcache_mp.server.validation import RequestFailure
 from lmcache_mp.storage.tenant_quotas import CAUSES
 

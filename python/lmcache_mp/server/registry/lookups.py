@@ -9,7 +9,7 @@ import logging
 
 from lmcache_mp import protocol as p
 from lmcache_mp.server import validation as check
-from lmcache_mp.server.replies import Reply
+from lmcache_mp.server.request import Reply
 from lmcache_mp.server.validation import over_limit
 from lmcache_mp.storage.leases import TooManyLeases
 

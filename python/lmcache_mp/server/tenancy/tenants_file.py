@@ -22,7 +22,7 @@ import zmq.auth
 from zmq.utils import z85
 
 from lmcache_mp.config import format_size, parse_size
-from lmcache_mp.server.refusals import fingerprint
+from lmcache_mp.server.transport.refusals import fingerprint
 
 SHARED = "shared"
 SHARED_MODES = ("none", "read", "write")

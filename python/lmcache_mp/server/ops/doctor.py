@@ -26,7 +26,7 @@ import sys
 from urllib.parse import urlparse
 
 from lmcache_mp.config import ServerConfig, format_size, is_ipv6_url
-from lmcache_mp.server.resources import (check_audit_log, check_curve_clients, check_curve_secret_key,
+from lmcache_mp.server.ops.resources import (check_audit_log, check_curve_clients, check_curve_secret_key,
                                          check_http_addr, check_ipc_group, check_l1_fits, check_l2_disk,
                                          check_socket_folder, check_tenants_file, free_space, http_answerer, l1_limit,
                                          meminfo)
@@ -220,7 +220,7 @@ def check_endpoint(r: Report, config: ServerConfig) -> None:
         sock.setsockopt(zmq.IPV6, 1)
     try:
         if ipc and os.path.lexists(ipc):
-            from lmcache_mp.server.socket_files import server_answers
+            from lmcache_mp.server.transport.socket_files import server_answers
 
             if server_answers(ipc, socket.SOCK_STREAM, "the endpoint"):
                 r.line(FAIL, f"endpoint {config.url}: another server answers there", "stop it, or pick another --url")

@@ -32,7 +32,7 @@ from typing import Callable
 from lmcache_mp import protocol as p
 from lmcache_mp.config import format_size
 from lmcache_mp.server import validation as check
-from lmcache_mp.server.tenants import (SHARED, SharedLimits, Tenant, TenantsFileError, TenantTable,
+from lmcache_mp.server.tenancy.tenants_file import (SHARED, SharedLimits, Tenant, TenantsFileError, TenantTable,
                                        credential_fingerprint, load_tenants)
 from lmcache_mp.server.validation import RequestFailure
 from lmcache_mp.storage.tenant_quotas import SEP

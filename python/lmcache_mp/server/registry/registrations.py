@@ -16,7 +16,7 @@ from lmcache_mp import protocol as p
 from lmcache_mp.config import format_size
 from lmcache_mp.native import pinning_paused
 from lmcache_mp.server import validation as check
-from lmcache_mp.server.contexts import (
+from lmcache_mp.server.copies.contexts import (
     CPUCacheContext,
     EngineCopyContext,
     GPUCacheContext,
@@ -25,14 +25,14 @@ from lmcache_mp.server.contexts import (
     describe_layers,
 )
 from lmcache_mp.layout import describe_kind
-from lmcache_mp.server.gc_pauses import settle
-from lmcache_mp.server.policy import choose_transfer_mode
-from lmcache_mp.server.replies import Reply
-from lmcache_mp.server.tenancy import shown, strip
+from lmcache_mp.server.ops.gc_pauses import settle
+from lmcache_mp.server.copies.transfer_mode import choose_transfer_mode
+from lmcache_mp.server.request import Reply
+from lmcache_mp.server.tenancy.tenancy import shown, strip
 from lmcache_mp.storage.tenant_quotas import SEP
 from lmcache_mp.server.validation import RequestFailure, invalid, over_limit
 from lmcache_mp.completions import CompletionWaiter
-from lmcache_mp.server.workers import SerialWorker
+from lmcache_mp.server.copies.workers import SerialWorker
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import threading
 from typing import Iterator
 
 from lmcache_mp import protocol as p
-from lmcache_mp.server.socket_files import share_with_group, socket_files_private
+from lmcache_mp.server.transport.socket_files import share_with_group, socket_files_private
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def lane_path(zmq_url: str) -> str | None:
 
 class Lane:
     def __init__(self, zmq_url: str, ipc_group: str = "", tenancy=None):
-        from lmcache_mp.server.refusals import RefusalLog
+        from lmcache_mp.server.transport.refusals import RefusalLog
 
         self._tenancy = tenancy
         self._refusals = RefusalLog()
@@ -145,7 +145,7 @@ class Lane:
 
     def claim(self, conn: LaneConn, cred: str | None, how: str = "the ticket of its client's HELLO") -> bool:
         """Bind a connection to a credential's tenant (False, and audited: a ticket that names none)."""
-        from lmcache_mp.server.tenants import credential_fingerprint
+        from lmcache_mp.server.tenancy.tenants_file import credential_fingerprint
 
         pid, uid, gid = conn.peer
         peer = f"pid {pid} uid {uid} gid {gid}"
@@ -165,7 +165,7 @@ class Lane:
     def refuse_late_claim(self, conn: LaneConn) -> bool:
         """A claim after the connection's first datagram: refused and audited (False; the caller
         closes the connection, as for a bad ticket)."""
-        from lmcache_mp.server.tenants import credential_fingerprint
+        from lmcache_mp.server.tenancy.tenants_file import credential_fingerprint
 
         pid, uid, gid = conn.peer
         peer = f"pid {pid} uid {uid} gid {gid}"

@@ -30,7 +30,7 @@ class HttpEndpoint:
     def __init__(self, addr: str, engine, transport):
         from prometheus_client import CollectorRegistry
 
-        from lmcache_mp.server.metrics import StatusCollector
+        from lmcache_mp.server.ops.metrics import StatusCollector
 
         self.engine, self.transport = engine, transport
         self.ready = False

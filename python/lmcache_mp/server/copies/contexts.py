@@ -22,7 +22,7 @@ from lmcache_mp import protocol as p
 from lmcache_mp.layout import LayoutError, LayoutSpec
 from lmcache_mp.layout import describe_layers as layout_of_layers
 from lmcache_mp.native import cpu_gather, cpu_scatter
-from lmcache_mp.server.shared_memory import SharedMapping
+from lmcache_mp.server.copies.shared_memory import SharedMapping
 
 logger = logging.getLogger(__name__)
 

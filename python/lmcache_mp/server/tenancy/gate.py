@@ -15,9 +15,9 @@ import threading
 
 import zmq
 
-from lmcache_mp.server.refusals import RefusalLog
-from lmcache_mp.server.tenancy import Tenancy
-from lmcache_mp.server.tenants import credential_fingerprint
+from lmcache_mp.server.transport.refusals import RefusalLog
+from lmcache_mp.server.tenancy.tenancy import Tenancy
+from lmcache_mp.server.tenancy.tenants_file import credential_fingerprint
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import numpy as np
 from lmcache_mp import protocol as p
 from lmcache_mp.keys import DIGEST_BYTES
 from lmcache_mp.server import validation as check
-from lmcache_mp.server.registrations import Entry
-from lmcache_mp.server.replies import Reply, mark, mark_all
+from lmcache_mp.server.registry.registrations import Entry
+from lmcache_mp.server.request import Reply, mark, mark_all
 from lmcache_mp.server.validation import RequestFailure, chunk_request, parent_key
 
 logger = logging.getLogger(__name__)

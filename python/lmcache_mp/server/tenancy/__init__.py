@@ -1,0 +1,1 @@
+"""Tenants: the tenants file, whose each connection is, their namespaces, windows, shares and audit log."""
