@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
+from lmcache_mp.sizes import format_size, parse_size  # noqa: F401 (the config's sizes, also imported from here)
 from lmcache_mp.storage.eviction import DEFAULT_POLICY, POLICIES
 
 ENV_PREFIX = "LMCACHE_MP_"
@@ -33,35 +34,6 @@ L2_CODECS = ("none", "fp8")
 L2_CODEC_FIELDS = ("l2_disk_codec", "l2_redis_codec", "l2_mooncake_codec")
 _SIZE_FIELDS = ("l1_size", "staging_size", "slab_size", "l2_disk_size", "l2_queue_size",
                 "l2_mooncake_segment")  # int or a string with units
-
-# Memory is sized in binary units, whatever the spelling: 4G, 4g, 4GB and 4GiB are all 4 GiB (a
-# mixture, 4GB of 10^9 bytes beside 4g of 2^30, was a trap; the start-up line says the size in GiB).
-_UNITS = {"": 1, "b": 1, **{u + suffix: 1 << (10 * (i + 1)) for i, u in enumerate("kmgt") for suffix in ("", "b", "ib")}}
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as '64GiB', '512 MiB', '1.5G' (every unit is binary:
-    64GB is 64 GiB)."""
-    if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"size must not be negative, got {value}")
-        return value
-    m = re.fullmatch(r"\s*(-?)([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(3).lower() not in _UNITS:
-        raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 64GiB)")
-    if m.group(1):
-        raise ValueError(f"size must not be negative, got {value!r}")
-    return int(float(m.group(2)) * _UNITS[m.group(3).lower()])
-
-
-def format_size(n: int) -> str:
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
 
 def _setting(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from lmcache_mp.config import format_size
+from lmcache_mp.sizes import format_size
 from lmcache_mp.loadgen.mix import bench_mix
 from lmcache_mp.loadgen.runs import (DEFAULT_URL, TABLE_NOTE, banner, geometry, gpu_uuids, print_table, run_once,
                                      worker_env_defaults, worker_settings)

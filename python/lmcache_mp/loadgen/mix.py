@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from lmcache_mp.config import format_size
+from lmcache_mp.sizes import format_size
 from lmcache_mp.loadgen.runs import print_failures, run_processes
 from lmcache_mp.loadgen.worker import (Reporter, bits, count_mismatches, object_bytes, random_kv, request_ids,
                                        request_tokens)

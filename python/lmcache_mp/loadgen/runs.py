@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from lmcache_mp.config import format_size
+from lmcache_mp.sizes import format_size
 from lmcache_mp.loadgen.processes import deaf_to_ctrl_c, end_processes
 from lmcache_mp.loadgen.tails import LONG_STALL_NS, attribute, machine_stalls, print_tails, stall_probe
 from lmcache_mp.loadgen.trace import print_idle, print_traces

@@ -10,7 +10,7 @@ are at least DMA_MIN_SEGMENT bytes moves by copy engines only; any other is pack
 
 from __future__ import annotations
 
-from lmcache_mp.config import format_size
+from lmcache_mp.sizes import format_size
 from lmcache_mp.layout import LayoutSpec
 
 # Copy engines alone by contiguous copy, 64-chunk requests of random blocks, store / retrieve /

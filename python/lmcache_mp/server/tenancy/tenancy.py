@@ -30,7 +30,7 @@ import threading
 from typing import Callable
 
 from lmcache_mp import protocol as p
-from lmcache_mp.config import format_size
+from lmcache_mp.sizes import format_size
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.tenancy.tenants_file import (SHARED, SharedLimits, Tenant, TenantsFileError, TenantTable,
                                        credential_fingerprint, load_tenants)

@@ -21,7 +21,7 @@ from typing import Any
 import zmq.auth
 from zmq.utils import z85
 
-from lmcache_mp.config import format_size, parse_size
+from lmcache_mp.sizes import format_size, parse_size
 from lmcache_mp.server.transport.refusals import fingerprint
 
 SHARED = "shared"
@@ -52,7 +52,7 @@ class Tenant:
     max_registrations: int
     max_inflight: int
     admin: bool
-    engine_window: int = 256 << 20  # shared memory its processes map for engine-side copies (tenant_windows.py)
+    engine_window: int = 256 << 20  # shared memory its processes map for engine-side copies (windows.py)
     l2_valkey_max: int = 0  # caps on the shared tiers' objects this node wrote for it (storage/l2/tenant_caps.py)
     l2_mooncake_max: int = 0
 

@@ -25,7 +25,7 @@ from typing import Callable
 import msgspec
 import xxhash
 
-from lmcache_mp.config import format_size
+from lmcache_mp.sizes import format_size
 from lmcache_mp.storage.eviction import DEFAULT_POLICY, make_policy
 from lmcache_mp.storage.l2 import CORRUPT, MISS, L2Backend
 from lmcache_mp.storage.objects import ObjectKey

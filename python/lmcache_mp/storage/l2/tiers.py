@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import msgspec
 
-from lmcache_mp.config import format_size
+from lmcache_mp.sizes import format_size
 from lmcache_mp.storage.l1 import SHARED_RANK, L1Object, L1Store, ObjectKey, StorePlan
 from lmcache_mp.storage.l1_journal import format_key_from
 from lmcache_mp.storage.l2 import CORRUPT, FORMAT_MISMATCH, IO_ERROR, MISS, L2Backend

@@ -25,7 +25,7 @@ from typing import Callable
 
 import msgspec
 
-from lmcache_mp.config import format_size
+from lmcache_mp.sizes import format_size
 from lmcache_mp.storage.l1_writeback import EVICTION_WINDOW, SCAN
 
 logger = logging.getLogger(__name__)
