@@ -274,7 +274,7 @@ def test_a_store_past_its_deadline_or_ending_after_it_keeps_nothing(shm_files, s
 
         reply = store(time.monotonic() - 0.001)  # passed before it arrived: no copy starts
         assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.DEADLINE_EXCEEDED, reply
-        ctx = server.engine._entries[h.kv_id].ctx
+        ctx = server.engine.registrations.entry(h.kv_id, c.client_id).ctx
         real_copy = ctx.copy
 
         def stalled_copy(*args, **kwargs):  # the server stalls mid-copy, past the deadline

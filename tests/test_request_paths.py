@@ -18,7 +18,7 @@ import cpu_workers as w
 from lmcache_mp import Client, Server, ServerConfig, ServerUnavailable, chunk_hashes
 from lmcache_mp import protocol as p
 from lmcache_mp.native import spin_poll
-from lmcache_mp.server.engine import MPCacheEngine
+from lmcache_mp.server.request import Request
 from test_cli import ServerProcess
 from test_server_e2e import CHUNK, blocks_of, register_mha, stopped, wait_until
 
@@ -83,9 +83,9 @@ def test_every_way_of_waiting_gets_the_bytes_back(shm_files, server, spin_us, la
 
 @contextlib.contextmanager
 def server_storing_with(store):
-    """An in-process CPU server whose STOREs go through store(engine, msg, reply)."""
+    """An in-process CPU server whose STOREs go through store(engine, request)."""
     srv = Server(ServerConfig(url="tcp://127.0.0.1:0", device="cpu", l1_size="4MiB", chunk_size=CHUNK)).start()
-    srv.engine._handlers = {**MPCacheEngine._handlers, p.Store: store}
+    srv.engine._handlers = {**srv.engine._handlers, p.Store: lambda request: store(srv.engine, request)}
     try:
         yield srv
     finally:
@@ -106,11 +106,12 @@ def test_a_reply_left_when_the_last_caller_stops_waiting_is_read_by_the_io_threa
     held: list = []  # the slow registration's reply, made but not sent
     made = threading.Event()
 
-    def store(engine, msg, reply):  # the slow registration's replies leave when the test says
-        if msg.kv_id in slow:
-            MPCacheEngine.store(engine, msg, lambda m: (held.append(lambda: reply(m)), made.set()))
+    def store(engine, request):  # the slow registration's replies leave when the test says
+        if request.msg.kv_id in slow:
+            engine.server_copies.store(Request(request.msg, lambda m: (held.append(lambda: request.reply(m)),
+                                                                       made.set())))
         else:
-            MPCacheEngine.store(engine, msg, reply)
+            engine.server_copies.store(request)
 
     with server_storing_with(store) as srv:
         c = Client(srv.url, heartbeat_interval=30)
@@ -133,14 +134,14 @@ def test_a_caller_that_leaves_with_its_reply_leaves_the_next_one_to_the_io_threa
     own at once, and the I/O thread reads the other (not at the next heartbeat)."""
     held: dict = {}
 
-    def store(engine, msg, reply):  # the first reply is held until the second is ready: both leave together
+    def store(engine, request):  # the first reply is held until the second is ready: both leave together
         if not held:
-            held["reply"] = reply
-            MPCacheEngine.store(engine, msg, lambda m: held.update(msg=m))
+            held["reply"] = request.reply
+            engine.server_copies.store(Request(request.msg, lambda m: held.update(msg=m)))
         else:
             def both(m):
-                threading.Timer(0.05, lambda: (held["reply"](held["msg"]), reply(m))).start()
-            MPCacheEngine.store(engine, msg, both)
+                threading.Timer(0.05, lambda: (held["reply"](held["msg"]), request.reply(m))).start()
+            engine.server_copies.store(Request(request.msg, both))
 
     with server_storing_with(store) as srv:
         c = Client(srv.url, heartbeat_interval=30, spin_us=2000)

@@ -1,6 +1,6 @@
 """MPCacheEngine: registrations, store, retrieve, lookup and leases over the L1 host arena.
 
-Requests arrive from the transport with a `reply` callable. The socket thread only does what is
+Requests arrive from the transport as `Request` values (request.py). The socket thread only does what is
 cheap and bounded: handshakes, pings, status, small lookups, the checks of scalar fields, and
 small stores and retrieves of an idle registration (on the GPU these only enqueue the copy).
 Other work on a registration (opening it, larger requests, unregister) runs on that
@@ -14,8 +14,17 @@ With an L2 tier (storage/l2), lookups continue into it and a lookup with lock wa
 chunks to be loaded (a delayed reply); a retrieve of chunks only L2 holds loads them on the L2
 reader thread and then runs again on its registration's worker. `clear` empties L1 only.
 
-Its parts: registrations.py (registering KV caches), server_copies.py (stores and retrieves the
-server copies), engine_copies.py (those the engine copies itself), lookups.py (lookups, leases).
+The walk of a request, from the socket to storage: the transport (transport/router.py) makes one
+`Request` (request.py: message, tenant, credential, lane connection, route back) and calls
+`handle`; the tenancy admits it (tenancy/tenancy.py; `NoTenancy` without a tenants file); the
+dispatch table names the part that answers, each an object built here from the collaborators it
+names: `registrations` (registry/registrations.py: REGISTER, UNREGISTER), `server_copies`
+(copies/server_copies.py: STORE, RETRIEVE), `engine_copies` (copies/engine_copies.py: MAP_ARENA,
+RESERVE, COMMIT, READ, READ_DONE), `lookups` (registry/lookups.py: LOOKUP, RELEASE), or the
+engine itself (HELLO, PING, STATUS, EVENTS, CLEAR, BYE). The parts hold `l1` (storage/l1.py, an
+`L1Store`) and, with a tier below, `l2` (storage/l2/tiers.py, `L2Tiers`), both opened by
+storage_setup.py. `clients` (registry/clients.py) knows who was heard from and when; `shares`
+(tenancy/shares.py) keeps the tenants' quotas.
 """
 
 from __future__ import annotations
@@ -23,7 +32,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import threading
 import time
 from typing import Callable
 
@@ -31,35 +39,30 @@ from typing import Callable
 from lmcache_mp import protocol as p
 from lmcache_mp._version import __version__
 from lmcache_mp.config import ServerConfig, format_size
-from lmcache_mp.native import HostArena, set_cpu_threads
+from lmcache_mp.native import set_cpu_threads
+from lmcache_mp.server import validation as check
 from lmcache_mp.server.copies.contexts import IpcEventCache, IpcMemoryCache
 from lmcache_mp.server.copies.devices import gpu_numa_node, resolve_device
-from lmcache_mp.server.ops.gc_pauses import GCPauses, made_long_lived
-from lmcache_mp.server.registry import event_feed
-from lmcache_mp.server import validation as check
-from lmcache_mp.server.validation import RequestFailure
 from lmcache_mp.server.copies.engine_copies import EngineCopies
-from lmcache_mp.server.registry.lookups import LookupHandling
-from lmcache_mp.server.registry.process_watch import ProcessWatch
-from lmcache_mp.processes import own_pid_namespace
-from lmcache_mp.server.copies.server_copies import ServerCopies
-from lmcache_mp.server.registry.registrations import Entry, RegistrationHandling
-from lmcache_mp.server.request import Reply
+from lmcache_mp.server.copies.server_copies import BytesMoved, ServerCopies
 from lmcache_mp.server.copies.workers import SerialWorker
-from lmcache_mp.storage.events import EventLog
-from lmcache_mp.storage.l1 import L1Store
-from lmcache_mp.storage.l1_journal import L1Journal
-from lmcache_mp.storage.l2.tiers import L2Tiers
-from lmcache_mp.storage.tenant_quotas import SEP, L1Quotas
-from lmcache_mp.server.tenancy.tenancy import Tenancy, TenantState, shown
+from lmcache_mp.server.ops.gc_pauses import GCPauses
+from lmcache_mp.server.registry import event_feed
+from lmcache_mp.server.registry.clients import Clients
+from lmcache_mp.server.registry.lookups import Lookups
+from lmcache_mp.server.registry.registrations import Registrations
+from lmcache_mp.server.request import Reply, Request
+from lmcache_mp.server.tenancy.shares import TenantShares
+from lmcache_mp.server.tenancy.tenancy import NoTenancy, Tenancy
 from lmcache_mp.server.tenancy.tenants_file import SHARED
-from lmcache_mp.server.tenancy.shares import TenantHandling
+from lmcache_mp.server.validation import RequestFailure
+from lmcache_mp.server.storage_setup import open_l1, open_l2
+from lmcache_mp.storage.tenant_quotas import SEP
 
 logger = logging.getLogger(__name__)
 
 
-
-class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHandling, TenantHandling):
+class MPCacheEngine:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.device = resolve_device(config.device)
@@ -68,49 +71,50 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
             set_cpu_threads(config.cpu_threads)
         pin = self.device == "cuda"
         numa = config.numa_node if config.numa_node >= 0 else (gpu_numa_node() if pin else -1)
-        journal = None
-        if config.l1_persist:  # locked before the arena file is touched: one server per file
-            journal = L1Journal(config.l1_persist + ".journal", config.l1_size // config.slab_size * config.slab_size,
-                                config.slab_size)
-        try:
-            self.arena = HostArena(config.l1_size, config.slab_size, pin, numa, config.l1_persist)
-        except Exception:
-            if journal is not None:
-                journal.close()
-            raise
-        self.l1 = L1Store(self.arena, policy=config.eviction_policy)
-        self.tenancy: Tenancy | None = None  # with --tenants: set by attach_tenancy before requests come
-        if config.tenants:  # before the journal re-attaches chunks: each is counted to its tenant
-            self.l1.quotas = L1Quotas()
-        self.l1.on_commit = made_long_lived  # (a no-op unless this process is only a server)
-        self.events = EventLog(config.kv_events)
-        self.l1.events = self.events if config.kv_events else None
-        if journal is not None:
-            self._reattach(journal)
-        self.l2 = self._open_l2(config)
-        self._lock = threading.Lock()
-        self._entries: dict[int, Entry] = {}
-        self._clients: dict[bytes, float] = {}  # client id -> last time heard from
-        self._pid_namespace = own_pid_namespace()
-        self._processes = ProcessWatch(self._process_exited)  # clients whose process this server sees
-        self._ipc = IpcMemoryCache() if self.device == "cuda" else None
-        self._events = IpcEventCache() if self.device == "cuda" else None
-        self._uuids: dict[bytes, int] = {}
+        self.arena, self.l1, self.events = open_l1(config, self.device, numa)
+        self.l2 = open_l2(config, self.arena, self.l1)
+        # with --tenants: the Tenancy, set by attach_tenancy before requests come
+        self.tenancy: Tenancy | NoTenancy = NoTenancy()
+        self._housekeeping = SerialWorker("lmcache-housekeeping")
+        self.clients = Clients(self._process_exited)
+        uuids: dict[bytes, int] = {}
         if self.device == "cuda":
             from lmcache_mp import _C
 
-            self._uuids = {_C.cuda.device_uuid(i): i for i in range(_C.cuda.device_count())}
-        self._bulk = SerialWorker("lmcache-housekeeping")
-        self._init_engine_copies()
-        self._pinned = False  # the arena's background pinning has finished
+            uuids = {_C.cuda.device_uuid(i): i for i in range(_C.cuda.device_count())}
+        cuda = self.device == "cuda"
+        self.registrations = Registrations(config, self.device, self.arena, self.clients,
+                                           IpcMemoryCache() if cuda else None, IpcEventCache() if cuda else None, uuids)
+        self.moved = BytesMoved()  # between KV caches and L1, by direction
+        self.server_copies = ServerCopies(config, self.device, self.arena, self.l1, self.l2, self.registrations,
+                                          self.clients, self.moved)
+        self.engine_copies = EngineCopies(config, self.arena, self.l1, self.session_id, self.registrations,
+                                          self.clients, self.server_copies, self.moved)
+        self.lookups = Lookups(config, self.l1, self.l2, self.clients, self._housekeeping)
+        self.shares = TenantShares(self.l1, self.l2, self.registrations, self.engine_copies.windows,
+                                   self._housekeeping, self._forget_client)
+        self._handlers: dict[type, Callable[[Request], None]] = {
+            p.Hello: self._hello,
+            p.Ping: self._ping,
+            p.Status: self._status,
+            p.Clear: self._clear,
+            p.Events: self._events_since,
+            p.RegisterKVCache: self.registrations.register_kv_cache,
+            p.UnregisterKVCache: self.registrations.unregister_kv_cache,
+            p.Store: self.server_copies.store,
+            p.Retrieve: self.server_copies.retrieve,
+            p.Lookup: self.lookups.lookup,
+            p.Release: self.lookups.release,
+            p.Bye: self._bye,
+            p.MapArena: self.engine_copies.map_arena,
+            p.Reserve: self.engine_copies.reserve,
+            p.Commit: self.engine_copies.commit,
+            p.Read: self.engine_copies.read,
+            p.ReadDone: self.engine_copies.read_done,
+        }
         self.lane = ""  # the transport's local-lane address, told to clients in HELLO
         self.url = ""  # the bound endpoint
-        self.moved = {"store": 0, "retrieve": 0}  # bytes between KV caches and L1, by direction
-        self._moved_lock = threading.Lock()
         self.http = ""  # the HTTP listener's address ("" when none)
-        # Every registration's thread, until it ended: close() waits for them all, so that no
-        # context is torn down (driver calls, without the GIL) while the interpreter shuts down.
-        self._workers: set[SerialWorker] = set()
         self._close_hooks: list[Callable[[], None]] = []
         self._closed = False
         self.started = time.time()
@@ -125,160 +129,105 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
             cut, f", NUMA node {numa}" if numa >= 0 else "",
         )
 
-    def _open_l2(self, config: ServerConfig) -> L2Tiers | None:
-        """The L2 tiers, nearest first: the local disk, then a shared Valkey/Redis server, then Mooncake."""
-        tiers, writes = [], []
-        if config.l2_disk:
-            from lmcache_mp.storage.l2.disk import DiskTier
-
-            try:
-                tiers.append(DiskTier(config.l2_disk, config.l2_disk_size, config.l2_io_threads,
-                                      config.eviction_policy))
-                writes.append(config.l2_write_of("disk", DiskTier.default_write))
-            except (OSError, RuntimeError, ValueError) as e:
-                raise RuntimeError(f"cannot open the L2 disk {config.l2_disk}: {e}") from None
-        if config.l2_redis:  # unreachable at start is fine: it is tried again later
-            from lmcache_mp.storage.l2.valkey import ValkeyTier
-
-            tiers.append(ValkeyTier(config.l2_redis, config.l2_redis_prefix, config.l2_redis_ttl,
-                                    connections=config.l2_io_threads, cluster=config.l2_redis_cluster))
-            writes.append(config.l2_write_of("redis", ValkeyTier.default_write))
-        if config.l2_mooncake:
-            from lmcache_mp.storage.l2.mooncake import MooncakeTier
-
-            metadata = config.l2_mooncake_metadata or f"http://{config.l2_mooncake.rsplit(':', 1)[0]}:8080/metadata"
-            tiers.append(MooncakeTier(config.l2_mooncake, metadata, self.arena, config.l2_mooncake_segment,
-                                      prefix=config.l2_redis_prefix))
-            writes.append(config.l2_write_of("mooncake", MooncakeTier.default_write))
-        if not tiers:
-            return None
-        from lmcache_mp.storage.l2.codec import CodecTier
-
-        if config.tenants:  # per-tenant caps on the shared tiers (the tenants file's l2_valkey_max, l2_mooncake_max)
-            from lmcache_mp.storage.l2.tenant_caps import TenantCapped
-
-            tiers = [t if getattr(t, "local", True) else TenantCapped(t) for t in tiers]
-        codecs = {"disk": config.l2_disk_codec, "valkey": config.l2_redis_codec, "mooncake": config.l2_mooncake_codec}
-        tiers = [CodecTier(t, codecs.get(t.name, "none")) for t in tiers]
-        return L2Tiers(tiers, self.l1, writes=writes, admit=config.l2_admit,
-                       queue_bytes=config.l2_queue_size, max_prefetches=config.max_prefetches,
-                       prefetch_timeout=config.prefetch_timeout)
-
     # ---- dispatch ----------------------------------------------------------------------------
 
-    def handle(self, msg: p._Msg, reply: Reply) -> None:
+    def handle(self, request: Request) -> None:
         """Answer one decoded request, now or later; exactly one reply either way."""
+        msg = request.msg
         try:
             if self._closed:
                 raise RequestFailure(p.ErrorCode.SHUTTING_DOWN, "the server is shutting down")
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise RequestFailure(p.ErrorCode.UNKNOWN_OP, f"unsupported request {type(msg).__name__}")
-            if self.tenancy is not None:
-                self._scope(msg, reply)
-            elif SEP in getattr(msg, "model", "") or type(msg) is p.Events and any(SEP in m for m in msg.models):
-                # (a tenant's namespace: a server without tenants that shares an L1 file or an L2
-                # tier with one must not let its clients name it)
-                raise RequestFailure(p.ErrorCode.INVALID_ARGUMENT, "model names must not contain \\x1f")
-            handler(self, msg, reply)
+            self.tenancy.admit(msg, request.tenant, request.credential)
+            handler(request)
         except RequestFailure as e:
-            reply(p.Error(code=int(e.code), message=str(e)))
+            request.fail(e.code, str(e))
         except Exception as e:
             logger.exception("internal error handling %s", type(msg).__name__)
-            reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
+            request.fail(p.ErrorCode.INTERNAL, f"internal error: {e}")
 
-    @staticmethod
-    def _job(reply: Reply, fn: Callable[[], None]) -> Callable[[], None]:
-        """fn for a worker thread: whatever it raises still becomes the request's one reply."""
+    def attach_tenancy(self, tenancy: Tenancy, revoke_lane: Callable[[str], None]) -> None:
+        """Tenants (tenancy/tenancy.py), for every part that asks; their shares (tenancy/shares.py)."""
+        self.tenancy = tenancy
+        for part in (self.registrations, self.server_copies, self.engine_copies, self.lookups):
+            part.tenancy = tenancy
+        self.shares.attach(tenancy, revoke_lane)
 
-        def run() -> None:
-            try:
-                fn()
-            except RequestFailure as e:
-                reply(p.Error(code=int(e.code), message=str(e)))
-            except Exception as e:
-                logger.exception("internal error in a queued request")
-                reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
+    def tenants_status(self) -> dict[str, dict]:
+        return self.shares.status()
 
-        return run
-
-    def _touch(self, client_id: bytes) -> None:
-        if client_id:
-            self._clients[client_id] = time.monotonic()
-
-    def _hello(self, msg: p.Hello, reply: Reply) -> None:
+    def _hello(self, request: Request) -> None:
+        msg: p.Hello = request.msg
         if msg.version != p.PROTOCOL_VERSION:
             raise RequestFailure(
                 p.ErrorCode.PROTOCOL_MISMATCH,
                 f"client speaks protocol {msg.version}, server {p.PROTOCOL_VERSION}: upgrade the older side",
             )
-        self._touch(check.client_id(msg.client_id))
-        watched = (msg.pid > 0 and msg.pid_namespace == self._pid_namespace != 0
-                   and self._processes.watch(msg.client_id, msg.pid, msg.start_time or None))
+        self.clients.touch(check.client_id(msg.client_id))
+        watched = self.clients.watch_hello(msg)
         logger.debug("hello from %s (pid %d%s)", msg.client_name or msg.client_id.hex(), msg.pid,
                      ", watched" if watched else "")
-        reply(p.HelloReply(protocol_version=p.PROTOCOL_VERSION, server_version=__version__,
-                           session_id=self.session_id, chunk_size=self.config.chunk_size, device=self.device,
-                           capabilities=["lookup_lock", "reply_on_submit", "named_leases", "deadlines",
-                                         "engine_copy"],
-                           lease_ttl=self.config.lease_ttl, lane=self.lane,
-                           lane_ticket=self.tenancy.ticket(reply.credential, msg.client_id) if self.tenancy else b""))
+        request.reply(p.HelloReply(protocol_version=p.PROTOCOL_VERSION, server_version=__version__,
+                                   session_id=self.session_id, chunk_size=self.config.chunk_size, device=self.device,
+                                   capabilities=["lookup_lock", "reply_on_submit", "named_leases", "deadlines",
+                                                 "engine_copy"],
+                                   lease_ttl=self.config.lease_ttl, lane=self.lane,
+                                   lane_ticket=self.tenancy.ticket(request.credential, msg.client_id)))
 
-    def _ping(self, msg: p.Ping, reply: Reply) -> None:
-        client = check.client_id(msg.client_id, required=False)
-        self._touch(client)
-        conn = getattr(reply, "conn", None)  # on the local lane: the kernel says which process it is
-        if client and conn is not None and not self._processes.watching(client):
-            self._processes.watch(client, conn.peer[0])
-        reply(p.PingReply(session_id=self.session_id))
+    def _ping(self, request: Request) -> None:
+        client = check.client_id(request.msg.client_id, required=False)
+        self.clients.touch(client)
+        if request.lane is not None:  # on the local lane: the kernel says which process it is
+            self.clients.watch_lane_peer(client, request.lane)
+        request.reply(p.PingReply(session_id=self.session_id))
 
-    def _status(self, msg: p.Status, reply: Reply) -> None:
-        tenant: TenantState | None = getattr(reply, "tenant", None)
-        if tenant is not None and not tenant.tenant.admin:
-            status = self._tenant_view(tenant)  # what other tenants hold is not this one's business
+    def _status(self, request: Request) -> None:
+        msg: p.Status = request.msg
+        tenant = request.tenant
+        if tenant is not None and not tenant.tenant.admin:  # what other tenants hold is not this one's business
+            status = self.shares.tenant_view(self.status(), tenant)
         else:
             status = self.status()
         if msg.client_id:
-            with self._lock:
-                status["mine"] = [kv for kv, e in self._entries.items() if e.ctx.reg.client_id == msg.client_id]
-        reply(p.StatusReply(status=status))
+            status["mine"] = self.registrations.of_client(msg.client_id)
+        request.reply(p.StatusReply(status=status))
 
-    def _events_since(self, msg: p.Events, reply: Reply) -> None:
-        self._touch(check.client_id(msg.client_id, required=False))
-        tenant = getattr(reply, "tenant", None)
+    def _events_since(self, request: Request) -> None:
+        msg: p.Events = request.msg
+        self.clients.touch(check.client_id(msg.client_id, required=False))
+        tenant = request.tenant
         if tenant is None:
-            reply(event_feed.answer(self.events, self.session_id, msg))
+            request.reply(event_feed.answer(self.events, self.session_id, msg))
         else:  # its own namespace's events, and the shared namespace's where it reads them
-            reply(event_feed.answer(self.events, self.session_id, msg, tenant.prefix,
-                                    SHARED + SEP if tenant.tenant.reads_shared else ""))
+            request.reply(event_feed.answer(self.events, self.session_id, msg, tenant.prefix,
+                                            SHARED + SEP if tenant.tenant.reads_shared else ""))
 
-    def _clear(self, msg: p.Clear, reply: Reply) -> None:
-        self._bulk.submit(self._job(reply, lambda: reply(p.ClearReply(removed=self.clear()))))
+    def _clear(self, request: Request) -> None:
+        self._housekeeping.submit(request.job(lambda: request.reply(p.ClearReply(removed=self.clear()))))
 
     # ---- housekeeping ------------------------------------------------------------------------
 
     def _forget_client(self, client: bytes) -> tuple[int, int]:
         """Drop a client's leases and registrations; returns how many of each."""
-        self._processes.forget(client)
-        if self.tenancy is not None:
-            self.tenancy.forget(client)
-        with self._lock:
-            self._clients.pop(client, None)
-            owned = [kv for kv, e in self._entries.items() if e.ctx.reg.client_id == client]
+        self.clients.unwatch(client)
+        self.tenancy.forget(client)
+        owned = self.registrations.forget_client(client)
         dropped = self.l1.drop_owner(client)
         for kv_id in owned:
-            self.unregister_kv_cache(p.UnregisterKVCache(kv_id=kv_id))
-        self._client_gone(client)
+            self.registrations.unregister(kv_id)
+        self.engine_copies.client_gone(client)
         return dropped, len(owned)
 
-    def _bye(self, msg: p.Bye, reply: Reply) -> None:
-        client = check.client_id(msg.client_id)
+    def _bye(self, request: Request) -> None:
+        client = check.client_id(request.msg.client_id)
 
         def run() -> None:
             leases, regs = self._forget_client(client)
-            reply(p.ByeReply(leases=leases, registrations=regs))
+            request.reply(p.ByeReply(leases=leases, registrations=regs))
 
-        self._bulk.submit(self._job(reply, run))
+        self._housekeeping.submit(request.job(run))
 
     def _process_exited(self, clients: list[bytes], pid: int) -> None:
         """A watched process exited: forget its clients now, not after their heartbeat timeout
@@ -293,7 +242,7 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
                 logger.info("the process %d of %d client(s) exited: dropped %d leases and %d registrations", pid,
                             len(clients), dropped, owned)
 
-        self._bulk.submit(run)
+        self._housekeeping.submit(run)
 
     def tick(self, heard_until: float | None = None) -> None:
         """Expire leases; forget clients that stopped sending heartbeats, with their leases and
@@ -303,32 +252,23 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         silent only if the server could have heard it, not because the server was not listening)."""
         now = time.monotonic()
         deadline = (now if heard_until is None else min(now, heard_until)) - self.config.heartbeat_timeout
-        silent = [c for c, seen in list(self._clients.items()) if seen < deadline]
+        silent = self.clients.silent_since(deadline)
 
         def run() -> None:
             self.l1.expire()
-            self._reap_reservations()
+            self.engine_copies.reap_reservations()
             for client in silent:
-                if self._clients.get(client, 0) >= deadline:
+                if self.clients.heard(client) >= deadline:
                     continue  # heard from again meanwhile
                 dropped, owned = self._forget_client(client)
                 if dropped or owned:
                     logger.info("client %s went silent: dropped %d leases and %d registrations",
                                 client.hex()[:8], dropped, owned)
 
-        self._bulk.submit(run)
+        self._housekeeping.submit(run)
 
     def status(self) -> dict:
-        with self._lock:
-            regs = [
-                {"id": f"{kv & 0xFFFF:04x}",  # a tag (as in thread names): the kv_id is the client's secret
-                 "model": shown(e.ctx.reg.model), "rank": e.ctx.reg.rank, "world_size": e.ctx.reg.world_size,
-                 "layout": e.ctx.reg.spec.kind, "layers": e.ctx.reg.spec.model_layers,
-                 "copy_bytes": e.ctx.reg.spec.segment_bytes, "device": e.ctx.device,
-                 "transfer_mode": e.ctx.transfer_mode, "transfer_mode_reason": e.ctx.mode_reason,
-                 "object_bytes": e.ctx.reg.object_bytes}
-                for kv, e in self._entries.items()
-            ]
+        regs = self.registrations.status()
         arena = dict(self.arena.stats())
         out = {
             "version": __version__,
@@ -336,10 +276,10 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
             "uptime_s": round(time.time() - self.started, 1),
             "url": self.url,
             "http": self.http,
-            "bytes_moved": dict(self.moved),
+            "bytes_moved": self.moved.snapshot(),
             "device": self.device,
             "chunk_size": self.config.chunk_size,
-            "clients": len(self._clients),
+            "clients": len(self.clients),
             "registrations": regs,
             "gc": self.gc_pauses.stats(),
             "l1": {**self.l1.stats(), "capacity": arena["capacity"],
@@ -348,25 +288,10 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         }
         if self.l2 is not None:
             out["l2"] = self.l2.stats()
-        out["engine_copies"] = self.engine_copies_status()
-        if self.tenancy is not None:
-            out["tenants"] = self.tenants_status()
+        out["engine_copies"] = self.engine_copies.status()
+        if self.tenancy.enabled:
+            out["tenants"] = self.shares.status()
         return out
-
-    def _reattach(self, journal: L1Journal) -> None:
-        """The chunks a previous server left in the arena file, at once (on the cuda device once
-        L1 is page-locked: no copy may touch memory that is not)."""
-        live = journal.read_live() if self.arena.reattached else {}
-        if not self.arena.reattached and journal.bytes:
-            logger.warning("L1 in %s: the arena file was not of %s (--l1-size or --slab-size changed, or the file "
-                           "was damaged): L1 starts empty", self.config.l1_persist, format_size(self.arena.capacity))
-        if live and self.device == "cuda":
-            logger.info("L1: waiting for the arena to be page-locked before re-attaching %d chunks", len(live))
-            self.arena.wait_pinned(3600.0)
-        self.l1.attach_journal(journal)
-        restored, dropped = self.l1.restore(live.values())
-        what = f"re-attached {restored} chunks of the previous server" + (f", dropped {dropped}" if dropped else "")
-        logger.info("L1 in %s: %s", self.config.l1_persist, what if self.arena.reattached else "a new arena file")
 
     @property
     def closing(self) -> bool:
@@ -380,31 +305,27 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
         """Stop taking requests, finish queued work, free every registration and the arena."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self.registrations.closing = True
         if self.l2 is not None:  # its loads in flight still answer (through their registrations)
             self.l2.close()
-        with self._lock:
-            kv_ids = list(self._entries)
-        for kv_id in kv_ids:
-            self.unregister_kv_cache(p.UnregisterKVCache(kv_id=kv_id))
-        with self._lock:
-            workers = list(self._workers)
+        for kv_id in self.registrations.kv_ids():
+            self.registrations.unregister(kv_id)
+        workers = self.registrations.workers()
         deadline = time.monotonic() + self.config.drain_timeout
         for worker in workers:  # those unregistered before may still be closing their context
             worker.stop(timeout=max(0.0, deadline - time.monotonic()))
-        self._processes.close()
-        self._bulk.stop(timeout=max(0.0, deadline - time.monotonic()))
+        self.clients.close()
+        self._housekeeping.stop(timeout=max(0.0, deadline - time.monotonic()))
         late = sum(w.alive() for w in workers)
         if late:
             logger.warning("%d KV caches still had work after the drain timeout (%.0f s); stopping anyway", late,
                            self.config.drain_timeout)
-        if self._events is not None:
-            self._events.close()
+        self.registrations.close_event_cache()
         if self.l1.journal is not None:  # the chunks stay in the arena file for the next server
             self.l1.close_journal()
         else:
             self.l1.clear()
-        self._windows.close()
+        self.engine_copies.close()
         for hook in self._close_hooks:  # e.g. stop the transport once the last replies are out
             hook()
         self.gc_pauses.close()
@@ -414,22 +335,31 @@ class MPCacheEngine(RegistrationHandling, ServerCopies, EngineCopies, LookupHand
                 logger.info("gave L1's %s back to the machine in %.1f s", format_size(self.arena.capacity),
                             time.monotonic() - t0)
 
-    _handlers = {
-        p.Hello: _hello,
-        p.Ping: _ping,
-        p.Status: _status,
-        p.Clear: _clear,
-        p.Events: _events_since,
-        p.RegisterKVCache: RegistrationHandling.register_kv_cache,
-        p.UnregisterKVCache: RegistrationHandling.unregister_kv_cache,
-        p.Store: ServerCopies.store,
-        p.Retrieve: ServerCopies.retrieve,
-        p.Lookup: LookupHandling.lookup,
-        p.Release: LookupHandling.release,
-        p.Bye: _bye,
-        p.MapArena: EngineCopies._map_arena,
-        p.Reserve: EngineCopies._reserve,
-        p.Commit: EngineCopies._commit,
-        p.Read: EngineCopies._read,
-        p.ReadDone: EngineCopies._read_done,
-    }
+    # ---- the names of the engine this re-implements (DESIGN.md): each a request of its part ----
+
+    def register_kv_cache(self, msg: p.RegisterKVCache, reply: Reply) -> None:
+        self.handle(Request(msg, reply))
+
+    def unregister_kv_cache(self, msg: p.UnregisterKVCache, reply: Reply | None = None) -> None:
+        """From a client (reply given): only its own registration. Internal (no reply): any."""
+        if reply is None:
+            self.registrations.unregister(msg.kv_id)
+        else:
+            self.handle(Request(msg, reply))
+
+    def store(self, msg: p.Store, reply: Reply) -> None:
+        self.handle(Request(msg, reply))
+
+    def retrieve(self, msg: p.Retrieve, reply: Reply) -> None:
+        self.handle(Request(msg, reply))
+
+    def lookup(self, msg: p.Lookup, reply: Reply) -> None:
+        self.handle(Request(msg, reply))
+
+    def clear(self) -> int:
+        removed = self.l1.clear()
+        logger.info("cleared %d objects", removed)
+        return removed
+
+    def get_chunk_size(self) -> int:
+        return self.config.chunk_size

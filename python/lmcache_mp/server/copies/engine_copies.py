@@ -1,4 +1,4 @@
-"""The engine's own copies (registrations with transfer="engine"): a part of MPCacheEngine.
+"""The engine's own copies (registrations with transfer="engine"): the engine's `EngineCopies` part.
 
 Without MPS a GPU runs the kernels of one CUDA context at a time, so packing kernels of the
 server's context take the engine's time slice. For a registration made with transfer="engine"
@@ -15,7 +15,7 @@ Trust: whoever maps L1 can read and write every chunk in it. MAP_ARENA is answer
 local lane (a unix socket: for an ipc:// endpoint, a file of mode 0600, or 0660 of --ipc-group)
 and only to processes of this server's user, root, or --ipc-group (the kernel's credentials of
 the connecting process). On a server with tenants, a process maps its tenant's window instead of
-L1 (tenant_windows.py): the offsets of RESERVE and READ replies are into the window, and the
+L1 (tenancy/windows.py): the offsets of RESERVE and READ replies are into the window, and the
 server copies between it and L1.
 
 A client that goes away (BYE, its heartbeats stop) has its reads ended at once; its
@@ -35,14 +35,19 @@ import time
 from dataclasses import dataclass, field
 
 from lmcache_mp import protocol as p
+from lmcache_mp.config import ServerConfig
 from lmcache_mp.keys import DIGEST_BYTES
+from lmcache_mp.native import HostArena
 from lmcache_mp.processes import process_start
 from lmcache_mp.server import validation as check
-from lmcache_mp.server.request import Reply, mark
-from lmcache_mp.server.copies.server_copies import INLINE_CHUNKS
+from lmcache_mp.server.copies.server_copies import INLINE_CHUNKS, BytesMoved, ServerCopies, check_deadline
+from lmcache_mp.server.registry.clients import Clients
+from lmcache_mp.server.registry.registrations import Entry, Registrations
+from lmcache_mp.server.request import Request
+from lmcache_mp.server.tenancy.tenancy import NoTenancy, Tenancy
 from lmcache_mp.server.tenancy.windows import Slots, TenantWindows
-from lmcache_mp.storage.l1 import StorePlan
 from lmcache_mp.server.validation import RequestFailure, chunk_keys, over_limit, parent_key, shared_keys
+from lmcache_mp.storage.l1 import L1Store, StorePlan
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +70,29 @@ class Holder:
 
 
 class EngineCopies:
-    """Expects MPCacheEngine's config, arena, l1, l2, session_id, _entry, _touch, _job,
-    _read_objects, _count_moved and _check_deadline."""
-
-    def _init_engine_copies(self) -> None:
+    def __init__(self, config: ServerConfig, arena: HostArena, l1: L1Store, session_id: bytes,
+                 registrations: Registrations, clients: Clients, server_copies: ServerCopies, moved: BytesMoved):
+        """server_copies: reads find their chunks (loading from L2 first) as retrieves do."""
+        self.config = config
+        self.arena = arena
+        self.l1 = l1
+        self.session_id = session_id
+        self.registrations = registrations
+        self.clients = clients
+        self.server_copies = server_copies
+        self.moved = moved
+        self.tenancy: Tenancy | NoTenancy = NoTenancy()  # (MPCacheEngine.attach_tenancy)
         self._holders: dict[bytes, Holder] = {}
         self._holders_lock = threading.Lock()
         self._held_ids = itertools.count(1)
-        self._windows = TenantWindows(self.arena.slab_bytes)  # (used on a server with tenants only)
+        self.windows = TenantWindows(self.arena.slab_bytes)  # (used on a server with tenants only)
         self._group_gid = None
         if self.config.ipc_group:
             g = self.config.ipc_group
             self._group_gid = int(g) if g.isdigit() else grp.getgrnam(g).gr_gid
+
+    def close(self) -> None:
+        self.windows.close()
 
     # ---- MAP_ARENA ---------------------------------------------------------------------------
 
@@ -94,31 +110,32 @@ class EngineCopies:
         except OSError:
             return False
 
-    def _map_arena(self, msg: p.MapArena, reply: Reply) -> None:
-        conn = getattr(reply, "conn", None)
+    def map_arena(self, request: Request) -> None:
+        msg: p.MapArena = request.msg
+        conn = request.lane
         if conn is None:
             raise RequestFailure(p.ErrorCode.UNSUPPORTED, "MAP_ARENA is answered on the local lane only (a file "
                                  "descriptor cannot cross ZeroMQ)")
         check.client_id(msg.client_id)
         pid, uid, gid = conn.peer
-        tenant = getattr(reply, "tenant", None)
+        tenant = request.tenant
         if tenant is None and not self._may_map(pid, uid, gid):
             raise RequestFailure(p.ErrorCode.UNSUPPORTED, f"a process of user {uid} may not map this server's L1 "
                                  "(only its own user, root or --ipc-group may): copies stay in the server")
-        self._touch(msg.client_id)
+        self.clients.touch(msg.client_id)
         with self._holders_lock:
             h = self._holders.setdefault(msg.client_id, Holder())
             h.pid, h.start = pid, process_start(pid) if pid else None
-        arena = self._windows.of(tenant).arena if tenant is not None else self.arena
-        reply.fds = (arena.fd,)
+        arena = self.windows.of(tenant).arena if tenant is not None else self.arena
         logger.debug("%s mapped by pid %d (client %s)", f"tenant {tenant.name}'s window" if tenant else "L1", pid,
                      msg.client_id.hex()[:8])
-        reply(p.MapArenaReply(capacity=arena.capacity, slab_bytes=arena.slab_bytes, session_id=self.session_id))
+        request.reply(p.MapArenaReply(capacity=arena.capacity, slab_bytes=arena.slab_bytes,
+                                      session_id=self.session_id), fds=(arena.fd,))
 
     # ---- stores ------------------------------------------------------------------------------
 
-    def _engine_entry(self, kv_id: int, client_id: bytes):
-        entry = self._entry(kv_id, client_id)
+    def _engine_entry(self, kv_id: int, client_id: bytes) -> Entry:
+        entry = self.registrations.entry(kv_id, client_id)
         if entry.ctx.transfer_mode != "engine":
             raise RequestFailure(p.ErrorCode.INVALID_ARGUMENT, "this KV cache was registered for the server's "
                                  "copies: use STORE and RETRIEVE")
@@ -132,31 +149,33 @@ class EngineCopies:
                              "finish some first")
         return h
 
-    def _on_registration(self, msg: p.Reserve | p.Read, reply: Reply, run) -> None:
-        """run(entry, msg, reply) in the registration's order (on the socket thread when small and
+    def _on_registration(self, request: Request, run) -> None:
+        """run(entry, msg, request) in the registration's order (on the socket thread when small and
         the registration idle, as a store or retrieve of the server's copies)."""
+        msg: p.Reserve | p.Read = request.msg
         entry = self._engine_entry(msg.kv_id, msg.client_id)
-        self._touch(msg.client_id)
-        entry.run(self._job(reply, lambda: run(entry, msg, reply)),
+        self.clients.touch(msg.client_id)
+        entry.run(request.job(lambda: run(entry, msg, request)),
                   inline=len(msg.hashes) // DIGEST_BYTES <= INLINE_CHUNKS, limit=self.config.max_queued_requests)
 
-    def _reserve(self, msg: p.Reserve, reply: Reply) -> None:
-        self._on_registration(msg, reply, self._run_reserve)
+    def reserve(self, request: Request) -> None:
+        self._on_registration(request, self._run_reserve)
 
-    def _run_reserve(self, entry, msg: p.Reserve, reply: Reply) -> None:
-        mark(reply, "started")
+    def _run_reserve(self, entry: Entry, msg: p.Reserve, request: Request) -> None:
+        reply = request.reply
+        request.mark("started")
         reg = entry.ctx.reg
         keys = chunk_keys(reg, msg.hashes, msg.salt)
         parent = parent_key(reg, msg.parent, msg.salt)
         if msg.shared:
-            shared = self._shared_of(reg.model)
+            shared = self.tenancy.shared_of(reg.model)
             keys, parent = shared_keys(shared, keys), parent and shared_keys(shared, [parent])[0]
-        self._check_deadline(msg)
+        check_deadline(msg)
         with self._holders_lock:
             holder = self._holder(msg.client_id)
         plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key, parent)
-        mark(reply, "in L1")
-        slots = self._window_slots(reply, plan, reg.object_bytes)
+        request.mark("in L1")
+        slots = self._window_slots(request, plan, reg.object_bytes)
         if not plan.objects:
             def answer(failed: int) -> None:  # once the chunks others were writing landed
                 reply(p.ReserveReply(reservation=0, chunks=b"", offsets=b"", object_bytes=reg.object_bytes,
@@ -172,8 +191,10 @@ class EngineCopies:
                              offsets=p.pack_offsets(slots.offsets if slots else [o.offset for o in plan.objects]),
                              object_bytes=reg.object_bytes, present=plan.present, skipped=plan.skipped))
 
-    def _commit(self, msg: p.Commit, reply: Reply) -> None:
-        self._touch(msg.client_id)
+    def commit(self, request: Request) -> None:
+        msg: p.Commit = request.msg
+        reply = request.reply
+        self.clients.touch(msg.client_id)
         with self._holders_lock:
             holder = self._holders.get(msg.client_id)
             held = holder.reservations.pop(msg.reservation, None) if holder is not None else None
@@ -189,7 +210,7 @@ class EngineCopies:
             slots.window.copy_out(slots, self.arena.base, [o.offset for o in plan.objects], object_bytes)
             slots.release()
         self.l1.commit(plan)
-        self._count_moved("store", len(plan.objects) * object_bytes)
+        self.moved.count("store", len(plan.objects) * object_bytes)
 
         def answer(failed: int) -> None:
             reply(p.CommitReply(stored=len(plan.objects), present=plan.present + len(plan.pending) - failed,
@@ -199,21 +220,22 @@ class EngineCopies:
 
     # ---- retrieves ---------------------------------------------------------------------------
 
-    def _read(self, msg: p.Read, reply: Reply) -> None:
-        self._on_registration(msg, reply, self._run_read)
+    def read(self, request: Request) -> None:
+        self._on_registration(request, self._run_read)
 
-    def _run_read(self, entry, msg: p.Read, reply: Reply, held: list | None = None) -> None:
+    def _run_read(self, entry: Entry, msg: p.Read, request: Request, held: list | None = None) -> None:
         def again(objs: list) -> None:  # after L2 loads, on the registration's worker
-            entry.run(self._job(reply, lambda: self._run_read(entry, msg, reply, held=objs)))
+            entry.run(request.job(lambda: self._run_read(entry, msg, request, held=objs)))
 
-        objs = self._read_objects(entry, msg, reply, held, again)
+        reply = request.reply
+        objs = self.server_copies.read_objects(entry, msg, request, held, again)
         if objs is None:
             return  # loading from L2; runs again
         reg = entry.ctx.reg
         keep = objs  # what the read holds until its READ_DONE
-        tenant = getattr(reply, "tenant", None)
+        tenant = request.tenant
         if tenant is not None and objs:  # copied into the tenant's window; L1's objects go at once
-            window = self._windows.of(tenant)
+            window = self.windows.of(tenant)
             keep = window.take(reg.object_bytes, len(objs))
             window.copy_in(keep, self.arena.base, [o.offset for o in objs[:len(keep.offsets)]], reg.object_bytes)
             self.l1.end_read(objs)
@@ -229,18 +251,19 @@ class EngineCopies:
         except RequestFailure:
             self._end_read(keep)
             raise
-        self._count_moved("retrieve", len(objs) * reg.object_bytes)
+        self.moved.count("retrieve", len(objs) * reg.object_bytes)
         offsets = keep.offsets if isinstance(keep, Slots) else [o.offset for o in objs]
         reply(p.ReadReply(read=rid, offsets=p.pack_offsets(offsets), object_bytes=reg.object_bytes))
 
-    def _read_done(self, msg: p.ReadDone, reply: Reply) -> None:
+    def read_done(self, request: Request) -> None:
+        msg: p.ReadDone = request.msg
         with self._holders_lock:
             holder = self._holders.get(msg.client_id)
             objs = holder.reads.pop(msg.read, None) if holder is not None else None
         if objs is None:
             raise RequestFailure(p.ErrorCode.INVALID_ARGUMENT, f"no read {msg.read} of this client (finished "
                                  "already, or the server restarted)")
-        reply(p.ReadDoneReply(released=self._end_read(objs)))
+        request.reply(p.ReadDoneReply(released=self._end_read(objs)))
 
     def _end_read(self, held) -> int:
         """A read is over: its L1 objects are let go, or its window slots given back."""
@@ -254,13 +277,13 @@ class EngineCopies:
         if slots is not None:
             slots.release()
 
-    def _window_slots(self, reply: Reply, plan: StorePlan, object_bytes: int) -> Slots | None:
+    def _window_slots(self, request: Request, plan: StorePlan, object_bytes: int) -> Slots | None:
         """With tenants: the window slots a reservation's chunks are copied into, one per object
         of the plan; the objects beyond what the window has free are given back (skipped)."""
-        tenant = getattr(reply, "tenant", None)
+        tenant = request.tenant
         if tenant is None or not plan.objects:
             return None
-        slots = self._windows.of(tenant).take(object_bytes, len(plan.objects))
+        slots = self.windows.of(tenant).take(object_bytes, len(plan.objects))
         cut = len(slots.offsets)
         if cut < len(plan.objects):
             self.l1.abort(StorePlan(indices=plan.indices[cut:], objects=plan.objects[cut:], present=0, skipped=0))
@@ -270,7 +293,7 @@ class EngineCopies:
 
     # ---- clients that go away ----------------------------------------------------------------
 
-    def _client_gone(self, client: bytes) -> None:
+    def client_gone(self, client: bytes) -> None:
         """The client was forgotten: its reads end now; its reservations once its process is."""
         with self._holders_lock:
             holder = self._holders.get(client)
@@ -280,9 +303,9 @@ class EngineCopies:
             holder.gone_at = holder.gone_at or time.monotonic()
         for objs in reads:
             self._end_read(objs)
-        self._reap_reservations()
+        self.reap_reservations()
 
-    def _reap_reservations(self) -> None:
+    def reap_reservations(self) -> None:
         """Give back the reservations of clients that were forgotten and whose process is gone (or,
         unseen, after ORPHAN_HOLD_S): no copy of theirs can land any more (called on ticks)."""
         now = time.monotonic()
@@ -305,10 +328,10 @@ class EngineCopies:
             logger.info("gave back %d reservations of clients whose processes are gone (nothing of them was "
                         "committed)", len(dropped))
 
-    def engine_copies_status(self) -> dict:
+    def status(self) -> dict:
         with self._holders_lock:
             return {"clients": len(self._holders),
                     "reservations": sum(len(h.reservations) for h in self._holders.values()),
                     "reads": sum(len(h.reads) for h in self._holders.values()),
                     "held_for_gone_clients": sum(len(h.reservations) for h in self._holders.values() if h.gone_at),
-                    **({"tenant_windows": self._windows.stats()} if self.tenancy is not None else {})}
+                    **({"tenant_windows": self.windows.stats()} if self.tenancy.enabled else {})}

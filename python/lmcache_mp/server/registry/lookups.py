@@ -1,4 +1,4 @@
-"""Lookups, leases and releases: a part of MPCacheEngine. A lookup counts the leading chunks
+"""Lookups, leases and releases: the engine's `Lookups` part. A lookup counts the leading chunks
 present for every rank (continuing into L2 after L1); with lock it leases them, and when L2
 holds some of them its reply waits while they are loaded into L1 (at most the prefetch timeout).
 Large lookups and releases run on the housekeeping thread, a slice of the index at a time."""
@@ -8,9 +8,15 @@ from __future__ import annotations
 import logging
 
 from lmcache_mp import protocol as p
+from lmcache_mp.config import ServerConfig
 from lmcache_mp.server import validation as check
-from lmcache_mp.server.request import Reply
+from lmcache_mp.server.copies.workers import SerialWorker
+from lmcache_mp.server.registry.clients import Clients
+from lmcache_mp.server.request import Reply, Request
+from lmcache_mp.server.tenancy.tenancy import NoTenancy, Tenancy
 from lmcache_mp.server.validation import over_limit
+from lmcache_mp.storage.l1 import L1Store
+from lmcache_mp.storage.l2.tiers import L2Tiers
 from lmcache_mp.storage.leases import TooManyLeases
 
 logger = logging.getLogger(__name__)
@@ -18,12 +24,21 @@ logger = logging.getLogger(__name__)
 INLINE_LOOKUP_KEYS = 2048  # lookups of at most this many keys (hashes x ranks) run on the socket thread
 
 
-class LookupHandling:
-    """Expects MPCacheEngine's config, l1, l2, tenancy, _bulk, _job and _touch."""
+class Lookups:
+    def __init__(self, config: ServerConfig, l1: L1Store, l2: L2Tiers | None, clients: Clients,
+                 housekeeping: SerialWorker):
+        self.config = config
+        self.l1 = l1
+        self.l2 = l2
+        self.clients = clients
+        self.tenancy: Tenancy | NoTenancy = NoTenancy()  # (MPCacheEngine.attach_tenancy)
+        self._housekeeping = housekeeping
 
-    def lookup(self, msg: p.Lookup, reply: Reply) -> None:
+    def lookup(self, request: Request) -> None:
+        msg: p.Lookup = request.msg
+        reply = request.reply
         cost = check.lookup_cost(msg)
-        self._touch(msg.client_id)
+        self.clients.touch(msg.client_id)
 
         def run() -> None:
             digests = check.digests(msg.hashes)
@@ -44,7 +59,7 @@ class LookupHandling:
         if cost <= INLINE_LOOKUP_KEYS:
             run()
         else:
-            self._bulk.submit(self._job(reply, run))
+            self._housekeeping.submit(request.job(run))
 
     def _lookup_remote(self, msg: p.Lookup, digests: list[bytes], hits: int, lease: int, reply: Reply) -> None:
         def found_in_l2(n: int | None) -> None:  # None: not known by the deadline
@@ -93,29 +108,21 @@ class LookupHandling:
         if not self.l2.prefetch(found, answer):
             reply(p.LookupReply(hits=hits, lease=lease))
 
-    def release(self, msg: p.Release, reply: Reply) -> None:
-        self._touch(check.client_id(msg.client_id))
+    def release(self, request: Request) -> None:
+        msg: p.Release = request.msg
+        self.clients.touch(check.client_id(msg.client_id))
         check.count_digests(msg.hashes)
 
         def run() -> None:
             digests = check.digests(msg.hashes) if msg.hashes else None
-            if self.tenancy is not None:  # another tenant's lease (ids are secrets: one that leaked) is unknown
-                held = self.l1.lease(msg.lease)
-                if held is not None and held.owner[:2] != msg.client_id[:2]:
-                    reply(p.ReleaseReply(released=0))
-                    return
-            reply(p.ReleaseReply(released=self.l1.release(msg.lease, digests)))
+            held = self.l1.lease(msg.lease)
+            if held is not None and self.tenancy.foreign_lease(held.owner, msg.client_id):
+                request.reply(p.ReleaseReply(released=0))  # another tenant's lease is unknown
+                return
+            request.reply(p.ReleaseReply(released=self.l1.release(msg.lease, digests)))
 
-        self._bulk.submit(self._job(reply, run))
+        self._housekeeping.submit(request.job(run))
 
     def _shared_of(self, model: str) -> str:
         """Where a lookup of this model continues: the shared namespace, for a tenant that reads it."""
-        return self.tenancy.shared_of(model) if self.tenancy is not None else ""
-
-    def clear(self) -> int:
-        removed = self.l1.clear()
-        logger.info("cleared %d objects", removed)
-        return removed
-
-    def get_chunk_size(self) -> int:
-        return self.config.chunk_size
+        return self.tenancy.shared_of(model)

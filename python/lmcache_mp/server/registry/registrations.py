@@ -1,4 +1,4 @@
-"""Registering and unregistering KV caches: a part of MPCacheEngine.
+"""Registering and unregistering KV caches: the engine's `Registrations` part.
 
 A registration is checked on the socket thread (scalar fields only) and opened on a thread of
 its own (layouts, shared memory or CUDA IPC, the transfer engine), which then runs that cache's
@@ -12,27 +12,31 @@ import logging
 import secrets
 import threading
 from typing import Callable
+
 from lmcache_mp import protocol as p
-from lmcache_mp.config import format_size
-from lmcache_mp.native import pinning_paused
+from lmcache_mp.completions import CompletionWaiter
+from lmcache_mp.config import ServerConfig, format_size
+from lmcache_mp.layout import describe_kind
+from lmcache_mp.native import HostArena, pinning_paused
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.copies.contexts import (
     CPUCacheContext,
     EngineCopyContext,
     GPUCacheContext,
+    IpcEventCache,
+    IpcMemoryCache,
     Registration,
     RegistrationError,
     describe_layers,
 )
-from lmcache_mp.layout import describe_kind
-from lmcache_mp.server.ops.gc_pauses import settle
 from lmcache_mp.server.copies.transfer_mode import choose_transfer_mode
-from lmcache_mp.server.request import Reply
-from lmcache_mp.server.tenancy.tenancy import shown, strip
-from lmcache_mp.storage.tenant_quotas import SEP
-from lmcache_mp.server.validation import RequestFailure, invalid, over_limit
-from lmcache_mp.completions import CompletionWaiter
 from lmcache_mp.server.copies.workers import SerialWorker
+from lmcache_mp.server.ops.gc_pauses import settle
+from lmcache_mp.server.registry.clients import Clients
+from lmcache_mp.server.request import Request
+from lmcache_mp.server.tenancy.tenancy import NoTenancy, Tenancy, shown, strip
+from lmcache_mp.server.validation import RequestFailure, invalid, over_limit
+from lmcache_mp.storage.tenant_quotas import SEP
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +85,29 @@ class Entry:
                 self._jobs -= 1
 
 
-class RegistrationHandling:
-    """Expects MPCacheEngine's config, device, arena, _lock, _entries, _workers, _clients,
-    _closed, _uuids, _ipc, _events and _touch."""
+class Registrations:
+    """The live registrations (kv_id -> Entry) and the threads of those that ended until they did."""
 
-    def register_kv_cache(self, msg: p.RegisterKVCache, reply: Reply) -> None:
+    def __init__(self, config: ServerConfig, device: str, arena: HostArena, clients: Clients,
+                 ipc: IpcMemoryCache | None, events: IpcEventCache | None, uuids: dict[bytes, int]):
+        """ipc, events: the CUDA IPC caches (None on the cpu device); uuids: this server's GPUs by uuid."""
+        self.config = config
+        self.device = device
+        self.arena = arena
+        self.clients = clients
+        self.tenancy: Tenancy | NoTenancy = NoTenancy()  # (MPCacheEngine.attach_tenancy)
+        self._ipc = ipc
+        self._events = events
+        self._uuids = uuids
+        self.lock = threading.Lock()  # the entries and the clients they belong to, together
+        self._entries: dict[int, Entry] = {}
+        # Every registration's thread, until it ended: close() waits for them all, so that no
+        # context is torn down (driver calls, without the GIL) while the interpreter shuts down.
+        self._workers: set[SerialWorker] = set()
+        self.closing = False  # set by the engine's close: a registration opened after it is abandoned
+
+    def register_kv_cache(self, request: Request) -> None:
+        msg: p.RegisterKVCache = request.msg
         cid = check.client_id(msg.client_id)
         check.world_size(msg.world_size)
         if not 0 <= msg.rank < msg.world_size:
@@ -103,9 +125,9 @@ class RegistrationHandling:
                 p.ErrorCode.UNSUPPORTED,
                 f"this server runs on the {self.device} device; it cannot take a {msg.device} KV cache",
             )
-        self._touch(cid)
-        tenant = getattr(reply, "tenant", None)
-        with self._lock:
+        self.clients.touch(cid)
+        tenant = request.tenant
+        with self.lock:
             mine = sum(e.ctx.reg.client_id == cid for e in self._entries.values())
             tenants = 0 if tenant is None else sum(e.ctx.reg.model.startswith(tenant.prefix)
                                                    for e in self._entries.values())
@@ -118,7 +140,7 @@ class RegistrationHandling:
                              "(max_registrations_per_client); unregister one first")
         kv_id = secrets.randbits(63)  # unguessable, never reused: a stale id cannot hit another cache
         worker = SerialWorker(f"lmcache-kv-{kv_id & 0xFFFF:04x}")
-        with self._lock:
+        with self.lock:
             self._workers = {w for w in self._workers if w.alive()}
             self._workers.add(worker)
 
@@ -140,15 +162,15 @@ class RegistrationHandling:
                                               choose_transfer_mode, self.config.staging_size, self.config.direct_ctas)
                 entry = Entry(ctx, worker)
                 if isinstance(ctx, GPUCacheContext):
-                    # Through ctx, not a bound method: the engine must go when the context closes.
-                    engine_of = lambda ctx=ctx: ctx.engine  # noqa: E731
+                    # Through ctx, not a bound method: the mover must go when the context closes.
+                    mover_of = lambda ctx=ctx: ctx.engine  # noqa: E731
                     spin = min(self.config.spin_us, COMPLETION_SPIN_US)
-                    entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", engine_of,
+                    entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", mover_of,
                                                         "gather", spin)
-                    entry.retrieve_done = CompletionWaiter(f"lmcache-load-{kv_id & 0xFFFF:04x}", engine_of,
+                    entry.retrieve_done = CompletionWaiter(f"lmcache-load-{kv_id & 0xFFFF:04x}", mover_of,
                                                            "scatter", spin)
-                with self._lock:  # a client forgotten meanwhile must not leave a registration behind
-                    alive = cid in self._clients and not self._closed
+                with self.lock:  # a client forgotten meanwhile must not leave a registration behind
+                    alive = self.clients.known(cid) and not self.closing
                     if alive:
                         self._entries[kv_id] = entry
                 if not alive:
@@ -159,12 +181,12 @@ class RegistrationHandling:
             except (RegistrationError, RequestFailure) as e:
                 self._abandon(ctx, worker)
                 code = e.code if isinstance(e, RequestFailure) else p.ErrorCode.INVALID_ARGUMENT
-                reply(p.Error(code=int(code), message=str(e)))
+                request.fail(code, str(e))
                 return
             except Exception as e:  # every request gets a reply, even on a bug here
                 self._abandon(ctx, worker)
                 logger.exception("internal error registering a KV cache")
-                reply(p.Error(code=int(p.ErrorCode.INTERNAL), message=f"internal error: {e}"))
+                request.fail(p.ErrorCode.INTERNAL, f"internal error: {e}")
                 return
             settle()  # the registration's objects live until it ends
             spec = reg.spec
@@ -175,9 +197,10 @@ class RegistrationHandling:
                         "%s, %s per chunk, transfer mode %s (%s)", describe_kind(spec), shown(reg.model), reg.rank,
                         reg.world_size, spec.model_layers, spec.num_blocks, spec.block_size, spec.dtype,
                         format_size(reg.object_bytes), ctx.transfer_mode, ctx.mode_reason)
-            reply(p.RegisterReply(kv_id=kv_id, layout=spec.kind, object_bytes=reg.object_bytes,
-                                  transfer_mode=ctx.transfer_mode, shared=reg.shared, block_size=spec.block_size,
-                                  num_blocks=spec.num_blocks, chunk_size=reg.chunk_size))
+            request.reply(p.RegisterReply(kv_id=kv_id, layout=spec.kind, object_bytes=reg.object_bytes,
+                                          transfer_mode=ctx.transfer_mode, shared=reg.shared,
+                                          block_size=spec.block_size, num_blocks=spec.num_blocks,
+                                          chunk_size=reg.chunk_size))
 
         worker.submit(open_context)
 
@@ -204,29 +227,36 @@ class RegistrationHandling:
             ctx.close()
         worker.stop()
 
-    def _entry(self, kv_id: int, client_id: bytes) -> Entry:
+    def entry(self, kv_id: int, client_id: bytes) -> Entry:
         """The registration kv_id, for the client that made it: another client's request is told
         it does not exist (a kv_id is unguessable; this also stops one that leaked)."""
-        with self._lock:
+        with self.lock:
             entry = self._entries.get(kv_id)
         if entry is None or entry.ctx.reg.client_id != client_id:
             raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION,
                                  f"no KV cache of this client is registered as {kv_id} (was the server restarted?)")
         return entry
 
-    def unregister_kv_cache(self, msg: p.UnregisterKVCache, reply: Reply | None = None) -> None:
-        """From a client (reply given): only its own registration. Internal (no reply): any."""
-        with self._lock:
-            entry = self._entries.get(msg.kv_id)
-            if entry is not None and (reply is None or entry.ctx.reg.client_id == msg.client_id):
-                del self._entries[msg.kv_id]
+    def unregister_kv_cache(self, request: Request) -> None:
+        """UNREGISTER from a client: only its own registration."""
+        msg: p.UnregisterKVCache = request.msg
+        if not self._unregister(msg.kv_id, msg.client_id, request):
+            raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION,
+                                 f"no KV cache of this client is registered as {msg.kv_id}")
+
+    def unregister(self, kv_id: int) -> None:
+        """Internal (the client went away, the server closes): any registration, no reply."""
+        self._unregister(kv_id, None, None)
+
+    def _unregister(self, kv_id: int, client_id: bytes | None, request: Request | None) -> bool:
+        with self.lock:
+            entry = self._entries.get(kv_id)
+            if entry is not None and (client_id is None or entry.ctx.reg.client_id == client_id):
+                del self._entries[kv_id]
             else:
                 entry = None
         if entry is None:
-            if reply is not None:
-                raise RequestFailure(p.ErrorCode.UNKNOWN_REGISTRATION,
-                                     f"no KV cache of this client is registered as {msg.kv_id}")
-            return
+            return False
 
         def close() -> None:  # runs after the registration's queued work
             entry.closed = True
@@ -235,12 +265,51 @@ class RegistrationHandling:
                     waiter.stop()
             entry.ctx.close()
             entry.worker.stop()
-            logger.info("unregistered KV cache of model %s rank %d", shown(entry.ctx.reg.model), entry.ctx.reg.rank)
-            if self.tenancy is not None:
-                reg = entry.ctx.reg
-                self.tenancy.audit.write("unregistration", tenant=reg.model.split(SEP, 1)[0], model=strip(reg.model),
-                                         kv=f"{msg.kv_id & 0xFFFF:04x}", rank=reg.rank)
-            if reply is not None:
-                reply(p.UnregisterReply(kv_id=msg.kv_id))
+            reg = entry.ctx.reg
+            logger.info("unregistered KV cache of model %s rank %d", shown(reg.model), reg.rank)
+            self.tenancy.audit.write("unregistration", tenant=reg.model.split(SEP, 1)[0], model=strip(reg.model),
+                                     kv=f"{kv_id & 0xFFFF:04x}", rank=reg.rank)
+            if request is not None:
+                request.reply(p.UnregisterReply(kv_id=kv_id))
 
         entry.run(close)
+        return True
+
+    def forget_client(self, client: bytes) -> list[int]:
+        """The client is forgotten (it was heard from no more): the kv_ids of its registrations."""
+        with self.lock:
+            self.clients.drop(client)
+            return [kv for kv, e in self._entries.items() if e.ctx.reg.client_id == client]
+
+    def of_client(self, client: bytes) -> list[int]:
+        with self.lock:
+            return [kv for kv, e in self._entries.items() if e.ctx.reg.client_id == client]
+
+    def models(self) -> list[str]:
+        with self.lock:
+            return [e.ctx.reg.model for e in self._entries.values()]
+
+    def kv_ids(self) -> list[int]:
+        with self.lock:
+            return list(self._entries)
+
+    def workers(self) -> list[SerialWorker]:
+        with self.lock:
+            return list(self._workers)
+
+    def status(self) -> list[dict]:
+        with self.lock:
+            return [
+                {"id": f"{kv & 0xFFFF:04x}",  # a tag (as in thread names): the kv_id is the client's secret
+                 "model": shown(e.ctx.reg.model), "rank": e.ctx.reg.rank, "world_size": e.ctx.reg.world_size,
+                 "layout": e.ctx.reg.spec.kind, "layers": e.ctx.reg.spec.model_layers,
+                 "copy_bytes": e.ctx.reg.spec.segment_bytes, "device": e.ctx.device,
+                 "transfer_mode": e.ctx.transfer_mode, "transfer_mode_reason": e.ctx.mode_reason,
+                 "object_bytes": e.ctx.reg.object_bytes}
+                for kv, e in self._entries.items()
+            ]
+
+    def close_event_cache(self) -> None:
+        """The CUDA IPC events opened for registrations (once they are all closed)."""
+        if self._events is not None:
+            self._events.close()

@@ -1,43 +1,35 @@
-"""Tenants in the engine (a part of MPCacheEngine): each request scoped before its handler, the
-tenants' shares of L1 and the disk tier kept up to date, and what /status and a tenant's STATUS
-say of them. The rules themselves are server/tenancy.py's."""
+"""Tenants in the engine (its `TenantShares` part): the tenants' shares of L1 and the L2 tiers
+kept up to date, a revoked credential's clients forgotten, and what /status and a tenant's STATUS
+say of them. The rules themselves, and the scoping of each request, are tenancy.py's."""
 
 from __future__ import annotations
 
 from typing import Callable
 
-from lmcache_mp import protocol as p
-from lmcache_mp.server.request import Reply
+from lmcache_mp.server.copies.workers import SerialWorker
+from lmcache_mp.server.registry.registrations import Registrations
 from lmcache_mp.server.tenancy.tenancy import Tenancy, TenantState
 from lmcache_mp.server.tenancy.tenants_file import SHARED, SHARED_FIELDS, SharedLimits, Tenant
-from lmcache_mp.server.validation import RequestFailure
+from lmcache_mp.server.tenancy.windows import TenantWindows
+from lmcache_mp.storage.l1 import L1Store
+from lmcache_mp.storage.l2.tiers import L2Tiers
 from lmcache_mp.storage.tenant_quotas import CAUSES
 
 
-class TenantHandling:
-    """Expects MPCacheEngine's l1, l2, tenancy, status, _bulk, _lock, _entries and _forget_client."""
+class TenantShares:
+    def __init__(self, l1: L1Store, l2: L2Tiers | None, registrations: Registrations, windows: TenantWindows,
+                 housekeeping: SerialWorker, forget_client: Callable[[bytes], object]):
+        """windows: the engine copies' tenant windows; forget_client: the engine's (leases, registrations...)."""
+        self.l1 = l1
+        self.l2 = l2
+        self.registrations = registrations
+        self.windows = windows
+        self._housekeeping = housekeeping
+        self._forget_client = forget_client
+        self.tenancy: Tenancy | None = None
 
-    def _scope(self, msg: p._Msg, reply: Reply) -> None:
-        """A request of a server with tenants: within its tenant's limits, in its namespace."""
-        tenant: TenantState | None = getattr(reply, "tenant", None)
-        if tenant is None:  # (the transport names every request's tenant; anything else is refused)
-            raise RequestFailure(p.ErrorCode.PERMISSION_DENIED, "a request without a tenant")
-        if tenant.inflight > tenant.tenant.max_inflight:
-            self.tenancy.audit.denied(tenant.name, type(msg).__name__, "max_inflight")
-            raise RequestFailure(p.ErrorCode.LIMIT_EXCEEDED,
-                                 f"tenant {tenant.name} has {tenant.inflight - 1} requests in flight, the most its "
-                                 "tenants file entry allows (max_inflight)")
-        try:
-            self.tenancy.scope(msg, tenant, reply.credential)
-        except RequestFailure as e:
-            if e.code == p.ErrorCode.PERMISSION_DENIED:
-                self.tenancy.audit.denied(tenant.name, type(msg).__name__, str(e))
-            raise
-        if type(msg) is p.Lookup:
-            tenant.counters["lookup_chunks"] += len(msg.hashes) // 16
-
-    def attach_tenancy(self, tenancy: Tenancy, revoke_lane: Callable[[str], None]) -> None:
-        """Tenants (server/tenancy.py): their L1 shares now and on every reload; a credential
+    def attach(self, tenancy: Tenancy, revoke_lane: Callable[[str], None]) -> None:
+        """Tenants (tenancy.py): their L1 shares now and on every reload; a credential
         removed by a reload loses its lane connections and its clients' leases and registrations."""
         self.tenancy = tenancy
 
@@ -53,10 +45,10 @@ class TenantHandling:
 
         def revoked(credential: str, clients: list[bytes]) -> None:
             revoke_lane(credential)
-            self._bulk.submit(lambda: [self._forget_client(c) for c in clients])
+            self._housekeeping.submit(lambda: [self._forget_client(c) for c in clients])
 
         tenancy.on_limits, tenancy.on_revoked = limits, revoked
-        tenancy.window_of = self._windows.size_of  # (a reload says when an engine_window cannot change)
+        tenancy.window_of = self.windows.size_of  # (a reload says when an engine_window cannot change)
         # the shared namespace's chunks are owned by "shared" in L1 and the tiers: its quotas are a tenant's
         tenancy.on_shared_limits = lambda shared: quotas(SHARED, shared)
         self.l1.quotas.on_breach = lambda name, quota, used, limit: tenancy.audit.breach(
@@ -68,7 +60,7 @@ class TenantHandling:
             limits(state)
         quotas(SHARED, tenancy.table.shared)
 
-    def tenants_status(self) -> dict[str, dict]:
+    def status(self) -> dict[str, dict]:
         """Per tenant: its limits, L1 share, requests and registrations."""
         if self.tenancy is None:
             return {}
@@ -78,8 +70,7 @@ class TenantHandling:
         remote = {tier: got for tier in ("valkey", "mooncake")
                   if self.l2 is not None and (got := self.l2.tier_tenant_bytes(tier)) is not None}
         empty = {"bytes": 0, "objects": 0, "evicted": dict.fromkeys(CAUSES, 0), "skipped": 0}
-        with self._lock:
-            models = [e.ctx.reg.model for e in self._entries.values()]
+        models = self.registrations.models()
         out = {}
         for state in self.tenancy.states():
             t = state.tenant
@@ -100,9 +91,10 @@ class TenantHandling:
                        "limits": {k: getattr(q, k) for k in SHARED_FIELDS}}
         return out
 
-    def _tenant_view(self, tenant: TenantState) -> dict:
-        """STATUS for a tenant's client: the server's settings, its own registrations and figures."""
-        full = self.status()
+    @staticmethod
+    def tenant_view(full: dict, tenant: TenantState) -> dict:
+        """STATUS for a tenant's client, out of the full one: the server's settings, its own
+        registrations and figures."""
         mine = tenant.name + "/"
         regs = [dict(r, model=r["model"][len(mine):]) for r in full["registrations"] if r["model"].startswith(mine)]
         keep = ("version", "device", "chunk_size", "url")

@@ -2,7 +2,7 @@
 
 The server decides, never the client. A connection's credential (its CURVE key, checked in the
 handshake; the kernel's uid/gid of a local peer) names its tenant: ZeroMQ's ZAP handler
-(tenant_gate.py) lets in only credentials of the tenants file and stamps each message with it;
+(gate.py) lets in only credentials of the tenants file and stamps each message with it;
 the local lane reads the peer's credentials when it accepts. Every request is then *scoped*
 before the engine sees it:
 
@@ -11,7 +11,7 @@ before the engine sees it:
 - client ids become `tag + keyed hash(client id)`: one tenant's client cannot speak for (release
   the leases of, say goodbye for, commit the reservations of) another's, even knowing its id;
 - what only an operator may do (CLEAR) needs `admin`; engine-side copies map the tenant's own
-  window, never L1 (tenant_windows.py).
+  window, never L1 (windows.py).
 
 The `shared` namespace (`shared<SEP>model`) is read by tenants with `shared = "read"` after their
 own, and written by stores that ask for it from tenants with `shared = "write"`.
@@ -32,6 +32,7 @@ from typing import Callable
 from lmcache_mp import protocol as p
 from lmcache_mp.sizes import format_size
 from lmcache_mp.server import validation as check
+from lmcache_mp.server.tenancy.audit import NullAuditLog
 from lmcache_mp.server.tenancy.tenants_file import (SHARED, SharedLimits, Tenant, TenantsFileError, TenantTable,
                                        credential_fingerprint, load_tenants)
 from lmcache_mp.server.validation import RequestFailure
@@ -91,7 +92,35 @@ class TenantState:
         return SHARED + SEP + scoped[len(self.prefix):] if self.tenant.reads_shared else ""
 
 
+class NoTenancy:
+    """A server without a tenants file: one implicit tenant, whose requests keep their names (the
+    null object of Tenancy: the engine's parts ask it the same questions)."""
+
+    enabled = False
+    audit = NullAuditLog()
+
+    def admit(self, msg: p._Msg, tenant: TenantState | None, credential: str | None) -> None:
+        """A tenant's namespace is `TENANT<SEP>model`: a server without tenants that shares an L1 file
+        or an L2 tier with one must not let its clients name it."""
+        if SEP in getattr(msg, "model", "") or type(msg) is p.Events and any(SEP in m for m in msg.models):
+            raise RequestFailure(p.ErrorCode.INVALID_ARGUMENT, "model names must not contain \\x1f")
+
+    def shared_of(self, scoped: str) -> str:
+        return ""
+
+    def ticket(self, credential: str | None, client: bytes) -> bytes:
+        return b""
+
+    def forget(self, client: bytes) -> None:
+        pass
+
+    def foreign_lease(self, owner: bytes, client: bytes) -> bool:
+        return False
+
+
 class Tenancy:
+    enabled = True
+
     def __init__(self, path: str, audit, l1_bytes: int = 0):
         """l1_bytes: the server's L1, which the tenants' l1_min must fit (at start and at every reload)."""
         self.path = path
@@ -165,6 +194,30 @@ class Tenancy:
             self._clients.pop(client, None)
 
     # ---- requests ----------------------------------------------------------------------------
+
+    def admit(self, msg: p._Msg, tenant: TenantState | None, credential: str | None) -> None:
+        """A request (its message, the tenant and credential of its connection), before its handler:
+        within its tenant's limits, rewritten into its namespace."""
+        if tenant is None:  # (the transport names every request's tenant; anything else is refused)
+            raise denied("a request without a tenant")
+        if tenant.inflight > tenant.tenant.max_inflight:
+            self.audit.denied(tenant.name, type(msg).__name__, "max_inflight")
+            raise RequestFailure(p.ErrorCode.LIMIT_EXCEEDED,
+                                 f"tenant {tenant.name} has {tenant.inflight - 1} requests in flight, the most its "
+                                 "tenants file entry allows (max_inflight)")
+        try:
+            self.scope(msg, tenant, credential)
+        except RequestFailure as e:
+            if e.code == p.ErrorCode.PERMISSION_DENIED:
+                self.audit.denied(tenant.name, type(msg).__name__, str(e))
+            raise
+        if type(msg) is p.Lookup:
+            tenant.counters["lookup_chunks"] += len(msg.hashes) // 16
+
+    @staticmethod
+    def foreign_lease(owner: bytes, client: bytes) -> bool:
+        """Whether a lease is another tenant's (lease ids are secrets: one that leaked is unknown)."""
+        return owner[:2] != client[:2]
 
     def scope(self, msg: p._Msg, state: TenantState, credential: str) -> None:
         """Rewrite a request into its tenant's namespace, in place; raise what it may not do."""

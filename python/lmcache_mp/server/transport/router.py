@@ -1,5 +1,6 @@
-"""The socket thread: owns the ZMQ ROUTER and the local lane (server/lane.py), decodes requests,
-hands them to the engine.
+"""The socket thread: owns the ZMQ ROUTER and the local lane (lane.py), decodes requests, makes
+each one request value (server/request.py: message, tenant, credential, route back) and hands it
+to the engine.
 
 Replies leave from whichever thread produces them (the socket thread, a registration's worker, a
 GPU completion thread): the socket is used under a lock, and the loop polls only its fd, so a
@@ -21,7 +22,10 @@ from lmcache_mp import protocol as p
 from lmcache_mp.config import is_ipv6_url
 from lmcache_mp.errors import CREDENTIAL_REVOKED
 from lmcache_mp.native import spin_poll
+from lmcache_mp.server.request import Request, Route
+from lmcache_mp.server.tenancy.tenancy import TenantState
 from lmcache_mp.server.transport.lane import Lane, LaneConn, lane_path
+from lmcache_mp.server.transport.routes import LaneResponder, Responder
 from lmcache_mp.server.transport.request_stats import RequestStats
 from lmcache_mp.server.transport.revoked_connections import RevokedConnections
 from lmcache_mp.server.transport.socket_files import claim_socket_file, share_with_group, socket_files_private
@@ -31,64 +35,6 @@ logger = logging.getLogger(__name__)
 TICK_SECONDS = 0.5
 _ZERO_ID = p.pack_request_id(0)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum flags cost a microsecond a test
-
-
-class Responder:
-    """The `Reply` of one request (see server/replies.py)."""
-
-    __slots__ = ("_transport", "_identity", "_req_id", "stamps", "op", "t0", "tenant", "credential")
-
-    def __init__(self, transport: "Transport", identity: bytes, req_id: bytes, stamps: list | None):
-        self._transport = transport
-        self._identity = identity
-        self._req_id = req_id
-        self.stamps = stamps
-        self.op, self.t0 = "invalid", time.monotonic()  # the op once decoded
-        self.tenant = self.credential = None  # with tenants: the request's TenantState (server/tenancy.py)
-
-    def __call__(self, msg: p._Msg) -> None:
-        if self.stamps is not None:
-            self.stamps.append(("replied", time.monotonic_ns()))
-        body = p.encode(msg)
-        # Counted (and the tenant's request no longer in flight) before the client can have the
-        # reply: a client that holds it finds it in /metrics and status, and its next request is
-        # not refused for this one still being in flight.
-        self._transport.stats.done(self.op, self.t0, msg)
-        if self.tenant is not None:
-            self.tenant.done(msg)
-        self._transport._responded(self._identity, self._req_id, body, self.stamps)
-
-
-class LaneResponder:
-    """The `Reply` of one request that came on the local lane. `conn` is its connection (the
-    peer's credentials); a handler may set `fds` to pass file descriptors with the reply."""
-
-    __slots__ = ("conn", "_req_id", "stamps", "op", "t0", "_stats", "fds", "tenant", "credential")
-
-    def __init__(self, conn: LaneConn, req_id: int, stamps: list | None, stats: RequestStats):
-        self.conn = conn
-        self._req_id = req_id
-        self.stamps = stamps
-        self.op, self.t0, self._stats = "invalid", time.monotonic(), stats
-        self.fds: tuple[int, ...] = ()
-        self.tenant = self.credential = None
-
-    def __call__(self, msg: p._Msg) -> None:
-        body = p.encode(msg)
-        trace = None
-        if self.stamps is not None:
-            now = time.monotonic_ns()
-            self.stamps += [("replied", now), ("sent", now)]
-            trace = p.encode_trace(self.stamps)
-        datagram = p.pack_lane(self._req_id, body, trace=trace)
-        if len(datagram) > p.LANE_MAX_BYTES:  # only a reply the client should not have asked here for
-            err = p.Error(code=int(p.ErrorCode.LIMIT_EXCEEDED),
-                          message=f"a {type(msg).__name__} reply is too large for the local lane: use ZeroMQ")
-            datagram = p.pack_lane(self._req_id, p.encode(err))
-        self._stats.done(self.op, self.t0, msg)  # before the client can have it (see Responder)
-        if self.tenant is not None:
-            self.tenant.done(msg)
-        self.conn.send(datagram, self.fds)
 
 
 class Transport:
@@ -199,22 +145,26 @@ class Transport:
             self.stats.done("invalid", time.monotonic(), err)
             self._send(identity, req_id, p.encode(err))
             return
-        reply = Responder(self, identity, frames[1], [("received", time.monotonic_ns())] if traced else None)
-        if credential is not None and not self._admit(reply, credential):
-            self.revoked_connections.refused(fd)  # (closed once the refusal is out)
-            return
-        self._dispatch(frames[2], reply)
+        route = Responder(self._responded, self.stats, identity, frames[1],
+                          [("received", time.monotonic_ns())] if traced else None)
+        tenant = None
+        if credential is not None:
+            tenant = self._admit(route, credential)
+            if tenant is None:
+                self.revoked_connections.refused(fd)  # (closed once the refusal is out)
+                return
+        self._dispatch(frames[2], route, tenant, credential)
 
-    def _admit(self, reply, credential: str) -> bool:
-        """The request's tenant, from its connection's credential (refused: revoked since the handshake)."""
+    def _admit(self, route: Route, credential: str) -> TenantState | None:
+        """The request's tenant, from its connection's credential (None, refused: revoked since the
+        handshake); the request is in flight for its tenant until its reply."""
         state = self.tenancy.state_of(credential)
         if state is None:
-            reply(p.Error(code=int(p.ErrorCode.PERMISSION_DENIED), message=f"{CREDENTIAL_REVOKED}: this "
+            route(p.Error(code=int(p.ErrorCode.PERMISSION_DENIED), message=f"{CREDENTIAL_REVOKED}: this "
                           "connection's credential is no longer in the tenants file"))
-            return False
-        reply.tenant, reply.credential = state, credential
+            return None
         state.begin()
-        return True
+        return state
 
     def _handle_lane(self, conn: LaneConn, datagram: bytes) -> None:
         first, conn.claimable = conn.claimable, False  # (any datagram, a malformed one too)
@@ -223,9 +173,9 @@ class Transport:
         except ValueError:
             logger.debug("ignored a malformed lane datagram")
             return
-        reply = LaneResponder(conn, req_id, [("received", time.monotonic_ns())] if traced else None, self.stats)
+        route = LaneResponder(conn, req_id, [("received", time.monotonic_ns())] if traced else None, self.stats)
         if self.tenancy is None:
-            self._dispatch(body, reply)
+            self._dispatch(body, route, lane=conn)
             return
         try:
             msg = p.decode_request(body)
@@ -237,10 +187,11 @@ class Transport:
             if not claimed:
                 self.lane.drop(conn)
             return
-        if conn.credential is None or not self._admit(reply, conn.credential):
+        tenant = self._admit(route, conn.credential) if conn.credential is not None else None
+        if tenant is None:
             self.lane.drop(conn)  # its peer is in no tenant and claimed none, or its credential was revoked
             return
-        self._dispatch(body, reply, msg)
+        self._dispatch(body, route, tenant, conn.credential, conn, msg)
 
     def revoke(self, credential: str) -> None:
         """Close the local-lane connections of a credential removed from the tenants file (from
@@ -249,16 +200,18 @@ class Transport:
             self._revoked.append(credential)
         self._wakeup()
 
-    def _dispatch(self, body: bytes, reply, msg: p._Msg | None = None) -> None:
+    def _dispatch(self, body: bytes, route: Responder | LaneResponder, tenant: TenantState | None = None,
+                  credential: str | None = None, lane: LaneConn | None = None, msg: p._Msg | None = None) -> None:
+        """The request value, made once and handed to the engine."""
         try:
             msg = msg or p.decode_request(body)
         except p.FrameError as e:
-            reply(p.Error(code=int(e.code), message=str(e)))
+            Request(None, route, tenant, credential, lane).fail(e.code, str(e))
             return
-        reply.op = type(msg).__name__
-        if reply.stamps is not None:
-            reply.stamps.append(("decoded", time.monotonic_ns()))
-        self.engine.handle(msg, reply)
+        route.op = type(msg).__name__
+        if route.stamps is not None:
+            route.stamps.append(("decoded", time.monotonic_ns()))
+        self.engine.handle(Request(msg, route, tenant, credential, lane, route.stamps))
 
     def _run(self) -> None:
         self._ident = threading.get_ident()
