@@ -97,7 +97,10 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
             "received SIGHUP: nothing to reload (no --tenants file; every other setting needs a restart)"))
     logger.info("ready: serving on %s", transport.url)
     try:
-        while not stop.wait(3600):
+        # A signal to the process may land on any of its threads; Python runs the handler on this
+        # one only when it next runs: it wakes every second for that (an hour's wait kept a SIGTERM
+        # that another thread took unanswered for that hour).
+        while not stop.wait(1.0):
             pass
     finally:
         engine.close()
