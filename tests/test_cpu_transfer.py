@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from kvgen import kv_cases
 
 from lmcache_mp.native import cpu_gather, cpu_scatter
-from lmcache_mp.reference import gather_reference, scatter_reference
+from transfer_reference import gather_reference, scatter_reference
 
 POISON = 0xA5
 

@@ -5,7 +5,7 @@ import zlib
 import numpy as np
 import pytest
 
-from lmcache_mp.reference import gather_reference, scatter_reference
+from transfer_reference import gather_reference, scatter_reference
 
 pytestmark = pytest.mark.gpu
 
