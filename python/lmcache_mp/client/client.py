@@ -16,7 +16,6 @@ import itertools
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 import weakref
@@ -29,11 +28,12 @@ from lmcache_mp import protocol as p
 from lmcache_mp import shm
 from lmcache_mp.client.cuda_events import EventPool, OpenedEvents, current_stream
 from lmcache_mp.client.curve import apply_curve
-from lmcache_mp.client.engine_copy import claim_lane
 from lmcache_mp.client.endpoint import HandshakeWatch, check_url, unreachable_hint
 from lmcache_mp.client.engine_transfers import EngineTransfers
 from lmcache_mp.client.handles import KVCacheHandle
-from lmcache_mp.client.io_thread import ZMQ_EVENTS, ZMQ_POLLIN, IOThread, add_trace
+from lmcache_mp.client.futures import add_trace
+from lmcache_mp.client.io_thread import ZMQ_EVENTS, ZMQ_POLLIN, IOThread
+from lmcache_mp.client.lane import connect_lane
 from lmcache_mp.client.leases import HeldLeases, LookupResult
 from lmcache_mp.client.recovery import RECOVERY_STOP_S, RestartRecovery
 from lmcache_mp.client.results import RetrieveResult, StoreResult, check_reply as _check
@@ -153,12 +153,9 @@ class Client(RestartRecovery):
     def _connect_lane(self, address: str) -> None:
         if not (address and self._use_lane and self._io is not None):
             return
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            sock.connect("\0" + address[1:] if address.startswith("@") else address)
-            claim_lane(sock, self.server_info.get("lane_ticket", b""))
+            sock = connect_lane(address, self.server_info.get("lane_ticket", b""))
         except OSError as e:  # e.g. another network namespace: ZeroMQ only
-            sock.close()
             logger.debug("the server's local lane %s is out of reach (%s): using ZeroMQ only", address, e)
             return
         self._io.set_lane(sock)

@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from lmcache_mp import protocol as p
+from lmcache_mp.client.lane import claim_lane, socket_address
 from lmcache_mp.completions import CompletionWaiter
 from lmcache_mp.errors import RequestError, ServerUnavailable
 
@@ -38,26 +39,15 @@ CLIENT_RING_MAX_BYTES = 256 << 20
 COMPLETION_SPIN_US = 1000
 
 
-def _lane_socket_address(address: str) -> str:
-    return "\0" + address[1:] if address.startswith("@") else address
-
-
-def claim_lane(sock: socket.socket, ticket: bytes) -> None:
-    """A server with tenants gave this client a lane ticket: a new lane connection claims the
-    client's tenant with it first (the uid of this process may name no tenant, or another)."""
-    if ticket:
-        sock.send(p.pack_lane(0, p.encode(p.LaneClaim(ticket=ticket))))
-
-
 def request_arena(lane_address: str, client_id: bytes, timeout: float,
                   ticket: bytes = b"") -> tuple[int, p.MapArenaReply]:
     """(file descriptor, reply) of a MAP_ARENA, on a lane connection of its own (the reply
     carries the descriptor; the client's own lane connection stays as it is). On a server with
-    tenants the descriptor is of the tenant's window (server/tenant_windows.py), not of L1."""
+    tenants the descriptor is of the tenant's window (server/tenancy/windows.py), not of L1."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     try:
-        sock.connect(_lane_socket_address(lane_address))
+        sock.connect(socket_address(lane_address))
         claim_lane(sock, ticket)
         sock.send(p.pack_lane(1, p.encode(p.MapArena(client_id=client_id))))
         data, anc, _flags, _ = sock.recvmsg(p.LANE_MAX_BYTES, socket.CMSG_SPACE(array.array("i").itemsize))

@@ -28,97 +28,25 @@ import logging
 import math
 import os
 import select
-import socket
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from lmcache_mp import protocol as p
+from lmcache_mp.client.futures import Converter, Heartbeat, Pending, ReplyFuture, Waker, add_trace
+from lmcache_mp.client.lane import ClientLane
 from lmcache_mp.errors import ServerUnavailable
 from lmcache_mp.native import spin_poll
 
 logger = logging.getLogger(__name__)
 
-# Called with the decoded reply; returns the future's result or raises.
-Converter = Callable[[Any], Any]
 WAITER_BACKOFF = 0.001  # while a caller reads the socket, queued requests are retried this often
 # plain ints: pyzmq's enum flags cost a microsecond a test
 ZMQ_EVENTS, ZMQ_POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-
-
-def add_trace(stamps: list, trace: bytes | None) -> None:
-    """Append the server's stages of a traced reply, then its arrival here."""
-    if trace:
-        try:
-            stamps.extend(p.decode_trace(trace))
-        except Exception:
-            logger.debug("ignored a malformed trace frame")
-    stamps.append(("client received", time.monotonic_ns()))
-
-
-class Heartbeat(NamedTuple):
-    msg: p._Msg
-    convert: Converter  # called with the reply
-    failed: Callable[[BaseException], None]  # called when it got none
-
-    def settled(self, fut: Future) -> None:
-        error = fut.exception()
-        if error is not None:
-            self.failed(error)
-
-
-class _Pending:
-    __slots__ = ("future", "convert", "deadline", "what", "on_settled", "expires", "stamps", "lane", "settled",
-                 "while_away")
-
-    def __init__(self, future: Future, convert: Converter, deadline: float, what: str, on_settled, expires: bool,
-                 stamps: list | None = None, while_away: bool = False):
-        self.future = future
-        self.convert = convert
-        self.deadline = deadline  # to be sent by then; once sent, answered by then if `expires`
-        self.what = what
-        self.on_settled = on_settled
-        self.expires = expires
-        self.stamps = stamps  # a traced request's timestamps (also future.trace)
-        self.lane = None  # the local-lane socket it went out on, if it did
-        self.settled = False
-        self.while_away = while_away  # may wait to be sent while the server is away (heartbeats, recovery)
-
-
-class _Waker:
-    """A thread's eventfd, written when another thread settles a future it waits on."""
-
-    def __init__(self):
-        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-
-    def __del__(self):
-        os.close(self.fd)
-
-
-class ReplyFuture(Future):
-    """A request's future; result() and exception() read the reply on the calling thread."""
-
-    def __init__(self, io: "IOThread"):
-        super().__init__()
-        self._io = io
-        self.wakers: list[_Waker] = []  # of the threads waiting on it, reading the socket
-        self.trace: list | None = None
-
-    def _left(self, timeout: float | None) -> float | None:
-        """How long the plain future wait may still take once this thread read for `timeout`."""
-        if self._io.wait(self, timeout):
-            return 0
-        return timeout if timeout is None or self._io.on_io_thread() else 0
-
-    def result(self, timeout: float | None = None) -> Any:
-        return super().result(self._left(timeout))
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return super().exception(self._left(timeout))
 
 
 class IOThread:
@@ -136,15 +64,18 @@ class IOThread:
         # _lock, from any thread.
         self._lock = threading.Lock()
         self._open = True
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._waiters = 0  # threads reading the socket for a future of theirs
-        self._lane = None  # the server's local lane (a SOCK_SEQPACKET socket), when connected
         self.on_lane_lost: Callable[[], None] | None = None
         self._wake_at = 0.0  # when the I/O thread looks at deadlines next
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._sockets = select.epoll()  # the ZeroMQ socket's fd and the lane's
         self._sockets.register(self._fd, select.EPOLLIN)
+        # the server's local lane, when connected (lane.py)
+        self.lane = ClientLane(self._lock, self._pending, self._sockets, is_open=lambda: self._open,
+                               track=self._track, wakeup=self._wakeup, settle=self._settle, deliver=self._deliver,
+                               lost=lambda: self.on_lane_lost is not None and self.on_lane_lost())
         self._poller = select.epoll()  # what the I/O thread sleeps on: _wake, and _sockets while watched
         self._poller.register(self._wake, select.EPOLLIN)
         # ZeroMQ says when the connection to the server drops (its process died, or it stopped):
@@ -195,10 +126,10 @@ class IOThread:
             fut.set_exception(p.too_large(msg, len(body)))
             return fut
         rid = next(self._ids)
-        pend = _Pending(fut, convert, time.monotonic() + timeout, type(msg).__name__, on_settled, expires, stamps,
+        pend = Pending(fut, convert, time.monotonic() + timeout, type(msg).__name__, on_settled, expires, stamps,
                         while_away)
-        if (self._lane is not None and len(body) <= p.LANE_MAX_BYTES - 64 and not isinstance(msg, p.Status)
-                and self._send_lane(rid, body, pend)):
+        if (self.lane.sock is not None and len(body) <= p.LANE_MAX_BYTES - 64 and not isinstance(msg, p.Status)
+                and self.lane.send(rid, body, pend)):
             return fut
         if not self._send_zmq(rid, body, pend):
             self._inbox.append((rid, body, pend))  # not connected yet: the I/O thread sends it once it can
@@ -207,12 +138,12 @@ class IOThread:
                 self._settle(pend, error=ServerUnavailable("the client is closed"))
         return fut
 
-    def _frames(self, rid: int, body: bytes, pend: _Pending) -> tuple:
+    def _frames(self, rid: int, body: bytes, pend: Pending) -> tuple:
         if pend.stamps is None:
             return (p.pack_request_id(rid), body)
         return (p.pack_request_id(rid), body, p.TRACE_FRAME)
 
-    def _send_zmq(self, rid: int, body: bytes, pend: _Pending, queued: bool = False) -> bool:
+    def _send_zmq(self, rid: int, body: bytes, pend: Pending, queued: bool = False) -> bool:
         """Send on the ZeroMQ socket; False when not connected (yet). queued: the head of _unsent,
         sent by the I/O thread; else a caller's request, which waits behind queued ones to keep
         their order."""
@@ -240,7 +171,7 @@ class IOThread:
             self._wakeup()
         return True
 
-    def _track(self, rid: int, pend: _Pending) -> bool:
+    def _track(self, rid: int, pend: Pending) -> bool:
         """After a send, under the lock: stamp it, see that its reply will be read (by the I/O
         thread while nobody reads), and arm its deadline; True when the I/O thread must wake up
         earlier than it planned to expire it."""
@@ -253,64 +184,15 @@ class IOThread:
         heapq.heappush(self._deadlines, (pend.deadline, rid))
         return pend.deadline < self._wake_at
 
-    # ---- the local lane ------------------------------------------------------------------------
+    # ---- the local lane (lane.py) --------------------------------------------------------------
 
     @property
     def has_lane(self) -> bool:
-        return self._lane is not None
+        return self.lane.sock is not None
 
     def set_lane(self, sock) -> None:
         """Send small requests on this connected local-lane socket from now on."""
-        with self._lock:
-            if not self._open:  # closed meanwhile (e.g. by a recovery that ended late)
-                sock.close()
-                return
-            self._sockets.register(sock.fileno(), select.EPOLLIN)
-            old, self._lane = self._lane, sock
-        if old is not None:
-            self._drop_lane(old, "replaced")
-
-    def _send_lane(self, rid: int, body: bytes, pend: _Pending) -> bool:
-        broken = None
-        with self._lock:
-            lane = self._lane
-            if lane is None or not self._open:
-                return False
-            self._pending[rid] = pend  # before the send: the reply may come at once
-            try:
-                lane.send(p.pack_lane(rid, body, traced=pend.stamps is not None), socket.MSG_DONTWAIT)
-            except BlockingIOError:  # the server is not reading: ZeroMQ queues it instead
-                del self._pending[rid]
-                return False
-            except OSError as e:
-                del self._pending[rid]
-                broken = e
-            else:
-                pend.lane = lane
-                wake = self._track(rid, pend)
-        if broken is not None:
-            self._drop_lane(lane, str(broken))
-            return False
-        if wake:
-            self._wakeup()
-        return True
-
-    def _drop_lane(self, lane, why: str) -> None:
-        """The lane broke (the server went away) or was replaced: fail what went out on it."""
-        with self._lock:
-            if self._lane is lane:
-                self._lane = None
-            if self._open and lane.fileno() >= 0:  # not closed yet (by another thread that saw it break)
-                self._sockets.unregister(lane.fileno())
-            lost = [rid for rid, pd in self._pending.items() if pd.lane is lane]
-            pends = [self._pending.pop(rid) for rid in lost]
-            lane.close()
-        logger.debug("local lane closed (%s): %d requests in flight failed", why, len(pends))
-        for pend in pends:
-            self._settle(pend, error=ServerUnavailable(f"the server's local lane closed ({why}); "
-                                                       f"the {pend.what} was lost"))
-        if why != "replaced" and self.on_lane_lost is not None:
-            self.on_lane_lost()
+        self.lane.set(sock)
 
     def fail_all(self, why: str) -> None:
         """Fail every request in flight with ServerUnavailable(why) (e.g. the server restarted
@@ -359,7 +241,7 @@ class IOThread:
             return False  # a callback on the I/O thread: the plain future wait applies
         waker = getattr(self._local, "waker", None)
         if waker is None:
-            waker = self._local.waker = _Waker()
+            waker = self._local.waker = Waker()
         lane, fds = None, [self._fd, waker.fd]
         start = time.monotonic()
         end = math.inf if timeout is None else start + timeout
@@ -374,8 +256,8 @@ class IOThread:
                 now = time.monotonic()
                 if now >= end or self._stop:
                     return fut.done()
-                if self._lane is not lane:  # (dis)connected meanwhile
-                    lane = self._lane
+                if self.lane.sock is not lane:  # (dis)connected meanwhile
+                    lane = self.lane.sock
                     fd = lane.fileno() if lane is not None else -1
                     fds = [self._fd, waker.fd] + ([fd] if fd >= 0 else [])
                 # Poll without sleeping while the reply may come soon: a sleeping thread wakes late.
@@ -410,7 +292,7 @@ class IOThread:
     def _receive(self, until: Future | None = None) -> None:
         """Read every reply there is and settle its future (outside the lock: callbacks run);
         stop early once `until` is settled (its caller returns at once: the rest can wait)."""
-        if self._receive_lane(until):
+        if self.lane.receive(until):
             return
         while True:
             with self._lock:
@@ -423,36 +305,7 @@ class IOThread:
                 pend = self._pending.pop(p.unpack_request_id(frames[0]), None)
             self._deliver(pend, frames[1], frames[2] if len(frames) == 3 else None)
 
-    def _receive_lane(self, until: Future | None) -> bool:
-        """The local lane's part of _receive; True once `until` is settled."""
-        while self._lane is not None:
-            with self._lock:
-                lane = self._lane
-                if lane is None or not self._open:
-                    return False
-                try:
-                    data = lane.recv(p.LANE_MAX_BYTES, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    return False
-                except OSError:
-                    data = b""
-                pend = None
-                if data:
-                    try:
-                        rid, body, trace = p.unpack_lane_reply(data)
-                    except ValueError:
-                        logger.warning("ignored a malformed lane reply from the server")
-                        continue
-                    pend = self._pending.pop(rid, None)
-            if not data:
-                self._drop_lane(lane, "the server closed it")
-                return False
-            self._deliver(pend, body, trace)
-            if until is not None and until.done():
-                return True
-        return False
-
-    def _deliver(self, pend: _Pending | None, body: bytes, trace: bytes | None) -> None:
+    def _deliver(self, pend: Pending | None, body: bytes, trace: bytes | None) -> None:
         self.last_heard = time.monotonic()
         if pend is None:
             return  # answered after its timeout
@@ -465,7 +318,7 @@ class IOThread:
         else:
             self._settle(pend, result=result)
 
-    def _settle(self, pend: _Pending, result: Any = None, error: BaseException | None = None) -> None:
+    def _settle(self, pend: Pending, result: Any = None, error: BaseException | None = None) -> None:
         if pend.settled:  # e.g. failed by close() and by the sender at once
             return
         pend.settled = True
@@ -615,13 +468,11 @@ class IOThread:
             self._sockets.close()
             self._monitor.close(linger=0)
             self._sock.close(linger=0)
-            if self._lane is not None:
-                self._lane.close()
-                self._lane = None
+            self.lane.close()
         for pend in left:
             self._settle(pend, error=err)
         for _rid, _body, pend in list(self._unsent) + list(self._inbox):
-            if isinstance(pend, _Pending):
+            if isinstance(pend, Pending):
                 self._settle(pend, error=err)
         with self._wake_lock:
             self._wake_open = False

@@ -25,7 +25,7 @@ from typing import Any
 
 from lmcache_mp import protocol as p
 from lmcache_mp.client.endpoint import nothing_listens
-from lmcache_mp.client.io_thread import Heartbeat
+from lmcache_mp.client.futures import Heartbeat
 from lmcache_mp.client.results import check_reply, is_revoked
 from lmcache_mp.errors import CREDENTIAL_REVOKED, CredentialRevoked, ServerUnavailable
 
