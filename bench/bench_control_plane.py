@@ -24,6 +24,7 @@ import numpy as np
 import zmq
 
 from lmcache_mp.loadgen.trace import ECHO
+from server_process import ServerProcess
 
 
 def percentiles(xs: list[float]) -> dict:
@@ -49,19 +50,6 @@ def timed_pair(a, b, iters: int) -> tuple[list[float], list[float]]:
     return ta, tb
 
 
-def wait_for(url: str, proc: subprocess.Popen) -> None:
-    from lmcache_mp import Client
-
-    deadline = time.time() + 60
-    while True:
-        try:
-            Client(url, connect_timeout=0.5).close()
-            return
-        except Exception:
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("server did not start")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=3000)
@@ -80,13 +68,13 @@ def main() -> int:
         with open(f"{tmp}/tenants.toml", "w") as f:
             f.write(f"[tenants.bench]\nuids = [{os.getuid()}]\n")
         tenants = ["--tenants", f"{tmp}/tenants.toml"]
-    server = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", server_url, "--device", "cpu",
-                               "--l1-size", "256MiB", "--chunk-size", "16", "--log-level", "WARNING", *tenants])
+    server = ServerProcess(["--url", server_url, "--device", "cpu", "--l1-size", "256MiB", "--chunk-size", "16",
+                            "--log-level", "WARNING", *tenants], log_path=f"{tmp}/server.log")
     echo = subprocess.Popen([sys.executable, "-c", ECHO, echo_url])
     results: dict = {"benchmark": "bench_control_plane", "date": time.strftime("%Y-%m-%d"), "iters": args.iters,
                      "tenants": args.tenants, "rows": []}
     try:
-        wait_for(server_url, server)
+        server.wait_ready(60)
         client = Client(server_url)
         ctx = zmq.Context()
         bare = ctx.socket(zmq.DEALER)
@@ -135,9 +123,8 @@ def main() -> int:
         bare.close(linger=0)
         ctx.term()
     finally:
-        server.terminate()
         echo.kill()
-        server.wait(30)
+        server.stop(30)
     print(f"control plane, {os.cpu_count()} cores, {args.iters} iterations, server and echo peer in own processes"
           f"{', server with tenants' if args.tenants else ''}")
     print(f"{'op':18s} {'chunks':>6s} {'bytes':>6s} {'bare p50/p99 us':>18s} {'client p50/p99 us':>19s} {'x bare':>7s}")

@@ -48,7 +48,6 @@ import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -60,6 +59,9 @@ import numpy as np
 import torch
 
 from lmcache_mp import Client, chunk_hashes, shared_cpu_tensor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import server_process  # noqa: E402
 
 CHUNK = 256
 BLOCK = 16
@@ -89,52 +91,28 @@ def server_mode(path: str, device: str) -> str | None:
     return "staged"  # the engine path leaves the server's mode unused
 
 
-class ServerProcess:
+class ServerProcess(server_process.ServerProcess):
     def __init__(self, mode: str, args, tmp: str):
-        self.mode, self.url, self.log_path = mode, f"ipc://{tmp}/{mode}.sock", f"{tmp}/{mode}.log"
-        cmd = [sys.executable, "-m", "lmcache_mp.server.cli", "--url", self.url, "--device", args.device,
-               "--l1-size", args.l1_size, "--chunk-size", str(CHUNK), "--http-addr", "off", "--log-level", "WARNING"]
+        self.mode = mode
+        flags = ["--url", f"ipc://{tmp}/{mode}.sock", "--device", args.device, "--l1-size", args.l1_size,
+                 "--chunk-size", str(CHUNK), "--http-addr", "off", "--log-level", "WARNING"]
         if mode != "cpu":
-            cmd += ["--transfer-mode", mode]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+            flags += ["--transfer-mode", mode]
+        super().__init__(flags, log_path=f"{tmp}/{mode}.log")
         self.client: Client | None = None
 
-    def connect(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.client is None:
-            try:
-                self.client = Client(self.url, timeout=60, connect_timeout=1)
-            except Exception:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server {self.mode} did not start:\n{self.log_tail()}") from None
-                time.sleep(0.2)
-        while True:  # L1 pins in the background: measure only once it is done
-            pin = self.client.status()["l1"]["pinning"]
-            if pin.get("done") or not pin.get("requested"):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server {self.mode}: L1 pinning not done after {timeout:.0f} s: {pin}")
-            time.sleep(0.2)
-
-    def log_tail(self, lines: int = 30) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        with open(self.log_path) as f:
-            return "".join(f.readlines()[-lines:])
+    def connect(self, within: float = 120.0) -> None:
+        try:
+            self.client = super().connect(within, timeout=60)
+            self.wait_pinned(self.client, within)
+        except RuntimeError as e:
+            raise RuntimeError(f"server {self.mode}: {e}") from None
 
     def stop(self) -> int:
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.close()
-        self.proc.terminate()
-        try:
-            rc = self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait(10)
-        self._log.close()
-        return rc
+        return super().stop(60)
 
 
 class EngineLoad:

@@ -18,28 +18,19 @@ import concurrent.futures as cf
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 
 from lmcache_mp import Client, shared_cpu_tensor
+from server_process import ServerProcess
 
 CHUNK = 32
 
 
-def start_server(sock: str) -> subprocess.Popen:
-    url = f"ipc://{sock}"
-    proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", url, "--device", "cpu",
-                             "--l1-size", "64MiB", "--chunk-size", str(CHUNK)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(sock):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise SystemExit("the server did not start")
-        time.sleep(0.05)
-    return proc
+def start_server(sock: str) -> ServerProcess:
+    server = ServerProcess(["--url", f"ipc://{sock}", "--device", "cpu", "--l1-size", "64MiB", "--chunk-size",
+                            str(CHUNK)], log_path=os.path.join(os.path.dirname(sock), "server.log"))
+    server.wait_ready(60)
+    return server
 
 
 def lateness_ms(fut) -> float:
@@ -94,8 +85,8 @@ def main() -> None:
                              "over_5ms": sum(x > 5 for x in late), "reader_p50_ms": reader[len(reader) // 2],
                              "reader_p99_ms": reader[int(len(reader) * 0.99)]})
     finally:
-        server.kill()
-        server.wait(10)
+        server.proc.kill()
+        server.proc.wait(10)
         shutil.rmtree(folder, ignore_errors=True)  # a killed server leaves its socket files
     print(f"futures nobody reads for: reply sent -> future resolved (heartbeat {args.heartbeat} s)")
     print(f"{'transport':>9} {'call before':>17} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'> 5 ms':>7}"

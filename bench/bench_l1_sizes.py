@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from lmcache_mp import Client
 from lmcache_mp.loadgen import cli as loadgen
+from server_process import ServerProcess
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,21 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write every run's figures here")
     args = ap.parse_args(argv)
 
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    server = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", "tcp://127.0.0.1:0",
-                               "--device", args.device, "--l1-size", args.l1_size],
-                              stdout=log, stderr=subprocess.STDOUT)
-    url = None
+    server = ServerProcess(["--device", args.device, "--l1-size", args.l1_size])
     out: dict = {"config": vars(args), "runs": []}
     try:
-        for _ in range(600):
-            time.sleep(0.1)
-            lines = [x for x in Path(log.name).read_text().splitlines() if "serving on " in x]
-            if lines:
-                url = lines[0].split("serving on ")[1].strip()
-                break
-        if url is None:
-            raise RuntimeError("the server did not start: " + Path(log.name).read_text())
+        url = server.wait_ready(60)
         client = Client(url, timeout=60)
         _wait_pinned(client)
         tmp = Path(tempfile.mkdtemp())
@@ -81,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         out["l1_after"] = client.status()["l1"]
         client.close()
     finally:
-        server.terminate()
-        server.wait(120)
+        server.stop(120)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     bad = [r for r in out["runs"][args.big_runs:] if r["missing"] or r["mismatches"]]

@@ -39,6 +39,7 @@ from lmcache_mp.native import HostArena
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_resp import free_port, raw_tcp, start_valkey, start_valkey_cluster  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
 
 MiB = 1 << 20
 LLAMA = dict(layers=32, heads=8, head_size=128)  # Llama-3-8B: 32 MiB per 256-token chunk in bf16
@@ -103,19 +104,10 @@ def tier_alone(directory: str, object_bytes: int, count: int, io_threads: int) -
             "direct_writes": st["direct_writes"], "direct_reads": st["direct_reads"]}
 
 
-class ServerProc:
+class ServerProc(ServerProcess):
     def __init__(self, args: list[str]):
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in self.proc.stdout:
-            if "ready: serving on" in line:
-                self.url = line.split("serving on ")[1].strip()
-                return
-        raise RuntimeError("the server did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(120)
+        super().__init__(args)
+        self.wait_ready()
 
 
 def make_kv(device: str, num_blocks: int, layers: int):

@@ -32,7 +32,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +44,9 @@ from lmcache_mp.loadgen import cli as loadgen_cli
 from lmcache_mp.loadgen import runs as loadgen
 from lmcache_mp.loadgen.trace import echo_peer
 from lmcache_mp.loadgen.worker import LAYOUTS, WARM_UP, object_bytes
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import server_process  # noqa: E402
 
 CHUNK = 256
 SLAB = 256 << 20
@@ -131,65 +133,32 @@ def cpu_ceiling(nbytes: int, repeat: int) -> dict:
 
 # ---- the server process -----------------------------------------------------------------------
 
-class ServerProcess:
+class ServerProcess(server_process.ServerProcess):
     def __init__(self, args, l1_bytes: int, slab_bytes: int, env: dict):
         self.dir = tempfile.mkdtemp(prefix="lmcache-bench-")
-        self.url = f"ipc://{self.dir}/server.sock"
-        self.log_path = os.path.join(self.dir, "server.log")
-        self._log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "lmcache_mp.server.cli", "--url", self.url, "--device", args.device,
-               "--l1-size", str(l1_bytes), "--slab-size", str(slab_bytes), "--chunk-size", str(CHUNK),
-               "--transfer-mode", args.transfer_mode, "--log-level", "INFO"]
+        flags = ["--url", f"ipc://{self.dir}/server.sock", "--device", args.device, "--l1-size", str(l1_bytes),
+                 "--slab-size", str(slab_bytes), "--chunk-size", str(CHUNK), "--transfer-mode", args.transfer_mode,
+                 "--log-level", "INFO"]
         self.persist = os.path.join(args.l1_persist, f"lmcache-bench-arena-{os.getpid()}") if args.l1_persist else ""
         if self.persist:
-            cmd += ["--l1-persist", self.persist]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+            flags += ["--l1-persist", self.persist]
+        super().__init__(flags, log_path=os.path.join(self.dir, "server.log"), env=env)
         self.client = None
 
-    def connect(self, timeout: float):
-        from lmcache_mp import Client
+    def connect(self, within: float):
+        self.client = super().connect(within, timeout=60, name="bench-parent")
+        return self.client
 
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.client = Client(self.url, connect_timeout=1, timeout=60, name="bench-parent")
-                return self.client
-            except Exception:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start:\n{self.log_tail()}") from None
-                time.sleep(0.2)
-
-    def wait_pinned(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        last = 0.0
-        while True:
-            pin = self.client.status()["l1"]["pinning"]
-            if pin.get("done") or not pin.get("requested"):
-                return pin
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"L1 pinning not finished after {timeout:.0f} s: {pin}")
-            if time.monotonic() - last > 5:
-                last = time.monotonic()
-                print(f"  pinning L1: {pin.get('bytes_pinned', 0) / GiB:.1f} of "
-                      f"{pin.get('bytes_total', 0) / GiB:.1f} GiB", flush=True)
-            time.sleep(0.25)
-
-    def log_tail(self, lines: int = 40) -> str:
-        self._log.flush()
-        with open(self.log_path) as f:
-            return "".join(f.readlines()[-lines:])
+    def wait_pinned(self, within: float) -> dict:
+        return super().wait_pinned(self.client, within, lambda pin: print(
+            f"  pinning L1: {pin.get('bytes_pinned', 0) / GiB:.1f} of {pin.get('bytes_total', 0) / GiB:.1f} GiB",
+            flush=True))
 
     def stop(self) -> dict:
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.close()
-        self.proc.terminate()
-        try:
-            rc = self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait(10)
-        self._log.close()
+        rc = super().stop(60)
         for path in (self.persist, self.persist + ".journal") if self.persist else ():
             with contextlib.suppress(OSError):
                 os.unlink(path)

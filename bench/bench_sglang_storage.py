@@ -22,7 +22,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "sglang_e2e"))
+sys.path.insert(0, str(HERE))
+from server_process import ServerProcess  # noqa: E402
 
 
 def free_port() -> int:
@@ -46,26 +47,12 @@ def cpu_model() -> str:
         return platform.machine()
 
 
-def start_server(l1_bytes: int, chunk_size: int, log: Path) -> tuple[subprocess.Popen, str]:
-    from lmcache_mp import Client, ServerUnavailable
-
-    url = f"tcp://127.0.0.1:{free_port()}"
-    exe = Path(sys.executable).with_name("lmcache-mp-server")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "lmcache_mp.server.cli"]
-    cmd += ["--url", url, "--device", "cpu", "--l1-size", f"{l1_bytes >> 20}MiB", "--chunk-size", str(chunk_size),
-            "--slab-size", "64MiB"]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited:\n{log.read_text()}")
-        try:
-            Client(url, connect_timeout=0.5).close()
-            return proc, url
-        except ServerUnavailable:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"the server did not answer:\n{log.read_text()}")
+def start_server(l1_bytes: int, chunk_size: int, log: Path) -> ServerProcess:
+    server = ServerProcess(["--url", f"tcp://127.0.0.1:{free_port()}", "--device", "cpu", "--l1-size",
+                            f"{l1_bytes >> 20}MiB", "--chunk-size", str(chunk_size), "--slab-size", "64MiB"],
+                           log_path=str(log))
+    server.wait_ready(60)
+    return server
 
 
 def build_pool(args):
@@ -122,7 +109,8 @@ def main() -> None:
     total = args.pages * page_bytes
     chunk_size = 256
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_server(max(4 * total, 512 << 20) + (256 << 20), chunk_size, Path(tmp) / "server.log")
+        server = start_server(max(4 * total, 512 << 20) + (256 << 20), chunk_size, Path(tmp) / "server.log")
+        url = server.url
         try:
             extra = {"backend_name": "lmcache_mp", "module_path": "lmcache_mp.integration.sglang",
                      "class_name": "LMCacheMPStorage", "interface_v1": 1, "lmcache_mp.url": url,
@@ -178,8 +166,7 @@ def main() -> None:
                         gets.append(t_get)
             backend.close()
         finally:
-            proc.terminate()
-            proc.wait(30)
+            server.stop(30)
 
     def gbs(ts):
         return total / statistics.median(ts) / 1e9

@@ -24,13 +24,15 @@ import multiprocessing as mp
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from server_process import ServerProcess  # noqa: E402
 
 CHUNK = 16  # tokens per chunk; the server must use the same
 BLOCK = 8
@@ -223,22 +225,12 @@ def run_soak(url: str, server_pid: int | None, *, clients: int = 4, seconds: flo
     return report
 
 
-def start_server(l1: str, heartbeat_timeout: float) -> tuple[subprocess.Popen, str]:
-    """A CPU-device server process; its log is kept in proc.log_lines (read as it comes, so that
-    a long run never blocks on a full pipe)."""
-    import threading
-
-    proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", "--url", "tcp://127.0.0.1:0",
-                             "--device", "cpu", "--l1-size", l1, "--chunk-size", str(CHUNK),
-                             "--heartbeat-timeout", str(heartbeat_timeout), "--lease-ttl", str(LEASE_TTL)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    proc.log_lines = []
-    for line in proc.stdout:
-        proc.log_lines.append(line)
-        if "serving on " in line:
-            threading.Thread(target=lambda: proc.log_lines.extend(proc.stdout), daemon=True).start()
-            return proc, line.split("serving on ")[1].strip()
-    raise RuntimeError("the server did not start:\n" + "".join(proc.log_lines))
+def start_server(l1: str, heartbeat_timeout: float) -> ServerProcess:
+    """A CPU-device server process (its log in a file: a long run never blocks on a full pipe)."""
+    server = ServerProcess(["--device", "cpu", "--l1-size", l1, "--chunk-size", str(CHUNK),
+                            "--heartbeat-timeout", str(heartbeat_timeout), "--lease-ttl", str(LEASE_TTL)])
+    server.wait_ready()
+    return server
 
 
 def problems(report: dict, heap_bound_kib: int) -> list[str]:
@@ -267,15 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url, pid, hb = args.url, None, 1.0
     if url is None:
-        server, url = start_server(args.l1_size, hb)
-        pid = server.pid
+        server = start_server(args.l1_size, hb)
+        url, pid = server.url, server.pid
     try:
         report = run_soak(url, pid, clients=args.clients, seconds=args.seconds, kill_every=args.kill_every,
                           heartbeat_timeout=hb if server else 5.0)
     finally:
         if server is not None:
-            server.send_signal(signal.SIGTERM)
-            server.wait(30)
+            server.stop(30)
     print(json.dumps({k: v for k, v in report.items() if k != "errors"}, indent=1))
     bad = problems(report, args.heap_bound)
     for line in bad:
