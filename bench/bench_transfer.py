@@ -13,7 +13,7 @@ MLA's [blocks, 16, 576]) and block-outermost ones (vLLM's BLNHC: per-layer views
 [blocks, layers, ...] buffer, registered as one packed cache whose blocks move whole). `pages-N`
 is a block-outermost cache of N Llama-3-8B layers (a copy of N x 64 KiB per block): a sweep over
 N measures the copy engines' rate by copy size, which sets the `auto` policy's threshold
-(server/policy.py). `hybrid-pages-2m` / `hybrid-pages-512k` are a hybrid model's pages (vLLM gives
+(server/copies/transfer_mode.py). `hybrid-pages-2m` / `hybrid-pages-512k` are a hybrid model's pages (vLLM gives
 attention layers and Mamba / Gated DeltaNet state layers pages of one size, per layer
 `[blocks, page]`, layer after layer): a Qwen3-Next-80B-like 2 MiB page (GDN state of 32 heads of
 128 x 128 fp32) and a smaller model's 512 KiB one; a chunk is one block (a state's boundary).

@@ -77,7 +77,7 @@ def test_a_disk_tier_larger_than_its_disk_is_a_warning(capsys, tmp_path):
 
 
 def test_what_the_server_checks_at_start_doctor_fails_in_the_same_words(capsys, tmp_path):
-    """doctor runs the server's own start-up checks (server/resources.py): a setting the server
+    """doctor runs the server's own start-up checks (server/ops/resources.py): a setting the server
     refuses is a FAIL of doctor's, with the server's message."""
     import subprocess
     import sys

@@ -6,7 +6,7 @@ A request that takes more than twice the median is checked against
     between two reads means the machine took the CPU away from a runnable thread (another
     thread, the kernel, or the hypervisor under a VM). It runs through the whole run, so it
     also gives the machine's own rate of stalls beside our tails;
-  - the garbage collections of the worker and of the server (server/gc_pauses.py), each of
+  - the garbage collections of the worker and of the server (server/ops/gc_pauses.py), each of
     which stops every thread of its process.
 
 All times are CLOCK_MONOTONIC nanoseconds (time.monotonic_ns()), one clock for every process.

@@ -98,7 +98,7 @@ def parent_key(reg: Registration, parent: bytes, salt: bytes) -> ObjectKey | Non
 
 
 def shared_keys(shared_model: str, keys: list[ObjectKey]) -> list[ObjectKey]:
-    """The keys of a request's chunks in the shared namespace (server/tenancy.py: shared_of)."""
+    """The keys of a request's chunks in the shared namespace (server/tenancy/tenancy.py: shared_of)."""
     if not shared_model:
         raise invalid("the shared namespace is a tenants' one: it needs a server with --tenants and a tenant "
                       "with shared = \"write\"")

@@ -1,4 +1,4 @@
-"""Tenants' shares of L1 (a part of L1Store; the server's tenants file sets them, server/tenancy.py).
+"""Tenants' shares of L1 (a part of L1Store; the server's tenants file sets them, server/tenancy/tenancy.py).
 
 A tenant's objects live under models named `TENANT<SEP>model` (the server chose the prefix, the
 client cannot), so the owner of an object is read from its key. Per owner: the bytes it holds,

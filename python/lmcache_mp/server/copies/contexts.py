@@ -84,7 +84,7 @@ def _check_extent(spec: LayoutSpec, i: int, offset: int, size: int) -> None:
 
 
 class EngineCopyContext:
-    """A KV cache whose engine moves its chunks itself (transfer="engine", server/engine_copies.py):
+    """A KV cache whose engine moves its chunks itself (transfer="engine", server/copies/engine_copies.py):
     the server knows its layout, never its memory."""
 
     transfer_mode = "engine"

@@ -5,7 +5,7 @@ compiled in, for which architectures), the GPUs (names, UUIDs, compute capabilit
 build, NUMA node), CUDA IPC between two processes (a real export and open), page-locked memory
 (`ulimit -l`, /proc/meminfo) against --l1-size, /dev/shm for the CPU device, the endpoint and the
 HTTP address (bound and released, leaving no socket file), and each L2 target configured
-(reachable or not). Everything the server itself checks before it starts (server/resources.py:
+(reachable or not). Everything the server itself checks before it starts (server/ops/resources.py:
 L1 against the memory available, the socket files' group and folder, the CURVE keys, the tenants
 file, the audit log's folder, a taken HTTP address, the disk tier's folder) is
 checked with the same functions, and fails the same way. Exit code 0 only when nothing FAILs for

@@ -18,7 +18,7 @@ def check(msg: p.Events) -> None:
 
 def answer(log: EventLog, session_id: bytes, msg: p.Events, prefix: str = "", shared: str = "") -> p.EventsReply:
     """Scans at most max_events events (fewer are returned when the filter drops some); `next`
-    says where the scan stopped. prefix: a tenant's (server/tenancy.py): only its namespace's
+    says where the scan stopped. prefix: a tenant's (server/tenancy/tenancy.py): only its namespace's
     events, its models named as its clients name them. shared: the shared namespace's prefix, for
     a tenant that reads it: its events too (they are hits of the tenant's lookups), each model named
     as the tenant's clients name it and listed in the reply's `shared`."""

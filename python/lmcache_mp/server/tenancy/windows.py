@@ -85,7 +85,7 @@ class TenantWindows:
         self._lock = threading.Lock()
 
     def of(self, tenant) -> Window:
-        """The window of a tenant (server/tenancy.py's TenantState): engine_window bytes."""
+        """The window of a tenant (tenancy.py's TenantState): engine_window bytes."""
         with self._lock:
             w = self._windows.get(tenant.name)
             if w is None:
