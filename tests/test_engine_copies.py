@@ -302,12 +302,12 @@ def test_the_engines_page_locking_takes_each_slab_once_when_first_needed(shm_fil
     (never in the background), each once, all of them with pin_l1(), and none left at close."""
     import types
 
-    from lmcache_mp import _C
+    from lmcache_mp import native
 
     calls = []
     fake = types.SimpleNamespace(host_register=lambda ptr, n, dev: calls.append(("lock", ptr, n, dev)),
                                  host_unregister=lambda ptr, dev: calls.append(("unlock", ptr, dev)))
-    monkeypatch.setattr(_C, "cuda", fake, raising=False)
+    monkeypatch.setattr(native, "cuda", fake)
     monkeypatch.setattr("lmcache_mp.native.cuda_built", lambda: True)
     srv = servers(l1_size="8MiB", slab_size="1MiB")
     c = clients(srv.url)

@@ -119,11 +119,11 @@ class LayoutSpec:
 
     def native(self, layer_ptrs: Sequence[int]):
         """The C++ descriptor with these layer addresses."""
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
         if len(layer_ptrs) != self.num_layers:
             raise LayoutError(f"expected {self.num_layers} layer addresses, got {len(layer_ptrs)}")
-        n = _C.KVLayout()
+        n = native.KVLayout()
         n.layer_ptrs = [int(p) for p in layer_ptrs]
         n.num_blocks = self.num_blocks
         n.block_size = self.block_size

@@ -1,4 +1,5 @@
-"""Typed wrappers over the compiled data plane (``lmcache_mp._C``)."""
+"""The compiled data plane (``lmcache_mp._C``): every use of it in the package goes through here,
+named and, where Python adds checks or defaults, wrapped."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ HostArena = _C.HostArena
 request_block_ids = _C.request_block_ids  # (packed int32, chunks, per chunk, num_blocks, distinct) -> int64 ids
 ARENA_SLOT_ALIGN = _C.ARENA_SLOT_ALIGN  # an arena slot is the object's size rounded up to this
 spin_poll = _C.spin_poll  # (fds, spin_us, timeout_ms) -> indices of the readable fds ([] on timeout)
+KVLayout = _C.KVLayout  # a KV cache's layout with its layers' addresses (layout.py's LayoutSpec.native)
+DiskStore = _C.DiskStore  # the disk tier's store: files, its index, I/O threads without the GIL
+parallel_memcpy = _C.parallel_memcpy  # (dst, src, nbytes) on the CPU copy threads
+# The FP8 codec: (src, n, group, dtype, dst) of n 16-bit values; fp8_encoded_bytes(n, group)
+fp8_encode, fp8_decode, fp8_encoded_bytes = _C.fp8_encode, _C.fp8_decode, _C.fp8_encoded_bytes
+# CUDA IPC, events, streams and the GPU transfer engine; None where the extension was built without CUDA
+cuda = getattr(_C, "cuda", None)
 
 
 def default_spin_us() -> int:

@@ -533,10 +533,10 @@ class Client(RestartRecovery):
         def convert(reply: Any) -> RetrieveResult:
             r = self._checked(reply, p.RetrieveReply)
             if early and r.event:
-                from lmcache_mp import _C
+                from lmcache_mp import native
 
                 dev = handle.described.device_index
-                _C.cuda.stream_wait_event(stream_ptr, self._opened.get(dev, r.event))
+                native.cuda.stream_wait_event(stream_ptr, self._opened.get(dev, r.event))
             return RetrieveResult(r.loaded)
 
         return self._async(msg, timeout, convert, settled, expires=deadline is None, stamps=stamps)

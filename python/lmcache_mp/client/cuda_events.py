@@ -20,16 +20,16 @@ class EventPool:
         pending: there is nothing to wait for, and recording is GPU work of this process, after
         which the server's first kernel waits for the GPU to switch contexts (~170 us on an H200,
         see bench/bench_cross_process.py)."""
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
-        if _C.cuda.stream_query(stream):
+        if native.cuda.stream_query(stream):
             return None, b""
         with self._lock:
             ev = self._free.pop() if self._free else None
         if ev is None:
-            e = _C.cuda.create_event(self.device, interprocess=True, blocking=False)
-            ev = (e, _C.cuda.event_ipc_handle(e))
-        _C.cuda.record_event(ev[0], stream)
+            e = native.cuda.create_event(self.device, interprocess=True, blocking=False)
+            ev = (e, native.cuda.event_ipc_handle(e))
+        native.cuda.record_event(ev[0], stream)
         return ev, ev[1]
 
     def give_back(self, ev: tuple[int, bytes]) -> None:
@@ -45,12 +45,12 @@ class OpenedEvents:
         self._events: dict[tuple[int, bytes], int] = {}
 
     def get(self, device: int, handle: bytes) -> int:
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
         with self._lock:
             ev = self._events.get((device, handle))
             if ev is None:
-                ev = self._events[(device, handle)] = _C.cuda.open_event(handle, device)
+                ev = self._events[(device, handle)] = native.cuda.open_event(handle, device)
             return ev
 
 

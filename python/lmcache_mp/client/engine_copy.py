@@ -106,12 +106,12 @@ class MappedArena:
             self.ensure_pinned(np.arange(0, self.capacity, self.slab_bytes, dtype=np.uint64))
 
     def _pin(self, slab: int) -> None:
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
         with self._lock:
             if slab in self._pinned or self.closed:
                 return
-            _C.cuda.host_register(self.base + slab * self.slab_bytes, self.slab_bytes, self._device)
+            native.cuda.host_register(self.base + slab * self.slab_bytes, self.slab_bytes, self._device)
             self._pinned.add(slab)
 
     def ensure_pinned(self, offsets: np.ndarray) -> None:
@@ -139,10 +139,10 @@ class MappedArena:
                 return
             self.closed = True
             if self._pinned and cuda_built():
-                from lmcache_mp import _C
+                from lmcache_mp import native
 
                 for slab in self._pinned:
-                    _C.cuda.host_unregister(self.base + slab * self.slab_bytes, self._device)
+                    native.cuda.host_unregister(self.base + slab * self.slab_bytes, self._device)
             self._pinned.clear()
         del self._view
         self._map.close()
@@ -167,7 +167,7 @@ class EngineCopier:
         self._waiters: dict[str, CompletionWaiter] = {}
         if not self.cuda:
             return
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
         if staging_bytes is None:
             staging_bytes = max(2 * object_bytes, min(CLIENT_RING_CHUNKS * object_bytes, CLIENT_RING_MAX_BYTES))
@@ -175,7 +175,7 @@ class EngineCopier:
         # packing kernels' CTAs.
         high = os.environ.get("LMCACHE_MP_COPY_PRIORITY", "low") == "high"
         pack_ctas = pack_ctas or int(os.environ.get("LMCACHE_MP_PACK_CTAS", "0"))
-        self.engine = _C.cuda.TransferEngine(device_index, self.native, chunk_size, staging_bytes=staging_bytes,
+        self.engine = native.cuda.TransferEngine(device_index, self.native, chunk_size, staging_bytes=staging_bytes,
                                              pack_ctas=pack_ctas, high_priority=high)
         for direction in ("gather", "scatter"):
             self._waiters[direction] = CompletionWaiter(f"lmcache-client-{direction}", lambda: self.engine, direction,

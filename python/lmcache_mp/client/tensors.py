@@ -82,23 +82,23 @@ def describe_kv_caches(kv_caches, private_cpu: bool = False) -> DescribedCache:
         return DescribedCache("cpu", -1, b"", layers)
     if device.type != "cuda":
         raise ValueError(f"KV caches on {device.type} are not supported (cpu or cuda)")
-    from lmcache_mp import _C
+    from lmcache_mp import native
 
-    if not _C.build_info()["cuda"]:
+    if not native.cuda_built():
         raise RuntimeError("lmcache-mp was built without CUDA: reinstall with nvcc available to use GPU caches")
     index = device.index if device.index is not None else torch.cuda.current_device()
     exports: dict[int, tuple[bytes, int]] = {}  # allocation base -> (handle, allocation bytes)
     with torch.cuda.device(index):
         for t in tensors:
             ptr = t.data_ptr()
-            base, _ = _C.cuda.address_range(ptr, index)
+            base, _ = native.cuda.address_range(ptr, index)
             if base not in exports:
-                handle, _offset, alloc_bytes, _dev = _C.cuda.export_memory(ptr)
+                handle, _offset, alloc_bytes, _dev = native.cuda.export_memory(ptr)
                 exports[base] = (handle, alloc_bytes)
             handle, alloc_bytes = exports[base]
             mem = p.MemoryRef(kind="cuda_ipc", handle=handle, offset=ptr - base, size=alloc_bytes)
             layers.append(_layer(t, mem))
-    return DescribedCache("cuda", index, _C.cuda.device_uuid(index), layers)
+    return DescribedCache("cuda", index, native.cuda.device_uuid(index), layers)
 
 
 def _layer(t, mem: p.MemoryRef) -> p.LayerRef:

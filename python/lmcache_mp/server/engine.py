@@ -79,9 +79,9 @@ class MPCacheEngine:
         self.clients = Clients(self._process_exited)
         uuids: dict[bytes, int] = {}
         if self.device == "cuda":
-            from lmcache_mp import _C
+            from lmcache_mp import native
 
-            uuids = {_C.cuda.device_uuid(i): i for i in range(_C.cuda.device_count())}
+            uuids = {native.cuda.device_uuid(i): i for i in range(native.cuda.device_count())}
         cuda = self.device == "cuda"
         self.registrations = Registrations(config, self.device, self.arena, self.clients,
                                            IpcMemoryCache() if cuda else None, IpcEventCache() if cuda else None, uuids)

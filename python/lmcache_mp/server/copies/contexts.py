@@ -141,17 +141,17 @@ class IpcMemoryCache:
         self._open: dict[tuple[int, bytes], list[int]] = {}  # (device, handle) -> [base, refs]
 
     def acquire(self, device: int, handle: bytes) -> int:
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
         with self._lock:
             entry = self._open.get((device, handle))
             if entry is None:
-                entry = self._open[(device, handle)] = [_C.cuda.open_memory(handle, device), 0]
+                entry = self._open[(device, handle)] = [native.cuda.open_memory(handle, device), 0]
             entry[1] += 1
             return entry[0]
 
     def release(self, device: int, handle: bytes) -> None:
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
         with self._lock:
             entry = self._open.get((device, handle))
@@ -161,7 +161,7 @@ class IpcMemoryCache:
             if entry[1] == 0:
                 del self._open[(device, handle)]
                 try:
-                    _C.cuda.close_memory(entry[0], device)
+                    native.cuda.close_memory(entry[0], device)
                 except RuntimeError as e:  # the exporter may already be gone
                     logger.warning("closing an IPC mapping failed: %s", e)
 
@@ -175,23 +175,23 @@ class IpcEventCache:
         self._limit = limit
 
     def get(self, device: int, handle: bytes) -> int:
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
         with self._lock:
             ev = self._events.get((device, handle))
             if ev is None:
                 if len(self._events) >= self._limit:  # a worker that never reuses events
                     old_key = next(iter(self._events))
-                    _C.cuda.destroy_event(self._events.pop(old_key))
-                ev = self._events[(device, handle)] = _C.cuda.open_event(handle, device)
+                    native.cuda.destroy_event(self._events.pop(old_key))
+                ev = self._events[(device, handle)] = native.cuda.open_event(handle, device)
             return ev
 
     def close(self) -> None:
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
         with self._lock:
             for ev in self._events.values():
-                _C.cuda.destroy_event(ev)
+                native.cuda.destroy_event(ev)
             self._events.clear()
 
 
@@ -215,7 +215,7 @@ class GPUCacheContext:
         staging_bytes: int,
         direct_ctas: int,
     ):
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
         self.reg = reg
         self.device_index = device_index
@@ -233,11 +233,11 @@ class GPUCacheContext:
                     raise RegistrationError(f"layer {i}: a CUDA cache needs a CUDA IPC handle, got {m.kind!r}")
                 base = ipc.acquire(device_index, m.handle)
                 self._handles.append(m.handle)
-                _, alloc_bytes = _C.cuda.address_range(base, device_index)
+                _, alloc_bytes = native.cuda.address_range(base, device_index)
                 _check_extent(reg.spec, i, m.offset, alloc_bytes)
                 ptrs.append(base + m.offset)
             self.native = reg.spec.native(ptrs)
-            self.engine = _C.cuda.TransferEngine(
+            self.engine = native.cuda.TransferEngine(
                 device_index, self.native, reg.chunk_size, staging_bytes=staging_bytes, direct_ctas=direct_ctas
             )
         except (RuntimeError, ValueError, TypeError, OverflowError) as e:  # TypeError: a value too big for C++

@@ -15,10 +15,10 @@ def resolve_device(requested: str) -> str:
 
 
 def gpu_numa_node() -> int:
-    from lmcache_mp import _C
+    from lmcache_mp import native
 
     try:
-        bus = _C.cuda.device_pci_bus_id(0).lower()
+        bus = native.cuda.device_pci_bus_id(0).lower()
         with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
             return int(f.read().strip())
     except (OSError, ValueError, RuntimeError):

@@ -35,9 +35,9 @@ OK, WARN, FAIL = "OK", "WARN", "FAIL"
 
 IPC_CHILD = """
 import sys
-from lmcache_mp import _C
-ev = _C.cuda.open_event(bytes.fromhex(sys.argv[1]), int(sys.argv[2]))
-_C.cuda.event_synchronize(ev)
+from lmcache_mp import native
+ev = native.cuda.open_event(bytes.fromhex(sys.argv[1]), int(sys.argv[2]))
+native.cuda.event_synchronize(ev)
 print("opened")
 """
 
@@ -52,18 +52,18 @@ class Report:
 
 
 def _gpus() -> list[dict]:
-    from lmcache_mp import _C
+    from lmcache_mp import native
 
     out = []
-    for d in range(_C.cuda.device_count()):
-        bus = _C.cuda.device_pci_bus_id(d).lower()
+    for d in range(native.cuda.device_count()):
+        bus = native.cuda.device_pci_bus_id(d).lower()
         numa = None
         try:
             with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
                 numa = int(f.read())
         except (OSError, ValueError):
             pass
-        out.append({"device": d, "name": _C.cuda.device_name(d), "uuid": _C.cuda.device_uuid(d).hex(),
+        out.append({"device": d, "name": native.cuda.device_name(d), "uuid": native.cuda.device_uuid(d).hex(),
                     "bus": bus, "numa": numa, "cc": _compute_capability(d)})
     return out
 
@@ -125,12 +125,12 @@ def _uuid(h: str) -> str:
 def check_ipc(r: Report, gpus: list[dict]) -> None:
     if not gpus:
         return
-    from lmcache_mp import _C
+    from lmcache_mp import native
 
     ev = None
     try:
-        ev = _C.cuda.create_event(0, True)
-        handle = _C.cuda.event_ipc_handle(ev).hex()
+        ev = native.cuda.create_event(0, True)
+        handle = native.cuda.event_ipc_handle(ev).hex()
         out = subprocess.run([sys.executable, "-c", IPC_CHILD, handle, "0"], capture_output=True, text=True, timeout=60)
         if out.returncode == 0 and "opened" in out.stdout:
             r.line(OK, "CUDA IPC: another process opened this one's interprocess event")
@@ -142,7 +142,7 @@ def check_ipc(r: Report, gpus: list[dict]) -> None:
         r.line(FAIL, f"CUDA IPC: {e}", "see docs/DEPLOYMENT.md")
     finally:
         if ev is not None:
-            _C.cuda.destroy_event(ev)
+            native.cuda.destroy_event(ev)
 
 
 def _start_check(r: Report, label: str, what: str, check, config: ServerConfig, ok: str = "") -> bool:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 
-from lmcache_mp.native import HostArena, _C
+from lmcache_mp import native
+from lmcache_mp.native import HostArena
 
 
 class Slots:
@@ -64,12 +65,12 @@ class Window:
     def copy_in(self, slots: Slots, l1_base: int, l1_offsets: list[int], nbytes: int) -> None:
         """L1 objects -> the window (a read)."""
         for w, o in zip(slots.offsets, l1_offsets):
-            _C.parallel_memcpy(self.arena.base + w, l1_base + o, nbytes)
+            native.parallel_memcpy(self.arena.base + w, l1_base + o, nbytes)
 
     def copy_out(self, slots: Slots, l1_base: int, l1_offsets: list[int], nbytes: int) -> None:
         """The window -> L1 objects (a store's commit)."""
         for w, o in zip(slots.offsets, l1_offsets):
-            _C.parallel_memcpy(l1_base + o, self.arena.base + w, nbytes)
+            native.parallel_memcpy(l1_base + o, self.arena.base + w, nbytes)
 
     def stats(self) -> dict:
         st = self.arena.stats()

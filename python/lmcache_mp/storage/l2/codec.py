@@ -92,9 +92,9 @@ class CodecTier(L2Backend):
     def __init__(self, inner: L2Backend, codec: str = "none"):
         if codec not in CODECS:
             raise ValueError(f"unknown codec {codec!r}: one of {', '.join(CODECS)}")
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
-        self._C = _C
+        self._native = native
         self.inner, self.codec = inner, codec
         self.name, self.default_write = inner.name, inner.default_write
         self.local = getattr(inner, "local", True)
@@ -144,7 +144,7 @@ class CodecTier(L2Backend):
         if self.codec == "none":
             return self.inner.put(keys, formats, ptrs, sizes)
         plans = [plan(f, n) for f, n in zip(formats, sizes)]
-        stored = [self._C.fp8_encoded_bytes(n // 2, p[1]) if p else n for p, n in zip(plans, sizes)]
+        stored = [self._native.fp8_encoded_bytes(n // 2, p[1]) if p else n for p, n in zip(plans, sizes)]
         buf = self._buffer(sum(n for n, p in zip(stored, plans) if p))
         out_fmts, out_ptrs, at = list(formats), list(ptrs), buf.ctypes.data
         for i, p in enumerate(plans):
@@ -154,7 +154,7 @@ class CodecTier(L2Backend):
 
         def encode(i: int) -> None:
             if plans[i] is not None:
-                self._C.fp8_encode(ptrs[i], sizes[i] // 2, plans[i][1], plans[i][0], out_ptrs[i])
+                self._native.fp8_encode(ptrs[i], sizes[i] // 2, plans[i][1], plans[i][0], out_ptrs[i])
 
         # the next piece is encoded (without the GIL) while the tier writes this one
         ok = [False] * len(keys)
@@ -180,7 +180,7 @@ class CodecTier(L2Backend):
         coded = [i for i, p in enumerate(plans) if p is not None]
         out = [FORMAT_MISMATCH] * len(keys)
         if coded:
-            stored = {i: self._C.fp8_encoded_bytes(capacities[i] // 2, plans[i][1]) for i in coded}
+            stored = {i: self._native.fp8_encoded_bytes(capacities[i] // 2, plans[i][1]) for i in coded}
             buf = self._buffer(sum(stored.values()))
             src, at = {}, buf.ctypes.data
             for i in coded:
@@ -188,7 +188,7 @@ class CodecTier(L2Backend):
 
             def decode(i: int) -> None:
                 if out[i] == stored[i]:
-                    self._C.fp8_decode(src[i], capacities[i] // 2, plans[i][1], plans[i][0], ptrs[i])
+                    self._native.fp8_decode(src[i], capacities[i] // 2, plans[i][1], plans[i][0], ptrs[i])
                     out[i] = capacities[i]
 
             # each piece is decoded (without the GIL) while the tier reads the next one

@@ -72,7 +72,7 @@ class DiskTier(L2Backend):
     name = "disk"
 
     def __init__(self, path: str, size: int = 0, io_threads: int = 4, policy: str = DEFAULT_POLICY):
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"L2 disk path {path} exists and is not a directory")
@@ -81,7 +81,7 @@ class DiskTier(L2Backend):
             size = int(_bytes_in(path) + FREE_SPACE_SHARE * shutil.disk_usage(path).free)
         self.path = path
         self.capacity = size
-        self._store = _C.DiskStore(path, size, io_threads)
+        self._store = native.DiskStore(path, size, io_threads)
         self._lock = threading.Lock()  # the policy and the byte counts (puts and gets come from other threads)
         self._policy = make_policy(policy)
         self._files: dict[bytes, _File] = {}

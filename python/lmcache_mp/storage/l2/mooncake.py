@@ -37,9 +37,9 @@ class MooncakeTier(L2Backend):
 
     def __init__(self, master: str, metadata: str, arena, segment_bytes: int, local_buffer_bytes: int = 64 << 20,
                  prefix: str = "lmcache", protocol: str = "tcp"):
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
-        self._name_of = _C.DiskStore.name_of
+        self._name_of = native.DiskStore.name_of
         self.master, self.metadata = master, metadata
         self._arena = arena
         self._segment, self._local_buffer = segment_bytes, local_buffer_bytes

@@ -176,9 +176,9 @@ class ValkeyTier(L2Backend):
 
     def __init__(self, url: str, prefix: str = "lmcache", ttl: float = 0.0, connections: int = 4,
                  timeout: float = 5.0, cluster: bool = False):
-        from lmcache_mp import _C
+        from lmcache_mp import native
 
-        self._name_of = _C.DiskStore.name_of
+        self._name_of = native.DiskStore.name_of
         self.url = url
         where = parse_url(url)
         self._seeds = where.pop("seeds")
