@@ -108,29 +108,11 @@ void check_codec_args(const char* fn, uintptr_t src, int64_t n, int64_t group, i
   LMC_CHECK_ARG((src != 0 && dst != 0) || n == 0, fn, ": null pointer");
 }
 
-py::dict disk_stats(const DiskStore& s) {
-  const DiskStoreStats st = s.stats();
+py::dict disk_stats(const DiskStore& store) {
+  const DiskStoreStats s = store.stats();
   py::dict d;
-  d["capacity"] = st.capacity;
-  d["bytes_used"] = st.bytes_used;
-  d["objects"] = st.objects;
-  d["reads"] = st.reads;
-  d["read_bytes"] = st.read_bytes;
-  d["read_seconds"] = st.read_seconds;
-  d["writes"] = st.writes;
-  d["write_bytes"] = st.write_bytes;
-  d["write_seconds"] = st.write_seconds;
-  d["evictions"] = st.evictions;
-  d["errors"] = st.errors;
-  d["corrupt"] = st.corrupt;
-  d["rejected"] = st.rejected;
-  d["dropped_at_scan"] = st.dropped_at_scan;
-  d["scan_seconds"] = st.scan_seconds;
-  d["direct_reads"] = st.direct_reads;
-  d["buffered_reads"] = st.buffered_reads;
-  d["direct_writes"] = st.direct_writes;
-  d["buffered_writes"] = st.buffered_writes;
-  d["last_error"] = lossy_str(st.last_error);
+  LMC_DISK_STORE_STATS(LMC_DICT_FIELD)
+  d["last_error"] = lossy_str(s.last_error);
   return d;
 }
 
@@ -218,44 +200,25 @@ PYBIND11_MODULE(_C, m) {
       .def("class_stats",
            [](const HostArena& a) {
              py::list out;
-             for (const ClassStats& c : a.class_stats()) {
+             for (const ClassStats& s : a.class_stats()) {
                py::dict d;
-               d["object_bytes"] = c.object_bytes;
-               d["slot_bytes"] = c.slot_bytes;
-               d["slots_per_slab"] = c.slots_per_slab;
-               d["slabs"] = c.slabs;
-               d["objects"] = c.objects;
-               d["free_slots"] = c.free_slots;
+               LMC_CLASS_STATS(LMC_DICT_FIELD)
                out.append(d);
              }
              return out;
            })
       .def("stats",
            [](const HostArena& a) {
-             ArenaStats s = a.stats();
+             const ArenaStats s = a.stats();
              py::dict d;
-             d["capacity"] = s.capacity;
-             d["slab_bytes"] = s.slab_bytes;
-             d["num_slabs"] = s.num_slabs;
-             d["free_slabs"] = s.free_slabs;
-             d["pending_slabs"] = s.pending_slabs;
-             d["failed_slabs"] = s.failed_slabs;
-             d["bytes_allocated"] = s.bytes_allocated;
-             d["objects"] = s.objects;
+             LMC_ARENA_STATS(LMC_DICT_FIELD)
              return d;
            })
       .def("pin_status",
            [](const HostArena& a) {
-             PinStatus p = a.pin_status();
+             const PinStatus s = a.pin_status();
              py::dict d;
-             d["requested"] = p.requested;
-             d["done"] = p.done;
-             d["bytes_pinned"] = p.bytes_pinned;
-             d["bytes_total"] = p.bytes_total;
-             d["seconds"] = p.seconds;
-             d["error"] = p.error;
-             d["bytes_faulted"] = p.bytes_faulted;
-             d["faulting_done"] = p.faulting_done;
+             LMC_PIN_STATUS(LMC_DICT_FIELD)
              return d;
            })
       .def("release_memory", &HostArena::release_memory, py::call_guard<py::gil_scoped_release>())

@@ -24,25 +24,35 @@
 #include <utility>
 #include <vector>
 
+#include "stats_fields.h"
 #include "thread_pool.h"
 
 namespace lmc {
 
+#define LMC_DISK_STORE_STATS(X)                                                                   \
+  X(uint64_t, capacity)                                                                          \
+  X(uint64_t, bytes_used) /* files in the index, headers included (in-flight puts not counted) */ \
+  X(int64_t, objects)                                                                            \
+  X(int64_t, reads)                                                                              \
+  X(uint64_t, read_bytes) /* payload bytes of successful items */                                \
+  X(double, read_seconds)                                                                        \
+  X(int64_t, writes)                                                                             \
+  X(uint64_t, write_bytes)                                                                       \
+  X(double, write_seconds)                                                                       \
+  X(int64_t, evictions)                                                                          \
+  X(int64_t, errors)   /* I/O failures (not misses, not corruption) */                           \
+  X(int64_t, corrupt)  /* objects found corrupt on read and dropped */                           \
+  X(int64_t, rejected) /* puts refused before any I/O: larger than the capacity, key + format too long */ \
+  X(int64_t, dropped_at_scan)                                                                    \
+  X(double, scan_seconds)                                                                        \
+  X(int64_t, direct_reads)                                                                       \
+  X(int64_t, buffered_reads)                                                                     \
+  X(int64_t, direct_writes)                                                                      \
+  X(int64_t, buffered_writes)
+
 struct DiskStoreStats {
-  uint64_t capacity = 0;
-  uint64_t bytes_used = 0;  // files in the index, headers included (in-flight puts not counted)
-  int64_t objects = 0;
-  int64_t reads = 0, writes = 0;
-  uint64_t read_bytes = 0, write_bytes = 0;  // payload bytes of successful items
-  double read_seconds = 0, write_seconds = 0;
-  int64_t evictions = 0;
-  int64_t errors = 0;    // I/O failures (not misses, not corruption)
-  int64_t corrupt = 0;   // objects found corrupt on read and dropped
-  int64_t rejected = 0;  // puts refused before any I/O: larger than the capacity, key + format too long
-  int64_t dropped_at_scan = 0;
-  double scan_seconds = 0;
-  int64_t direct_reads = 0, buffered_reads = 0, direct_writes = 0, buffered_writes = 0;
-  std::string last_error;
+  LMC_DISK_STORE_STATS(LMC_DECLARE_FIELD)
+  std::string last_error;  // (bound apart: bytes that are not UTF-8 are replaced)
 };
 
 class DiskStore {

@@ -26,39 +26,50 @@
 #include <thread>
 #include <vector>
 
+#include "stats_fields.h"
+
 namespace lmc {
 
 constexpr uint64_t kSlotAlign = 256;  // slots are multiples of it: every object 16-byte (vector), line aligned
 
+#define LMC_ARENA_STATS(X)                                   \
+  X(uint64_t, capacity)                                      \
+  X(uint64_t, slab_bytes)                                    \
+  X(int64_t, num_slabs)                                      \
+  X(int64_t, free_slabs)       /* available to any class */  \
+  X(int64_t, pending_slabs)    /* not yet pinned */          \
+  X(int64_t, failed_slabs)     /* pinning failed; withheld */ \
+  X(uint64_t, bytes_allocated) /* slot bytes handed out */   \
+  X(int64_t, objects)
+
 struct ArenaStats {
-  uint64_t capacity = 0;
-  uint64_t slab_bytes = 0;
-  int64_t num_slabs = 0;
-  int64_t free_slabs = 0;        // available to any class
-  int64_t pending_slabs = 0;     // not yet pinned
-  int64_t failed_slabs = 0;      // pinning failed; withheld
-  uint64_t bytes_allocated = 0;  // slot bytes handed out
-  int64_t objects = 0;
+  LMC_ARENA_STATS(LMC_DECLARE_FIELD)
 };
+
+#define LMC_CLASS_STATS(X)                                                       \
+  X(uint64_t, object_bytes)                                                      \
+  X(uint64_t, slot_bytes)                                                        \
+  X(uint32_t, slots_per_slab)                                                    \
+  X(int64_t, slabs) /* slabs this class holds (draining ones included) */        \
+  X(int64_t, objects)                                                            \
+  X(int64_t, free_slots) /* in its slabs that are not draining */
 
 struct ClassStats {
-  uint64_t object_bytes = 0;
-  uint64_t slot_bytes = 0;
-  uint32_t slots_per_slab = 0;
-  int64_t slabs = 0;       // slabs this class holds (draining ones included)
-  int64_t objects = 0;
-  int64_t free_slots = 0;  // in its slabs that are not draining
+  LMC_CLASS_STATS(LMC_DECLARE_FIELD)
 };
 
+#define LMC_PIN_STATUS(X)                                                                \
+  X(bool, requested)                                                                     \
+  X(bool, done)                                                                          \
+  X(uint64_t, bytes_pinned)                                                              \
+  X(uint64_t, bytes_total)                                                               \
+  X(double, seconds)                                                                     \
+  X(std::string, error) /* first pinning error, if any */                                \
+  X(uint64_t, bytes_faulted) /* faulted in ahead of use (pinned memory is, once pinned) */ \
+  X(bool, faulting_done)
+
 struct PinStatus {
-  bool requested = false;
-  bool done = false;
-  uint64_t bytes_pinned = 0;
-  uint64_t bytes_total = 0;
-  double seconds = 0;
-  std::string error;  // first pinning error, if any
-  uint64_t bytes_faulted = 0;  // faulted in ahead of use (pinned memory is, once pinned)
-  bool faulting_done = false;
+  LMC_PIN_STATUS(LMC_DECLARE_FIELD)
 };
 
 class HostArena {

@@ -195,14 +195,9 @@ void init_cuda_bindings(py::module_& m) {
       .def_property_readonly("device", &TransferEngine::device)
       .def_property_readonly("direct_supported", &TransferEngine::direct_supported)
       .def("stats", [](const TransferEngine& e) {
-        EngineStats s = e.stats();
+        const EngineStats s = e.stats();
         py::dict d;
-        d["submitted"] = s.submitted;
-        d["completed"] = s.completed;
-        d["batched_memcpy_calls"] = s.batched_memcpy_calls;
-        d["fallback_memcpy_calls"] = s.fallback_memcpy_calls;
-        d["dma_segments"] = s.dma_segments;
-        d["staging_bytes"] = s.staging_bytes;
+        LMC_ENGINE_STATS(LMC_DICT_FIELD)
         return d;
       });
 }

@@ -21,6 +21,7 @@
 #include "cpu_transfer.h"  // Direction
 #include "cuda/transfer_kernels.h"
 #include "kv_layout.h"
+#include "stats_fields.h"
 
 namespace lmc::cuda {
 
@@ -45,13 +46,16 @@ struct EngineOptions {
   bool high_priority = true;
 };
 
+#define LMC_ENGINE_STATS(X)                                                   \
+  X(int64_t, submitted)                                                        \
+  X(int64_t, completed)                                                        \
+  X(int64_t, batched_memcpy_calls)                                             \
+  X(int64_t, fallback_memcpy_calls)                                            \
+  X(int64_t, dma_segments) /* copies the dma modes issued, after coalescing */ \
+  X(int64_t, staging_bytes)
+
 struct EngineStats {
-  int64_t submitted = 0;
-  int64_t completed = 0;
-  int64_t batched_memcpy_calls = 0;
-  int64_t fallback_memcpy_calls = 0;
-  int64_t dma_segments = 0;  // copies the dma modes issued, after coalescing
-  int64_t staging_bytes = 0;
+  LMC_ENGINE_STATS(LMC_DECLARE_FIELD)
 };
 
 class TransferEngine {
