@@ -19,8 +19,8 @@ class CompletionWaiter:
     copy is seen done at once instead of after a wake-up. Whichever of the two (the callback filed,
     the transfer finished) comes second runs the callback."""
 
-    def __init__(self, name: str, engine_of: Callable[[], object], direction: str, spin_us: int = 0):
-        self._engine_of = engine_of  # the engine is reached through its context, never kept here
+    def __init__(self, name: str, mover_of: Callable[[], object], direction: str, spin_us: int = 0):
+        self._mover_of = mover_of  # the transfer engine is reached through its context, never kept here
         self._direction = direction
         self._spin = spin_us
         self._lock = threading.Lock()
@@ -44,7 +44,7 @@ class CompletionWaiter:
         on the result is then not woken by this thread: one hand-off less). False when the
         completion thread had it first (its callback runs there)."""
         try:
-            self._engine_of().wait(ticket)
+            self._mover_of().wait(ticket)
             error = None
         except ValueError:  # claimed by the completion thread, or collected already
             return False
@@ -59,9 +59,9 @@ class CompletionWaiter:
         return True
 
     def _run(self) -> None:
-        engine = self._engine_of()
+        mover = self._mover_of()
         while True:
-            ticket, seen, error = engine.wait_next(self._direction, self._spin)
+            ticket, seen, error = mover.wait_next(self._direction, self._spin)
             if not ticket:
                 return
             result = (RuntimeError(error), ()) if error else (None, (("gpu done", seen),))
@@ -78,6 +78,6 @@ class CompletionWaiter:
     def stop(self, timeout: float | None = None) -> None:
         """Answer every transfer submitted so far, then end the thread (stops both directions'
         waiters of the engine)."""
-        self._engine_of().stop_waiting()
+        self._mover_of().stop_waiting()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)

@@ -163,7 +163,7 @@ class EngineCopier:
         self.object_bytes = object_bytes
         self.cuda = device_index >= 0
         self.native = layout_spec.native([tensors[i].data_ptr() for i in layout_spec.addressed_layers()])
-        self.engine = None
+        self.mover = None
         self._waiters: dict[str, CompletionWaiter] = {}
         if not self.cuda:
             return
@@ -175,10 +175,10 @@ class EngineCopier:
         # packing kernels' CTAs.
         high = os.environ.get("LMCACHE_MP_COPY_PRIORITY", "low") == "high"
         pack_ctas = pack_ctas or int(os.environ.get("LMCACHE_MP_PACK_CTAS", "0"))
-        self.engine = native.cuda.TransferEngine(device_index, self.native, chunk_size, staging_bytes=staging_bytes,
+        self.mover = native.cuda.TransferEngine(device_index, self.native, chunk_size, staging_bytes=staging_bytes,
                                              pack_ctas=pack_ctas, high_priority=high)
         for direction in ("gather", "scatter"):
-            self._waiters[direction] = CompletionWaiter(f"lmcache-client-{direction}", lambda: self.engine, direction,
+            self._waiters[direction] = CompletionWaiter(f"lmcache-client-{direction}", lambda: self.mover, direction,
                                                         COMPLETION_SPIN_US)
 
     def copy(self, direction: str, block_ids: np.ndarray, object_ptrs: np.ndarray, done: Callable,
@@ -197,9 +197,9 @@ class EngineCopier:
                 return None
             done(None)
             return None
-        if self.engine is None:
+        if self.mover is None:
             raise ServerUnavailable("this KV cache's copier was closed (the client closed, or the server restarted)")
-        ticket = self.engine.submit(direction, "staged", block_ids, object_ptrs, self.chunk_size, self.object_bytes,
+        ticket = self.mover.submit(direction, "staged", block_ids, object_ptrs, self.chunk_size, self.object_bytes,
                                     wait_event, False, then_stream)
         waiter = self._waiters[direction]
         waiter.add(ticket, lambda error, _stamps: done(error))
@@ -210,4 +210,4 @@ class EngineCopier:
         for waiter in self._waiters.values():
             waiter.stop()
         self._waiters.clear()
-        self.engine = None
+        self.mover = None

@@ -237,7 +237,7 @@ class GPUCacheContext:
                 _check_extent(reg.spec, i, m.offset, alloc_bytes)
                 ptrs.append(base + m.offset)
             self.native = reg.spec.native(ptrs)
-            self.engine = native.cuda.TransferEngine(
+            self.mover = native.cuda.TransferEngine(
                 device_index, self.native, reg.chunk_size, staging_bytes=staging_bytes, direct_ctas=direct_ctas
             )
         except (RuntimeError, ValueError, TypeError, OverflowError) as e:  # TypeError: a value too big for C++
@@ -248,11 +248,11 @@ class GPUCacheContext:
                wait_event: bytes, with_handle: bool = False):
         """The transfer's ticket; with_handle: (ticket, its completion event's IPC handle)."""
         ev = self._events.get(self.device_index, wait_event) if wait_event else 0
-        return self.engine.submit(direction, self.transfer_mode, block_ids, object_ptrs, self.reg.chunk_size,
+        return self.mover.submit(direction, self.transfer_mode, block_ids, object_ptrs, self.reg.chunk_size,
                                   capacity, ev, with_handle)
 
     def close(self) -> None:
-        self.engine = None  # the engine synchronises its streams when destroyed
+        self.mover = None  # the transfer engine synchronises its streams when destroyed
         for h in self._handles:
             self._ipc.release(self.device_index, h)
         self._handles.clear()

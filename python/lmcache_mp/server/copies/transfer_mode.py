@@ -1,4 +1,4 @@
-"""The `auto` transfer-mode policy (docs/PERFORMANCE.md has the measurements behind it).
+"""How `auto` chooses a transfer mode (docs/PERFORMANCE.md has the measurements behind it).
 
 A server's kernels run in its own CUDA context, so beside a busy engine they wait for the
 engine's time slice and then take the whole GPU (the engine keeps 0.84x of a GEMM loop with

@@ -127,7 +127,7 @@ def _tenant_metrics(tenants: dict):
             for tier in t.get("l2_tiers", {}):
                 g.add_metric([name, tier], value(t, tier))
         yield g
-    owners, tenants = tenants, {name: t for name, t in tenants.items() if "inflight" in t}  # (shared: no requests)
+    namespaces, tenants = tenants, {name: t for name, t in tenants.items() if "inflight" in t}  # (shared: no requests)
     gauges = (("inflight", "the tenant's requests in flight", lambda t: t["inflight"]),
               ("registrations", "the tenant's registered KV caches", lambda t: t["registrations"]))
     for suffix, help_, value in gauges:
@@ -146,12 +146,12 @@ def _tenant_metrics(tenants: dict):
         yield c
     c = CounterMetricFamily("lmcache_mp_tenant_store_skipped_chunks", "chunks of the tenant's stores not placed (its "
                             "l1_max, or no room)", labels=["tenant"])
-    for name, t in owners.items():
+    for name, t in namespaces.items():
         c.add_metric([name], t["l1"]["skipped"])
     yield c
     c = CounterMetricFamily("lmcache_mp_tenant_evicted", "the tenant's chunks evicted from L1, by cause (pressure: "
                             "another store needed room; l1_max: its own cap)", labels=["tenant", "cause"])
-    for name, t in owners.items():
+    for name, t in namespaces.items():
         for cause, n in t["l1"]["evicted"].items():
             c.add_metric([name, cause], n)
     yield c

@@ -163,7 +163,7 @@ class Registrations:
                 entry = Entry(ctx, worker)
                 if isinstance(ctx, GPUCacheContext):
                     # Through ctx, not a bound method: the mover must go when the context closes.
-                    mover_of = lambda ctx=ctx: ctx.engine  # noqa: E731
+                    mover_of = lambda ctx=ctx: ctx.mover  # noqa: E731
                     spin = min(self.config.spin_us, COMPLETION_SPIN_US)
                     entry.store_done = CompletionWaiter(f"lmcache-store-{kv_id & 0xFFFF:04x}", mover_of,
                                                         "gather", spin)

@@ -289,8 +289,8 @@ class Tenancy:
         if self.on_shared_limits is not None:
             self.on_shared_limits(table.shared)
         for cred, clients in gone.items():
-            owner = old.credentials().get(cred, "")
-            self.audit.write("credential_revoked", tenant=owner, fingerprint=credential_fingerprint(cred),
+            tenant = old.credentials().get(cred, "")
+            self.audit.write("credential_revoked", tenant=tenant, fingerprint=credential_fingerprint(cred),
                              clients=len(clients))
             if self.on_revoked is not None:
                 self.on_revoked(cred, clients)

@@ -202,15 +202,15 @@ class _Checker:
         if not tables:
             raise self.error(("tenants",) if "tenants" in doc else (), "no tenants: add at least one [tenants.NAME]")
         tenants: dict[str, Tenant] = {}
-        owners: dict[str, str] = {}
+        tenant_of: dict[str, str] = {}  # credential -> the tenant it names
         for name, fields in tables.items():
             tenant = tenants[name] = self.tenant(name, fields)
             for cred in _credentials(tenant):
-                if cred in owners:
+                if cred in tenant_of:
                     kind = {"curve": "curve_keys", "uid": "uids", "gid": "gids"}[cred.partition(":")[0]]
                     raise self.error(("tenants", name, kind), f"{credential_fingerprint(cred)} is also a credential "
-                                     f"of tenant '{owners[cred]}'; a credential belongs to one tenant only")
-                owners[cred] = name
+                                     f"of tenant '{tenant_of[cred]}'; a credential belongs to one tenant only")
+                tenant_of[cred] = name
         return TenantTable(self.path, tenants, self.shared(doc.get(SHARED, {})))
 
     def shared(self, fields: Any) -> SharedLimits:
