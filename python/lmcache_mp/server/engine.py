@@ -36,7 +36,7 @@ import time
 from typing import Callable
 
 
-from lmcache_mp import protocol as p
+from lmcache_mp import native, protocol as p
 from lmcache_mp._version import __version__
 from lmcache_mp.config import ServerConfig, format_size
 from lmcache_mp.native import set_cpu_threads
@@ -69,7 +69,7 @@ class MPCacheEngine:
         self.session_id = secrets.token_bytes(16)
         if config.cpu_threads:
             set_cpu_threads(config.cpu_threads)
-        pin = self.device == "cuda"
+        cuda = pin = self.device == "cuda"
         numa = config.numa_node if config.numa_node >= 0 else (gpu_numa_node() if pin else -1)
         self.arena, self.l1, self.events = open_l1(config, self.device, numa)
         self.l2 = open_l2(config, self.arena, self.l1)
@@ -77,12 +77,8 @@ class MPCacheEngine:
         self.tenancy: Tenancy | NoTenancy = NoTenancy()
         self._housekeeping = SerialWorker("lmcache-housekeeping")
         self.clients = Clients(self._process_exited)
-        uuids: dict[bytes, int] = {}
-        if self.device == "cuda":
-            from lmcache_mp import native
-
-            uuids = {native.cuda.device_uuid(i): i for i in range(native.cuda.device_count())}
-        cuda = self.device == "cuda"
+        # this server's GPUs by uuid (a registration names the GPU its cache is on)
+        uuids = {native.cuda.device_uuid(i): i for i in range(native.cuda.device_count())} if cuda else {}
         self.registrations = Registrations(config, self.device, self.arena, self.clients,
                                            IpcMemoryCache() if cuda else None, IpcEventCache() if cuda else None, uuids)
         self.moved = BytesMoved()  # between KV caches and L1, by direction
