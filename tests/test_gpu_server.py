@@ -378,7 +378,7 @@ def test_hybrid_pages_of_attention_and_state_groups_round_trip_exact(cuda_server
     buf.view(torch.int32).random_()
     views = [buf[i] for i in range(layers)]
     with Client(cuda_server) as client:
-        handles = [client.register_kv_cache(views, model=f"hybrid#{group}", layout="opaque", block_size=block_size,
+        handles = [client.register_kv_cache(views, model=f"hybrid-{transfer}#{group}", layout="opaque", block_size=block_size,
                                             chunk_size=block_size, transfer=transfer) for group in ("attn", "state")]
         assert all(h.chunk_size == block_size and h.object_bytes == layers * page for h in handles)
         rng = np.random.default_rng(3)
