@@ -71,7 +71,8 @@ def main() -> None:
     params = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool),
                              req_to_token_pool=None, page_size=ps, pp_size=1, attn_cp_size=1)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_server(max(4 * total, 512 << 20) + (256 << 20), 256, Path(tmp) / "server.log")
+        server = start_server(max(4 * total, 512 << 20) + (256 << 20), 256, Path(tmp) / "server.log")
+        url = server.url
         try:
             config = {"linker": "LMCacheMPLinker", "linker_module_path": "lmcache_mp.integration.sglang_linker",
                       "linker_extra_config": {"lmcache_mp.url": url, "lmcache_mp.request_timeout": 60,
@@ -110,8 +111,7 @@ def main() -> None:
                         loads.append(t_load)
             linker.close()
         finally:
-            proc.terminate()
-            proc.wait(30)
+            server.stop(30)
 
     def gbs(ts):
         return total / statistics.median(ts) / 1e9
