@@ -44,7 +44,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,11 +53,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_sglang_storage import cpu_model, free_port  # noqa: E402  (no sglang import there at module level)
+from server_process import ServerProcess  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from lmcache_mp import Client, ServerUnavailable, _C, shared_cpu_tensor  # noqa: E402
+from lmcache_mp import Client, _C, shared_cpu_tensor  # noqa: E402
 from lmcache_mp.integration.sglang_keys import namespace, page_digest  # noqa: E402
 from lmcache_mp.integration.sglang_linker_loads import IN_FLIGHT, batches, load_batch  # noqa: E402
 from lmcache_mp.integration.sglang_linker_pools import (  # noqa: E402
@@ -118,42 +118,27 @@ def runs(pages: list[int]) -> list[tuple[int, int]]:
 
 
 class Server:
+    """lmcache-mp-server in a process of its own (bench/server_process.py) and a client of it, once
+    L1 is page-locked (nothing is timed before)."""
+
     def __init__(self, device: str, l1_bytes: int, transfer_mode: str, log: Path):
-        self.url = f"tcp://127.0.0.1:{free_port()}"
-        exe = Path(sys.executable).with_name("lmcache-mp-server")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "lmcache_mp.server.cli"]
-        cmd += ["--url", self.url, "--device", device, "--l1-size", f"{l1_bytes >> 20}MiB", "--chunk-size", "256",
-                "--http-addr", "off"]
+        args = ["--url", f"tcp://127.0.0.1:{free_port()}", "--device", device, "--l1-size", f"{l1_bytes >> 20}MiB",
+                "--chunk-size", "256", "--http-addr", "off"]
         if device != "cpu":
-            cmd += ["--transfer-mode", transfer_mode]
-        self.log = log
-        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                self.client = Client(self.url, connect_timeout=1.0, timeout=120)
-                break
-            except ServerUnavailable:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"the server did not start:\n{log.read_text()[-3000:]}") from None
-                time.sleep(0.2)
-        while True:  # time nothing while L1 is still being page-locked
-            pin = self.client.status()["l1"].get("pinning", {})
-            if pin.get("done") or not pin.get("requested"):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"L1 pinning not finished: {pin}")
-            time.sleep(0.2)
+            args += ["--transfer-mode", transfer_mode]
+        self.process = ServerProcess(args, log_path=str(log))
+        self.url, self.client = self.process.url, None
+        try:
+            self.client = self.process.connect(120, timeout=120)
+            self.process.wait_pinned(self.client, 120)
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
-        if getattr(self, "client", None) is not None:
+        if self.client is not None:
             self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        self.process.stop(30)
 
 
 class LinkerArm:
