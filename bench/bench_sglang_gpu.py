@@ -35,7 +35,10 @@ for bit against the pages it came from. The server's L1 is fully pinned before t
     python bench/bench_sglang_gpu.py [--device cuda|cpu] [--kind mha|mla] [--pages 1,64]
         [--page-size 64] [--layers 32] [--heads 8] [--head-dim 128] [--repeat 7] [--quick]
         [--arms linker,linker-engine,linker-groups,hicache]
-        [--layer-groups 4] [--in-flight 2] [--transfer-mode auto] [--json out.json]
+        [--layer-groups 4] [--in-flight 2] [--transfer-mode auto] [--trace] [--json out.json]
+
+``--trace`` also prints where the linker arms' requests spend their time: the stage timestamps of
+every store and retrieve (client and server, one clock), median and p99 per stage.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from lmcache_mp.integration.sglang_linker_loads import IN_FLIGHT, batches, load_
 from lmcache_mp.integration.sglang_linker_pools import (  # noqa: E402
     KV, describe_pools, page_rows, registration_geometry, split_layer_groups)
 from lmcache_mp.integration.sglang_pages import plan_pages  # noqa: E402
+from lmcache_mp.loadgen.trace import print_traces  # noqa: E402
 
 ARMS = ("linker", "linker-engine", "linker-groups", "hicache")
 MODEL = "bench"
@@ -141,11 +145,24 @@ class Server:
         self.process.stop(30)
 
 
+class Issued:
+    """A client whose retrieves are remembered (their futures carry the traces of a traced client)."""
+
+    def __init__(self, client):
+        self.client, self.futures = client, []
+
+    def retrieve(self, *args, **kwargs):
+        fut = self.client.retrieve(*args, **kwargs)
+        self.futures.append(fut)
+        return fut
+
+
 class LinkerArm:
     """The linker's data plane over the device pool: registration, offload, load (its own code)."""
 
     def __init__(self, client, pool: DevicePool, transfer: str, groups: int = 1, in_flight: int = IN_FLIGHT):
         self.client, self.pool, self.ps, self.in_flight = client, pool, pool.page_size, in_flight
+        self.last_traces: list = []  # the last offload's or load's request traces (a traced client)
         self.layout = describe_pools(pool, None, {"FULL"}, pool.page_size)
         if groups > 1:
             split_layer_groups(self.layout, groups)
@@ -175,6 +192,7 @@ class LinkerArm:
         results = [f.result() for f in futures]
         dt = time.perf_counter() - t0
         assert all(r.skipped == 0 for r in results), results
+        self.last_traces = [f.trace for f in futures if getattr(f, "trace", None)]
         return dt
 
     def load(self, keys: list[str], slots: torch.Tensor) -> tuple[float, float]:
@@ -189,10 +207,12 @@ class LinkerArm:
         t0 = time.perf_counter()
         self._ready()
         rows = page_rows(slots, self.ps, "a load")
-        load_batch(self.client, self.handles, [([(p, digests, rows) for p in self.parts], leases)],
+        issued = Issued(self.client)
+        load_batch(issued, self.handles, [([(p, digests, rows) for p in self.parts], leases)],
                    self.layout.group_ends, lambda start, end: first.append(time.perf_counter()), timeout=120,
                    in_flight=self.in_flight)
         t1 = time.perf_counter()
+        self.last_traces = [f.trace for f in issued.futures if getattr(f, "trace", None)]
         return t1 - t0, first[0] - t0
 
 
@@ -310,6 +330,7 @@ def main() -> int:
     ap.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="layer groups a load asks for at once")
     ap.add_argument("--order", choices=("contiguous", "shuffled"), default="contiguous",
                     help="device pages of a request: consecutive, or scattered over the pool")
+    ap.add_argument("--trace", action="store_true", help="print the linker requests' stage times")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     arms = [a for a in args.arms.split(",") if a]
@@ -339,6 +360,7 @@ def main() -> int:
           f"{page_bytes / 2**20:.2f} MiB ({len(pool.buffers())} runs), {args.order} pages, {repeat} rounds",
           flush=True)
     times: dict = {}
+    traces: dict = {}  # "arm op pages" -> request traces (--trace)
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         server = Server(device, l1_bytes, args.transfer_mode, Path(tmp) / "server.log")
@@ -347,7 +369,7 @@ def main() -> int:
             made, errors = {}, {}
             for arm in arms:  # one client per arm, as one SGLang worker would have
                 try:
-                    c = Client(server.url, timeout=120)
+                    c = Client(server.url, timeout=120, trace=args.trace)
                     if arm == "hicache":
                         made[arm] = HiCacheArm(c, pool, 2 * most)
                     else:
@@ -377,7 +399,11 @@ def main() -> int:
                                 rec[arm + "_load"] = a.load(keys, dst, host_dst)
                             else:
                                 rec[arm + "_offload"] = a.offload(keys, src_slots)
+                                if r:
+                                    traces.setdefault(f"{arm} offload {n} pages", []).extend(a.last_traces)
                                 rec[arm + "_load"], rec[arm + "_first"] = a.load(keys, dst_slots)
+                                if r:
+                                    traces.setdefault(f"{arm} load {n} pages", []).extend(a.last_traces)
                         except Exception as e:  # noqa: BLE001
                             errors[arm] = f"{type(e).__name__}: {e}"
                             print(f"!! {arm}: {errors[arm]}", flush=True)
@@ -416,6 +442,8 @@ def main() -> int:
                 print(f"{'':14s}{arm + ' first layers':22s}{'':8s}{1e3 * med[arm + '_first']:9.2f}")
         results.append(row)
     print("server transfer modes:", modes)
+    if traces:
+        print_traces(traces)
     for arm, err in errors.items():
         print(f"!! arm {arm} not measured: {err}")
     print("bit-exact:", "ALL PASS" if not failures else f"FAILED {failures}")

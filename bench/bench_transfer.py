@@ -55,6 +55,9 @@ LAYOUTS = {
     # hybrid models: per-layer opaque pages, one block per chunk (bytes per page)
     "hybrid-pages-2m": dict(kind="pages", layers=12, page=2 << 20, block_size=256),
     "hybrid-pages-512k": dict(kind="pages", layers=12, page=512 << 10, block_size=256),
+    # SGLang's MHA pool through the unified cache linker: a page of 64 tokens is one object of
+    # 64 runs (32 layers x K/V) of 128 KiB, each run in a buffer of its own
+    "sglang-page64": dict(kind="pages", layers=64, page=128 << 10, block_size=256),
 }
 
 
