@@ -292,7 +292,7 @@ def gemm_interference(b: Bench, arm_fn, iters: int = 30, rounds: int = 3) -> tup
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layouts", default=",".join(n for n in LAYOUTS if not n.startswith("hybrid")))
+    ap.add_argument("--layouts", default=",".join(n for n in LAYOUTS if not n.startswith(("hybrid", "sglang"))))
     ap.add_argument("--chunks", default="1,8,64")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="fewer repeats, random ids only")
