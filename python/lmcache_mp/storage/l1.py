@@ -8,6 +8,10 @@ which picks the victim whatever its size. Reads and stores of chunks already hel
 policy counts; lookup hits only refresh LRU's recency. The chunks of one request are handed to the
 policy deepest first, so that a prompt is evicted from its end.
 
+L1Store owns its parts, each built from the collaborators it names: the index of its objects
+(storage/l1_index.py), the slab moves (memory across sizes), the L2 writeback and, with
+--l1-persist, the journal's persistence.
+
 Memory across sizes (storage/slab_moves.py): one eviction order over every size; a size that needs memory
 takes a whole slab from another size by moving that slab's live objects, never by evicting them.
 
@@ -35,10 +39,11 @@ from typing import Callable, Collection, Sequence
 
 from lmcache_mp.storage.eviction import DEFAULT_POLICY, make_policy
 from lmcache_mp.storage.events import REMOVED, STORED
-from lmcache_mp.storage.l1_journal import free_record
+from lmcache_mp.storage.index import PART_MASK
+from lmcache_mp.storage.l1_index import L1Index
+from lmcache_mp.storage.l1_journal import Entry, L1Journal
 from lmcache_mp.storage.l1_persist import L1Persistence
-from lmcache_mp.storage.l1_writeback import L1Writeback
-from lmcache_mp.storage.index import PART_MASK, OffsetShards, Shards
+from lmcache_mp.storage.l1_writeback import SCAN, L1Writeback
 from lmcache_mp.storage.leases import Lease, LeaseTable
 from lmcache_mp.storage.objects import SHARED_RANK, L1Object, ObjectKey  # noqa: F401 (re-exported)
 from lmcache_mp.storage.slab_moves import MAX_MOVES, SlabMove, SlabMoves
@@ -46,7 +51,6 @@ from lmcache_mp.storage.tenant_quotas import L1Quotas
 
 logger = logging.getLogger(__name__)
 
-_NO_SPACE = Shards()  # the index of a namespace with no objects (never written)
 SLICE = 256  # keys (lookups: key visits x ranks) per hold of the lock
 
 
@@ -61,16 +65,17 @@ class StorePlan:
     pending: list[L1Object] = field(default_factory=list)  # being written by another request
 
 
-class L1Store(SlabMoves, L1Persistence, L1Writeback):
-    def __init__(self, arena, clock: Callable[[], float] = time.monotonic, policy: str = DEFAULT_POLICY):
+class L1Store:
+    def __init__(self, arena, clock: Callable[[], float] = time.monotonic, policy: str = DEFAULT_POLICY,
+                 quotas: L1Quotas | None = None):
+        """quotas: tenants' shares of L1 (storage/tenant_quotas.py; a server with a tenants file)."""
         self.arena = arena
         self._clock = clock
         self.on_commit: Callable[[int], None] | None = None  # (objects committed), called without the lock
         self._lock = threading.Lock()
-        # (model, world_size, rank, salt) -> digest -> object: a lookup walks one index per rank
-        self._spaces: dict[tuple, Shards] = {}
+        self._index = L1Index()
+        self._at = self._index.at  # arena offset -> object
         self._policy = make_policy(policy)  # orders what may be evicted, every size
-        self._at = OffsetShards()  # arena offset -> object
         self._leases = LeaseTable(on_unheld=self._park)
         self._classes: dict[int, int] = {}  # object bytes -> size class
         self._class_bytes: dict[int, int] = {}  # size class -> object bytes
@@ -80,7 +85,11 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "lookup_chunks": 0, "moved": 0, "slab_moves": 0,
                          "cleared": 0, "replaced": 0, "format_mismatches": 0}
         self._mismatches_logged: set[str] = set()
-        self.quotas: L1Quotas | None = None  # tenants' shares (storage/tenant_quotas.py), set before any store
+        self.quotas = quotas
+        self.writeback = L1Writeback(arena, self._lock, self._index, self._policy, quotas)
+        self.moves = SlabMoves(arena, self._lock, self._index, quotas, victim=self.writeback.victim, evict=self._evict,
+                               moved=self._moved, counters=self.counters, evicted=self._evicted)
+        self.persistence: L1Persistence | None = None  # with --l1-persist (attach_journal)
 
     def _pause(self) -> None:
         """Between slices of one request: let a waiting thread take the lock (and the GIL)."""
@@ -90,24 +99,11 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
 
     # ---- helpers (lock held) -------------------------------------------------------------------
 
-    @staticmethod
-    def _space_of(key: ObjectKey) -> tuple:
-        return (key.model, key.world_size, key.rank, key.salt)
-
-    def _parts_of(self, space: tuple, default: list) -> list:
-        index = self._spaces.get(space)
-        return default if index is None else index.parts
-
     def _get(self, key: ObjectKey) -> L1Object | None:
-        space = self._spaces.get(self._space_of(key))  # (a namespace's index goes when it empties)
-        return None if space is None else space.parts[hash(key.digest) & PART_MASK].get(key.digest)
+        return self._index.get(key)
 
     def _put(self, obj: L1Object) -> None:
-        space = self._spaces.get(self._space_of(obj.key))
-        if space is None:
-            space = self._spaces[self._space_of(obj.key)] = Shards()
-        space[obj.key.digest] = obj
-        self._at[obj.offset] = obj
+        self._index.put(obj)
         if self.quotas is not None:
             obj.owner = self.quotas.owner_of(obj.key.model)
             self.quotas.added(obj.owner, obj.nbytes)
@@ -136,29 +132,40 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
 
     def _use(self, obj: L1Object) -> None:
         obj.uses += 1
-        self._l2_admitted(obj)
+        self.writeback.admitted(obj)
 
     def _free(self, obj: L1Object) -> None:
         if obj.committed:
             if self.events is not None:
                 self.events.add(REMOVED, obj.key)
             self._policy.remove(obj)
-        if self.l2_wanted:
-            self._l2_leaving(obj)
+        if self.writeback.wanted:
+            self.writeback.leaving(obj)
         # Gone, it ends every walk back from its successors (each tier has a copy of it or lost
         # it), so it holds on to no predecessor: chains of a long conversation stay bounded.
         obj.prev = None
-        space = self._spaces.get(self._space_of(obj.key))
-        if space is not None and space.remove(obj.key.digest, obj) and not space:
-            del self._spaces[self._space_of(obj.key)]
+        self._index.remove(obj)
         if obj.committed:
             self._committed -= 1
-            if self.journal is not None:  # before the slot can go to anyone else
-                self.journal.write([free_record(obj.offset)])
-        del self._at[obj.offset]
+            if self.persistence is not None:  # before the slot can go to anyone else
+                self.persistence.freed(obj)
         self.arena.free(obj.offset)
         if obj.owner >= 0:
             self.quotas.removed(obj.owner, obj.nbytes)
+
+    def _evict(self, victim: L1Object, cause: str) -> None:
+        """victim leaves L1 for room (cause: storage/tenant_quotas.CAUSES)."""
+        self.writeback.evicting(victim)
+        self._policy.evicted(victim)
+        if victim.owner >= 0:
+            self.quotas.evicted[victim.owner][cause] += 1
+        self._free(victim)
+        self.counters["evicted"] += 1
+        self._evicted[victim.size_class] = self._evicted.get(victim.size_class, 0) + 1
+
+    def _moved(self, obj: L1Object, old: int) -> None:
+        if self.persistence is not None and obj.committed:
+            self.persistence.moved(obj, old)
 
     def _size_class(self, object_bytes: int) -> int:
         cls = self._classes.get(object_bytes)
@@ -189,7 +196,7 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
             # parked again deepest first at the end
             used: list[L1Object] = []
             # the object of the chunk before: its prefix, for L2 writes
-            last = self._l2_parent(parent, format_key) if parent is not None else None
+            last = self.writeback.parent(parent, format_key) if parent is not None else None
             owner = self.quotas.owner_of(keys[0].model) if self.quotas is not None and keys else -1
             while i < len(keys):
                 if i and i % SLICE == 0:
@@ -217,10 +224,10 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                     last = obj
                     i += 1
                     continue
-                got = self._allocate(cls, moves < MAX_MOVES, owner)
+                got = self.moves.allocate(cls, moves < MAX_MOVES, owner)
                 if isinstance(got, SlabMove):
                     moves += 1
-                    self._run_move(got)
+                    self.moves.run(got)
                     continue  # the same key again: the index may have changed meanwhile
                 if got < 0:
                     plan.skipped = len(keys) - i
@@ -243,8 +250,8 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         set the tiers they came from in l2_copies)."""
         waiters = []
         objs = plan.objects
-        if self.journal is not None:  # room in the journal's queue, or this store sums its own chunks
-            self._sum_ahead(objs)
+        if self.persistence is not None:  # room in the journal's queue, or this store sums its own chunks
+            self.persistence.sum_ahead(objs)
         with self._lock:
             for start in range(0, len(objs), SLICE):
                 if start:
@@ -261,8 +268,8 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                 self._committed += len(part)
                 self._policy.admit(part, lead=objs[0], last=start + SLICE >= len(objs))
             self.counters["stored"] += len(plan.objects)
-            if self.journal is not None and plan.objects:
-                self._journal_commits(plan.objects)
+            if self.persistence is not None and plan.objects:
+                self.persistence.record_commits(plan.objects)
         for fn in waiters:
             fn(True)
         if self.on_commit is not None:
@@ -380,7 +387,6 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
         fallback_model: a chunk not found under model is looked for under it (a tenant's reads
         of the shared namespace). Raises TooManyLeases when the owner holds too many leases."""
         hits = 0
-        empty = _NO_SPACE.parts
         with self._lock:
             if extend:
                 lease = self._leases.get(extend)
@@ -400,11 +406,11 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                     if lease is not None and self._leases.get(lease.lease_id) is not lease:
                         break  # it ended meanwhile (TTL, owner gone): report what it covered
                 if spaces is None:  # the indexes of a namespace come and go with its objects
-                    spaces = [self._namespace(m, world_size, salt, empty) for m in (model, fallback_model) if m]
+                    spaces = [self._index.namespace(m, world_size, salt) for m in (model, fallback_model) if m]
                 budget -= world_size
                 part = hash(digest) & PART_MASK
                 for shared, ranks in spaces:
-                    found = self._found(shared, ranks, part, digest, world_size)
+                    found = self._index.found(shared, ranks, part, digest, world_size)
                     if found:
                         break
                 if not found:
@@ -429,25 +435,6 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                 return hits, 0
             self._leases.close(lease)  # no-op unless it holds nothing
             return hits, (lease.lease_id if hits else 0)
-
-    def _namespace(self, model: str, world_size: int, salt: bytes, empty: list) -> tuple[list, list[list]]:
-        """The index parts of a namespace: its objects shared by every rank, and each rank's."""
-        return (self._parts_of((model, world_size, SHARED_RANK, salt), empty),
-                [self._parts_of((model, world_size, r, salt), empty) for r in range(world_size)])
-
-    @staticmethod
-    def _found(shared: list, ranks: list[list], part: int, digest: bytes, world_size: int) -> list:
-        """[(object, ranks it serves)] of a chunk present for every rank, else []."""
-        obj = shared[part].get(digest)
-        if obj is not None and obj.committed:
-            return [(obj, world_size)]
-        found = []
-        for space in ranks:
-            obj = space[part].get(digest)
-            if obj is None or not obj.committed:
-                return []
-            found.append((obj, 1))
-        return found
 
     def _unhold(self, parts: list[Collection]) -> int:
         """Let go of objects leases no longer hold (one collection per lease), a slice at a time
@@ -530,3 +517,66 @@ class L1Store(SlabMoves, L1Persistence, L1Writeback):
                 "eviction": self._policy.stats(),
                 **self.counters,
             }
+
+    def size_stats(self) -> list[dict]:
+        """Per object size: slabs held, objects, and where the held bytes go (storage/slab_moves.py)."""
+        return self.moves.size_stats()
+
+    # ---- the journal (storage/l1_persist.py) ---------------------------------------------------
+
+    @property
+    def journal(self) -> L1Journal | None:
+        return self.persistence.journal if self.persistence is not None else None
+
+    def attach_journal(self, journal: L1Journal) -> None:
+        """Keep a journal from now on (--l1-persist): L1 outlives the server."""
+        self.persistence = L1Persistence(journal, self.arena, self._lock, self._index, self._class_bytes, self.counters,
+                                         committed=lambda: self._committed)
+
+    def restore(self, entries: Collection[Entry]) -> tuple[int, int]:
+        """Re-attach a previous server's chunks, before any request: (restored, dropped)."""
+        return self.persistence.restore(entries, self._size_class, self._adopt)
+
+    def _adopt(self, e: Entry, cls: int) -> L1Object | None:
+        """(lock held) A restored chunk joins the index, unless its key is held already."""
+        key = ObjectKey(*e.key)
+        if self._get(key) is not None:
+            return None
+        obj = L1Object(key=key, offset=e.offset, size_class=cls, nbytes=self.arena.slot_bytes(cls),
+                       format_key=e.format_key, committed=True, checksum=e.checksum)
+        self._put(obj)
+        self._committed += 1
+        self._policy.admit((obj,))
+        return obj
+
+    def journal_backlog(self) -> int:
+        """Committed objects whose journal records are not written yet (a glance)."""
+        return self.persistence.backlog() if self.persistence is not None else 0
+
+    def flush_journal(self, timeout: float = 60.0) -> bool:
+        """Wait until every object committed so far is recorded; False after timeout."""
+        return self.persistence.flush(timeout) if self.persistence is not None else True
+
+    def close_journal(self, timeout: float = 60.0) -> None:
+        """Record what was committed (a clean stop loses nothing), then close the journal."""
+        if self.persistence is not None:
+            self.persistence.close(timeout)
+
+    # ---- L2 writes (storage/l1_writeback.py) ---------------------------------------------------
+
+    def attach_l2(self, wanted: int, admit: int, on_dirty: Callable | None, on_drop: Callable | None,
+                  on_evict: Callable | None) -> None:
+        """The tiers that take writes (bits; 0: none), the admission count and the writers' hooks."""
+        self.writeback.attach(wanted, admit, on_dirty, on_drop, on_evict)
+
+    def l2_take(self, bit: int, below: int, max_bytes: int, fresh=None, scan: int = SCAN, dry: bool = False) -> list:
+        """For the writer of tier `bit`: the dirty objects to write now (L1Writeback.take)."""
+        return self.writeback.take(bit, below, max_bytes, fresh, scan, dry)
+
+    def l2_written(self, bit: int, results) -> list:
+        """Tier `bit` has read these objects' bytes (L1Writeback.written)."""
+        return self.writeback.written(bit, results)
+
+    def l2_flush_order(self) -> list:
+        """Every object L1 holds, the most valuable first (what a stopping server writes)."""
+        return self.writeback.flush_order()

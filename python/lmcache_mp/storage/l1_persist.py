@@ -1,5 +1,5 @@
-"""How L1 keeps its journal (--l1-persist; the file format is in storage/l1_journal.py): a part of
-L1Store, which holds the lock and the index.
+"""How L1 keeps its journal (--l1-persist; the file format is in storage/l1_journal.py): a part
+L1Store owns once it is given a journal, built from the journal and L1's arena, lock and index.
 
 A commit record carries the checksum of the chunk's bytes, so that a restarted server can tell a
 chunk's own bytes from whatever a lost or damaged record let it believe. Summing is mostly not on
@@ -30,10 +30,15 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable
 
-from lmcache_mp.storage.l1_journal import chunk_sum, commit_record
+from lmcache_mp.storage.l1_index import L1Index
+from lmcache_mp.storage.l1_journal import Entry, L1Journal, chunk_sum, commit_record, free_record
 from lmcache_mp.storage.index import SHARDS
-from lmcache_mp.storage.objects import L1Object, ObjectKey
+from lmcache_mp.storage.objects import L1Object
+
+if TYPE_CHECKING:
+    from lmcache_mp.native import HostArena
 
 logger = logging.getLogger(__name__)
 
@@ -66,26 +71,32 @@ class _Waiting:
 
 
 class L1Persistence:
-    """The journal's side of L1Store: expects its `arena`, `_lock`, `_at`, `_class_bytes`,
-    `_committed`, `_size_class`, `_put`, `_policy`, `_get` and `counters`."""
+    """The journal's side of L1Store. class_bytes: L1's object bytes per size class; counters:
+    L1's, where summing is counted; committed(): how many objects L1 holds committed (what a
+    rewrite would write)."""
 
-    journal = None  # an L1Journal when L1 outlives the server (set by attach_journal)
-
-    def attach_journal(self, journal) -> None:
+    def __init__(self, journal: L1Journal, arena: HostArena, lock: threading.Lock, index: L1Index,
+                 class_bytes: dict[int, int], counters: dict, committed: Callable[[], int]):
         self.journal = journal
+        self.arena = arena
+        self._lock = lock
+        self._index = index
+        self._class_bytes = class_bytes
+        self.counters = counters
+        self._committed = committed
         self._unsummed: collections.deque = collections.deque()
-        self._sums_wanted = threading.Condition(self._lock)  # the summing thread waits for work
-        self._sums_done = threading.Condition(self._lock)  # flush_journal waits for records
+        self._sums_wanted = threading.Condition(lock)  # the summing thread waits for work
+        self._sums_done = threading.Condition(lock)  # flush waits for records
         self._summing = 0  # objects taken by the summing thread and not yet recorded
-        self._reserved = 0  # room in the queue taken by stores about to commit (_sum_ahead)
+        self._reserved = 0  # room in the queue taken by stores about to commit (sum_ahead)
         self._lag_stores = 0  # stores with objects queued, taken or reserved
         self._lag_bytes = 0  # the bytes of those objects
         self._sums_stop = False
         # summed_by_stores: objects a store summed itself (the queue was full); journal_backlog_max:
         # the most committed objects that waited for their records at once
         for name in ("summed_bytes", "summed_by_stores", "journal_backlog_max"):
-            self.counters.setdefault(name, 0)
-        self.counters.setdefault("sum_seconds", 0.0)
+            counters.setdefault(name, 0)
+        counters.setdefault("sum_seconds", 0.0)
         self._sum_pool = ThreadPoolExecutor(SUM_THREADS, thread_name_prefix="lmcache-l1-sum", initializer=_background)
         # a store waiting for its own sums must not wait behind low-priority threads
         self._store_pool = ThreadPoolExecutor(SUM_STORE_THREADS, thread_name_prefix="lmcache-l1-store-sum")
@@ -95,7 +106,7 @@ class L1Persistence:
     def _object_sum(self, obj) -> int:
         return chunk_sum(self.arena.view(obj.offset, self._class_bytes[obj.size_class]))
 
-    def _sum_ahead(self, objs) -> None:
+    def sum_ahead(self, objs) -> None:
         """(before objs are committed: nothing moves or frees them meanwhile) Reserve room in the
         queue for the last ones of this request, and sum the others here, without the lock, so
         that the store is answered only once their records are written. The room: none while
@@ -131,18 +142,18 @@ class L1Persistence:
                     self._settled(_Waiting(1), room * nbytes)
             raise
 
-    def _journal_commits(self, objs) -> None:
-        """Committed objects (lock held; _sum_ahead saw them first): records now for those it
+    def record_commits(self, objs) -> None:
+        """Committed objects (lock held; sum_ahead saw them first): records now for those it
         summed, the queue for those it reserved room for."""
         records = [obj for obj in objs if obj.checksum is not None]
         queued = [obj for obj in objs if obj.checksum is None]
         self.counters["summed_by_stores"] += len(records)
-        self.journal.write([self._commit_record(obj) for obj in records])
+        self.journal.write([self.commit_record(obj) for obj in records])
         if queued:
             self._reserved -= len(queued)
             waiting = _Waiting(len(queued))
             self._unsummed.extend((obj, waiting) for obj in queued)
-            self.counters["journal_backlog_max"] = max(self.counters["journal_backlog_max"], self.journal_backlog())
+            self.counters["journal_backlog_max"] = max(self.counters["journal_backlog_max"], self.backlog())
             self._sums_wanted.notify()
 
     def _settled(self, waiting: _Waiting, nbytes: int) -> None:
@@ -152,7 +163,16 @@ class L1Persistence:
         if waiting.left == 0:
             self._lag_stores -= 1
 
-    def _commit_record(self, obj) -> bytes:
+    def freed(self, obj: L1Object) -> None:
+        """(lock held) A committed object is freed: recorded before its slot can go to anyone else."""
+        self.journal.write([free_record(obj.offset)])
+
+    def moved(self, obj: L1Object, old: int) -> None:
+        """(lock held) A committed object's bytes were copied from old to obj.offset: one write
+        (one not summed yet is summed at its new slot, and recorded then)."""
+        self.journal.write([free_record(old)] + ([self.commit_record(obj)] if obj.checksum is not None else []))
+
+    def commit_record(self, obj) -> bytes:
         return commit_record(obj.offset, self._class_bytes[obj.size_class], obj.key, obj.format_key, obj.checksum)
 
     def _sum_loop(self) -> None:
@@ -167,7 +187,7 @@ class L1Persistence:
                 while self._unsummed and size < SUM_BATCH_BYTES:
                     obj, waiting = self._unsummed.popleft()
                     nbytes = self._class_bytes[obj.size_class]
-                    if obj.committed and self._at.get(obj.offset) is obj and obj.checksum is None:
+                    if obj.committed and self._index.at.get(obj.offset) is obj and obj.checksum is None:
                         todo.append((obj, obj.offset, nbytes, waiting))
                         size += nbytes
                     else:
@@ -186,28 +206,26 @@ class L1Persistence:
                 self.counters["sum_seconds"] += took
                 records = []
                 for (obj, offset, nbytes, waiting), value in zip(todo, sums):
-                    if obj.offset != offset and value is not None and self._at.get(obj.offset) is obj:
+                    if obj.offset != offset and value is not None and self._index.at.get(obj.offset) is obj:
                         self._unsummed.append((obj, waiting))  # moved meanwhile: sum its new slot
                         continue
                     self._settled(waiting, nbytes)
-                    if value is None or self._at.get(obj.offset) is not obj:
+                    if value is None or self._index.at.get(obj.offset) is not obj:
                         continue  # freed meanwhile: nothing to record
                     obj.checksum = value
-                    records.append(self._commit_record(obj))
+                    records.append(self.commit_record(obj))
                 self.journal.write(records)
                 self._summing = 0
                 self._sums_done.notify_all()
                 self._maybe_compact()
 
-    def journal_backlog(self) -> int:
+    def backlog(self) -> int:
         """Committed objects whose records are not written yet, and those of stores about to be
         committed that will wait for theirs (lock held or not: a glance)."""
-        return len(self._unsummed) + self._summing + self._reserved if self.journal is not None else 0
+        return len(self._unsummed) + self._summing + self._reserved
 
-    def flush_journal(self, timeout: float = 60.0) -> bool:
+    def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every object committed so far is recorded; False after timeout."""
-        if self.journal is None:
-            return True
         end = time.monotonic() + timeout
         with self._lock:
             while self._unsummed or self._summing:
@@ -217,12 +235,10 @@ class L1Persistence:
                 self._sums_done.wait(min(left, 1.0))
         return True
 
-    def close_journal(self, timeout: float = 60.0) -> None:
+    def close(self, timeout: float = 60.0) -> None:
         """Record what was committed (a clean stop loses nothing), then close the journal."""
-        if self.journal is None:
-            return
-        if not self.flush_journal(timeout):
-            logger.warning("L1 journal: %d chunks were not recorded before the stop", self.journal_backlog())
+        if not self.flush(timeout):
+            logger.warning("L1 journal: %d chunks were not recorded before the stop", self.backlog())
         with self._lock:
             self._sums_stop = True
             self._sums_wanted.notify_all()
@@ -236,7 +252,7 @@ class L1Persistence:
     def _maybe_compact(self) -> None:
         """(lock held) Start a rewrite when the journal has grown to several times its content."""
         journal = self.journal
-        if not journal.rewriting and journal.wants_rewrite(self._committed * JOURNAL_RECORD_ESTIMATE):
+        if not journal.rewriting and journal.wants_rewrite(self._committed() * JOURNAL_RECORD_ESTIMATE):
             journal.start_rewrite()
             threading.Thread(target=self._compact_journal, args=(journal,), name="lmcache-l1-journal",
                              daemon=True).start()
@@ -269,22 +285,25 @@ class L1Persistence:
         for part in range(SHARDS):
             with self._lock:
                 live = [(o.offset, o.size_class, o.key, o.format_key, o.checksum)
-                        for o in self._at.parts[part].values() if o.committed and o.checksum is not None]
+                        for o in self._index.at.parts[part].values() if o.committed and o.checksum is not None]
             yield [commit_record(off, self._class_bytes[cls], key, fmt, value) for off, cls, key, fmt, value in live]
 
     # ---- start-up -----------------------------------------------------------------------------
 
-    def restore(self, entries) -> tuple[int, int]:
+    def restore(self, entries, size_class: Callable[[int], int],
+                adopt: Callable[[Entry, int], L1Object | None]) -> tuple[int, int]:
         """Re-attach a previous server's chunks (l1_journal.Entry, oldest first) at their slots,
         before any request: a chunk comes back only if its slot still holds bytes of its
-        checksum. The journal is then rewritten to what was restored. Returns (restored,
-        dropped): dropped are slots that cannot be claimed, keys met twice and bytes that changed."""
+        checksum. size_class(object bytes): L1's class of that size; adopt(entry, class): L1
+        takes the chunk in (lock held), or None when it holds that key already. The journal is
+        then rewritten to what was restored. Returns (restored, dropped): dropped are slots
+        that cannot be claimed, keys met twice and bytes that changed."""
         t0 = time.monotonic()
         claimed, dropped = [], 0
         with self._lock:
             for e in entries:
                 try:
-                    cls = self._size_class(e.object_bytes)
+                    cls = size_class(e.object_bytes)
                     ok = e.object_bytes > 0 and self.arena.claim(e.offset, cls)
                 except (ValueError, RuntimeError):
                     ok = False
@@ -300,22 +319,16 @@ class L1Persistence:
         kept = []
         with self._lock:
             for (e, cls), ok in zip(claimed, same):
-                key = ObjectKey(*e.key)
-                if not ok or self._get(key) is not None:
+                obj = adopt(e, cls) if ok else None
+                if obj is None:
                     self.arena.free(e.offset)
                     continue
-                obj = L1Object(key=key, offset=e.offset, size_class=cls, nbytes=self.arena.slot_bytes(cls),
-                               format_key=e.format_key, committed=True, checksum=e.checksum)
-                self._put(obj)
-                self._committed += 1
-                self._policy.admit((obj,))
                 kept.append(obj)
-            if self.journal is not None:  # in the order they came back: the order of use
-                self.journal.rewrite([self._commit_record(o) for o in kept])
+            # in the order they came back: the order of use
+            self.journal.rewrite([self.commit_record(o) for o in kept])
         dropped += len(claimed) - len(kept)
         if entries:
             logger.info("L1 journal: %d chunks described, %.2f GiB of them checked in %.2f s: %d re-attached, %d "
                         "dropped (%d whose bytes changed)", len(entries), checked / 2**30, time.monotonic() - t0,
                         len(kept), dropped, changed)
         return len(kept), dropped
-

@@ -1,5 +1,5 @@
-"""How L1 hands its chunks to the L2 tiers' writers and picks eviction victims (a part of L1Store,
-which holds the lock and the index).
+"""How L1 hands its chunks to the L2 tiers' writers and picks eviction victims (a part L1Store owns,
+built from L1's arena, lock, index and eviction policy).
 
 Each L2 tier that takes writes has a bit (1 << its index). An object records the tiers that hold
 a copy of it (`l2_copies`) and those writing it now (`l2_writing`: the tier reads its bytes, so
@@ -36,7 +36,15 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Callable
+import threading
+from typing import TYPE_CHECKING, Callable
+
+from lmcache_mp.storage.eviction.base import EvictionPolicy
+from lmcache_mp.storage.l1_index import L1Index
+from lmcache_mp.storage.tenant_quotas import L1Quotas
+
+if TYPE_CHECKING:
+    from lmcache_mp.native import HostArena
 
 QUOTA_SCAN = 16384  # candidates a store of a tenant looks through past others' protected objects
 EVICTION_WINDOW = 64  # oldest evictable objects looked through for a clean one before a dirty one goes
@@ -51,32 +59,40 @@ def busy(obj) -> bool:
 
 
 class L1Writeback:
-    """Expects L1Store's `arena`, `_lock`, `_policy`, `_get` and `counters`; methods with a leading
-    underscore run with the lock held."""
+    """L1's side of the L2 writes; methods with a leading underscore, and those L1Store calls
+    from its own locked sections (missing, dirty, victim, evicting, leaving, parent, admitted),
+    run with L1's lock held."""
 
-    l2_wanted = 0  # bits of the tiers that take writes (0: no L2 writes; eviction is plain LRU)
-    l2_admit = 1
-    on_l2_dirty: Callable | None = None  # (obj), lock held: obj was just admitted (a write-through list)
-    on_l2_drop: Callable | None = None  # (dropped bits, lost bits, objects), lock held: writes given up
-    on_l2_evict: Callable | None = None  # (), lock held: an allocation evicted (wakes the writers)
-    _departed: collections.OrderedDict | None = None  # key -> object that left L1 (with L2 writes only)
+    def __init__(self, arena: HostArena, lock: threading.Lock, index: L1Index, policy: EvictionPolicy,
+                 quotas: L1Quotas | None):
+        self.arena = arena
+        self._lock = lock
+        self._index = index
+        self._policy = policy
+        self.quotas = quotas  # tenants' shares of L1 (None: no tenants)
+        self.wanted = 0  # bits of the tiers that take writes (0: no L2 writes; eviction is plain LRU)
+        self.admit = 1
+        self.on_dirty: Callable | None = None  # (obj), lock held: obj was just admitted (a write-through list)
+        self.on_drop: Callable | None = None  # (dropped bits, lost bits, objects), lock held: writes given up
+        self.on_evict: Callable | None = None  # (), lock held: an allocation evicted (wakes the writers)
+        self._departed: collections.OrderedDict | None = None  # key -> object that left L1 (with L2 writes only)
 
-    def attach_l2(self, wanted: int, admit: int, on_dirty: Callable | None, on_drop: Callable | None,
-                  on_evict: Callable | None) -> None:
+    def attach(self, wanted: int, admit: int, on_dirty: Callable | None, on_drop: Callable | None,
+               on_evict: Callable | None) -> None:
         """The tiers that take writes (bits; 0: none), the admission count and the writers' hooks."""
         with self._lock:
-            self.l2_admit = admit
-            self.on_l2_dirty, self.on_l2_drop, self.on_l2_evict = on_dirty, on_drop, on_evict
-            self.l2_wanted = wanted
+            self.admit = admit
+            self.on_dirty, self.on_drop, self.on_evict = on_dirty, on_drop, on_evict
+            self.wanted = wanted
             self._departed = collections.OrderedDict() if wanted else None
 
-    def _l2_missing(self, obj) -> int:
+    def missing(self, obj) -> int:
         """Tiers that should receive obj and neither have it nor are writing it."""
-        if obj.uses < self.l2_admit:
+        if obj.uses < self.admit:
             return 0
-        return self.l2_wanted & ~(obj.l2_copies | obj.l2_writing | obj.l2_lost)
+        return self.wanted & ~(obj.l2_copies | obj.l2_writing | obj.l2_lost)
 
-    def _l2_lost_before(self, obj, bits: int) -> int:
+    def _lost_before(self, obj, bits: int) -> int:
         """Of these tiers, those where a predecessor of obj left L1 without reaching them."""
         lost = 0
         p = obj.prev
@@ -89,24 +105,24 @@ class L1Writeback:
             p = p.prev
         return lost
 
-    def _l2_dirty(self, obj) -> int:
-        missing = self._l2_missing(obj)
-        return missing & ~self._l2_lost_before(obj, missing) if missing else 0
+    def dirty(self, obj) -> int:
+        missing = self.missing(obj)
+        return missing & ~self._lost_before(obj, missing) if missing else 0
 
-    def _victim(self, owner: int = -1, own_only: bool = False):
+    def victim(self, owner: int = -1, own_only: bool = False):
         """The object to evict next (lock held), or None when nothing is evictable. owner: the
         tenant that needs the room (L1Quotas): objects of others below their l1_min are passed
         over (own_only: only its own objects), within QUOTA_SCAN candidates."""
         candidates = self._policy.candidates()
         if owner >= 0:
             candidates = self._allowed(candidates, owner, own_only)
-        if not self.l2_wanted:
+        if not self.wanted:
             return next((obj for obj in candidates if not busy(obj)), None)
         first, seen = None, 0
         for obj in candidates:
             if busy(obj):
                 continue
-            if not self._l2_dirty(obj):
+            if not self.dirty(obj):
                 return obj
             if first is None:
                 first = obj
@@ -121,51 +137,51 @@ class L1Writeback:
             if obj.owner == owner if own_only else not quotas.protected(obj.owner, obj.nbytes, owner):
                 yield obj
 
-    def _evicting(self, victim) -> None:
+    def evicting(self, victim) -> None:
         """victim leaves L1 for room (lock held, before it is freed): count the writes it drops."""
-        if not self.l2_wanted:
+        if not self.wanted:
             return
-        missing = self._l2_missing(victim)
-        if missing and self.on_l2_drop is not None:
-            lost = self._l2_lost_before(victim, missing)
-            self.on_l2_drop(missing & ~lost, lost, 1)
-        if self.on_l2_evict is not None:
-            self.on_l2_evict()
+        missing = self.missing(victim)
+        if missing and self.on_drop is not None:
+            lost = self._lost_before(victim, missing)
+            self.on_drop(missing & ~lost, lost, 1)
+        if self.on_evict is not None:
+            self.on_evict()
 
-    def _l2_leaving(self, obj) -> None:
+    def leaving(self, obj) -> None:
         """obj leaves L1 (lock held): the tiers without a copy lose it, and the chunks after it.
         It is remembered a while: the next piece of its prompt may come after it left."""
-        obj.l2_lost |= self.l2_wanted & ~obj.l2_copies
+        obj.l2_lost |= self.wanted & ~obj.l2_copies
         if obj.committed and self._departed is not None:
             self._departed[obj.key] = obj
             self._departed.move_to_end(obj.key)
             if len(self._departed) > DEPARTED:
                 self._departed.popitem(last=False)
 
-    def _l2_parent(self, key, format_key: tuple):
+    def parent(self, key, format_key: tuple):
         """(lock held) The object a store names as its parent: in L1, or one that left it lately
         (its bits say which tiers got it); None when neither is known."""
-        obj = self._get(key)
+        obj = self._index.get(key)
         if obj is None and self._departed is not None:
             obj = self._departed.get(key)
         if obj is None or obj.format_key != format_key or obj.aborted:
             return None
         return obj
 
-    def _l2_admitted(self, obj) -> None:
-        if obj.uses == self.l2_admit and self.on_l2_dirty is not None:
-            self.on_l2_dirty(obj)
+    def admitted(self, obj) -> None:
+        if obj.uses == self.admit and self.on_dirty is not None:
+            self.on_dirty(obj)
 
-    def l2_flush_order(self) -> list:
+    def flush_order(self) -> list:
         """Every object L1 holds, the most valuable first: those outside the eviction order (read
         or leased now), then the reverse of that order. What a stopping server writes to its
         write-back tiers (a writer skips what a tier has, and writes predecessors first)."""
         with self._lock:
             ordered = list(self._policy.order())
             seen = {id(o) for o in ordered}
-            return [o for o in self._at.values() if id(o) not in seen] + ordered[::-1]
+            return [o for o in self._index.at.values() if id(o) not in seen] + ordered[::-1]
 
-    def l2_take(self, bit: int, below: int, max_bytes: int, fresh=None, scan: int = SCAN,
+    def take(self, bit: int, below: int, max_bytes: int, fresh=None, scan: int = SCAN,
                 dry: bool = False) -> list:
         """For the writer of tier `bit`: the dirty objects to write now, each after its unwritten
         predecessors, up to about max_bytes (more to finish a prompt), marked as being written
@@ -187,7 +203,7 @@ class L1Writeback:
                     rest = last is not None and obj.prev is last and size < 2 * max_bytes
                     if size >= max_bytes and not rest:
                         break
-                    got = self._l2_claim(obj, bit, out, dry)
+                    got = self._claim(obj, bit, out, dry)
                     if got > 0:
                         size += got
                         last = obj
@@ -201,7 +217,7 @@ class L1Writeback:
                         obj = fresh.popleft() if fresh else None
                     if obj is None:
                         break
-                    got = self._l2_claim(obj, bit, out, dry)
+                    got = self._claim(obj, bit, out, dry)
                     if got < 0:
                         retry.append(obj)
                     size += max(got, 0)
@@ -209,10 +225,10 @@ class L1Writeback:
                     fresh.extendleft(reversed(retry))
         return out
 
-    def _l2_claim(self, obj, bit: int, out: list, dry: bool) -> int:
+    def _claim(self, obj, bit: int, out: list, dry: bool) -> int:
         """Add obj, after its unwritten predecessors, to out: their bytes; 0 if there is nothing
         to write, -1 if not now (a predecessor is still being stored or moved)."""
-        if not self._l2_missing(obj) & bit or self._get(obj.key) is not obj or not obj.committed:
+        if not self.missing(obj) & bit or self._index.get(obj.key) is not obj or not obj.committed:
             return 0
         if obj.moving:
             return -1
@@ -223,12 +239,12 @@ class L1Writeback:
             # loop: its walk ends where it comes round)
             if p is None or (p.l2_copies | p.l2_writing) & bit or p in chain:  # (identity: eq=False)
                 break
-            if p.l2_lost & bit or self._get(p.key) is not p:  # its prefix is lost there
+            if p.l2_lost & bit or self._index.get(p.key) is not p:  # its prefix is lost there
                 if not dry:
                     for o in chain:
                         o.l2_lost |= bit
-                    if self.on_l2_drop is not None:
-                        self.on_l2_drop(0, bit, len(chain))
+                    if self.on_drop is not None:
+                        self.on_drop(0, bit, len(chain))
                 return 0
             if not p.committed or p.moving:
                 return -1
@@ -242,7 +258,7 @@ class L1Writeback:
             size += o.nbytes
         return size
 
-    def l2_written(self, bit: int, results) -> list:
+    def written(self, bit: int, results) -> list:
         """Tier `bit` has read these objects' bytes: (object, ok) pairs, in the order l2_take
         gave them. A failed write is not tried again: the object and the chunks after it count as
         lost there. Returns the objects written after a predecessor whose write failed (a tier

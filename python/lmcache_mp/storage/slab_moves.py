@@ -1,4 +1,5 @@
-"""How L1 memory moves between object sizes (a part of L1Store, which holds the lock and the index).
+"""How L1 memory moves between object sizes (a part L1Store owns, built from L1's arena, lock and
+index, the victim choice and what evicting or moving an object means to L1).
 
 Objects stay contiguous and inside one pinned slab (one DMA per chunk, no
 re-pinning), so the arena hands out same-size slots from slabs of one size each (O(log slabs),
@@ -19,9 +20,16 @@ plain LRU by bytes.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-from lmcache_mp.storage.l1_journal import free_record
+from lmcache_mp.storage.l1_index import L1Index
+from lmcache_mp.storage.objects import L1Object
+from lmcache_mp.storage.tenant_quotas import L1Quotas
+
+if TYPE_CHECKING:
+    from lmcache_mp.native import HostArena
 
 MAX_MOVES = 3  # slab moves one allocation may try (a move is abandoned when a reader arrives)
 
@@ -37,10 +45,25 @@ class SlabMove:
 
 
 class SlabMoves:
-    """Allocation across sizes for L1Store: expects its `arena`, `_lock`, `_policy`, `_at`, `_free`,
-    `_victim`, `_evicting`, `_evicted`, `quotas` and `counters`; every method but size_stats runs with the lock held."""
+    """Allocation across sizes for L1Store; every method but size_stats runs with L1's lock held."""
 
-    def _allocate(self, cls: int, may_move: bool, owner: int = -1) -> int | SlabMove:
+    def __init__(self, arena: HostArena, lock: threading.Lock, index: L1Index, quotas: L1Quotas | None,
+                 victim: Callable[[int, bool], L1Object | None], evict: Callable[[L1Object, str], None],
+                 moved: Callable[[L1Object, int], None], counters: dict, evicted: dict[int, int]):
+        """victim(owner, own_only): the next object to evict; evict(victim, cause): it leaves L1;
+        moved(obj, old offset): obj's bytes were copied to its new slot (obj.offset); counters:
+        L1's, where moves are counted; evicted: objects evicted per size class (L1 counts them)."""
+        self.arena = arena
+        self._lock = lock
+        self._index = index
+        self.quotas = quotas
+        self._victim = victim
+        self._evict = evict
+        self._moved = moved
+        self.counters = counters
+        self._evicted = evicted
+
+    def allocate(self, cls: int, may_move: bool, owner: int = -1) -> int | SlabMove:
         """A slot of class cls: its offset, -1 when nothing evictable is left, or a slab move
         the caller runs without the lock (then asks again). owner: the tenant storing (L1Quotas):
         past its l1_max it evicts its own objects first; it never evicts another's below l1_min."""
@@ -59,7 +82,7 @@ class SlabMoves:
             if donors is None:
                 donors = [c for c in range(self.arena.num_classes) if c != cls]
             for donor in donors if may_move else ():
-                move = self._plan_slab_move(donor)
+                move = self._plan(donor)
                 if move is not None:
                     return move
             victim = self._victim(owner)
@@ -68,22 +91,13 @@ class SlabMoves:
             self._evict(victim, "pressure")
             donors = [victim.size_class] if victim.size_class != cls else []
 
-    def _evict(self, victim, cause: str) -> None:
-        self._evicting(victim)
-        self._policy.evicted(victim)
-        if victim.owner >= 0:
-            self.quotas.evicted[victim.owner][cause] += 1
-        self._free(victim)
-        self.counters["evicted"] += 1
-        self._evicted[victim.size_class] = self._evicted.get(victim.size_class, 0) + 1
-
-    def _plan_slab_move(self, cls: int) -> SlabMove | None:
+    def _plan(self, cls: int) -> SlabMove | None:
         """When class cls holds a slab's worth of free slots, drain its emptiest slab whose
         objects may move (committed, not being read), reserving the slots they go to."""
         if self.arena.free_slots(cls) < self.arena.slots_per_slab(cls):
             return None
         for slab in self.arena.drain_candidates(cls, 4):
-            objs = [self._at[off] for off in self.arena.slab_objects(slab)]
+            objs = [self._index.at[off] for off in self.arena.slab_objects(slab)]
             if any(o.moving or o.readers or o.l2_writing or not o.committed for o in objs):
                 continue
             self.arena.drain(slab)
@@ -99,20 +113,16 @@ class SlabMoves:
             return SlabMove(slab, objs, dst, objs[0].nbytes)
         return None
 
-    def _finish_move(self, move: SlabMove, copied: bool) -> None:
+    def _finish(self, move: SlabMove, copied: bool) -> None:
         """Point each object at its copy and free its old slot, unless a reader arrived during
         the copy (it reads the old slot, which therefore stays)."""
         for obj, dst in zip(move.objects, move.dst):
             obj.moving = False
             if copied and obj.readers == 0:
                 old = obj.offset
-                del self._at[old]
                 obj.offset = dst
-                self._at[dst] = obj
-                if self.journal is not None and obj.committed:  # one write: the chunk is at dst now
-                    # (not summed yet: its sum is taken at dst, and recorded then)
-                    self.journal.write([free_record(old)] + ([self._commit_record(obj)]
-                                                             if obj.checksum is not None else []))
+                self._index.moved(obj, old)
+                self._moved(obj, old)
                 self.arena.free(old)
                 self.counters["moved"] += 1
             else:
@@ -120,7 +130,7 @@ class SlabMoves:
         self.arena.undrain(move.slab)  # no-op once the slab emptied and went back to the pool
         self.counters["slab_moves"] += 1
 
-    def _run_move(self, move: SlabMove) -> None:
+    def run(self, move: SlabMove) -> None:
         """Copy the objects of a draining slab with the lock released (called with it held)."""
         copied = False
         self._lock.release()
@@ -129,7 +139,7 @@ class SlabMoves:
             copied = True
         finally:
             self._lock.acquire()
-            self._finish_move(move, copied)
+            self._finish(move, copied)
 
     def size_stats(self) -> list[dict]:
         """Per object size: slabs held, objects, and where the held bytes go. bytes_free are free
