@@ -33,7 +33,7 @@ L2_WRITE_FIELDS = ("l2_write", "l2_disk_write", "l2_redis_write", "l2_mooncake_w
 L2_CODECS = ("none", "fp8")
 L2_CODEC_FIELDS = ("l2_disk_codec", "l2_redis_codec", "l2_mooncake_codec")
 _SIZE_FIELDS = ("l1_size", "staging_size", "slab_size", "l2_disk_size", "l2_queue_size",
-                "l2_mooncake_segment")  # int or a string with units
+                "l2_mooncake_segment", "hint_budget")  # int or a string with units
 
 def _setting(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
@@ -71,6 +71,9 @@ class ServerConfig:
         "", "a file (on /dev/shm or hugetlbfs) that holds L1, with PATH.journal: a restarted server re-attaches the "
         "chunks in it (SIGTERM or SIGKILL) and serves them at once (empty: L1 ends with the process)")
     lease_ttl: float = _setting(30.0, "seconds a lookup lease lives unless a retrieve or release ends it")
+    hint_budget: int | str = _setting(
+        0, "L1 bytes one tenant's pins (the application's hints, docs/hints.md) may hold at once; a tenants file's "
+           "hint_budget overrides it per tenant (0: a quarter of L1)")
     kv_events: int = _setting(
         65536, "chunk events (stored, removed) kept for readers of the event feed, e.g. the vLLM connector's KV "
                "events for routers (0: none)")
@@ -163,6 +166,7 @@ class ServerConfig:
         self.l2_disk_size = parse_size(self.l2_disk_size)
         self.l2_queue_size = parse_size(self.l2_queue_size)
         self.l2_mooncake_segment = parse_size(self.l2_mooncake_segment)
+        self.hint_budget = parse_size(self.hint_budget)
         for name in L2_WRITE_FIELDS:
             if getattr(self, name) not in ("", *L2_WRITE_POLICIES):
                 raise ValueError(f"{name} must be one of {L2_WRITE_POLICIES}, got {getattr(self, name)!r}")

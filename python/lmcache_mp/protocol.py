@@ -81,6 +81,7 @@ class Op(enum.IntEnum):
     READ_DONE = 16
     EVENTS = 17  # the chunk events feed (storage/events.py)
     LANE_CLAIM = 18  # a local-lane connection's tenant, from its client's HELLO (no reply)
+    HINT = 19  # the application's hint about a prefix (server/hints.py): pin, retain, prefetch, demote, drop
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=False, forbid_unknown_fields=False):
@@ -271,8 +272,26 @@ class LaneClaim(_Msg, tag=int(Op.LANE_CLAIM)):
     ticket: bytes
 
 
+class Hint(_Msg, tag=int(Op.HINT)):
+    """A hint about the leading chunks of a prefix, in the client's tenant's namespace. `action`:
+    pin (keep in L1 for `ttl` seconds, within the tenant's hint budget), unpin (end this tenant's
+    pins on these chunks), retain (count as `priority` more uses in the eviction order), prefetch
+    (load from the L2 tiers into L1), demote (write to L2, then drop from L1), drop (from L1). A
+    server answers an action it does not know with HintReply(ignored=True): hints never change
+    what a lookup or retrieve returns, only how long chunks stay."""
+
+    client_id: bytes
+    model: str
+    world_size: int
+    hashes: bytes
+    action: str
+    salt: bytes = b""
+    ttl: float = 0.0  # pin: seconds
+    priority: int = 0  # retain: uses to count
+
+
 Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Store, Retrieve, Lookup, Release, Clear, Ping, Status, Bye,
-                MapArena, Reserve, Commit, Read, ReadDone, Events, LaneClaim]
+                MapArena, Reserve, Commit, Read, ReadDone, Events, LaneClaim, Hint]
 
 # ---- replies ---------------------------------------------------------------------------------
 
@@ -399,6 +418,13 @@ class EventsReply(_Msg, tag=int(Op.EVENTS)):
     shared: list[int] = []
 
 
+class HintReply(_Msg, tag=int(Op.HINT)):
+    chunks: int  # chunks the action took effect on (pin: held; prefetch: loaded; demote: written and dropped)
+    nbytes: int = 0  # their bytes in L1 (pin: what it added to the tenant's pinned bytes)
+    pinned_bytes: int = 0  # the tenant's pinned bytes after it
+    ignored: bool = False  # an action this server does not know: nothing was done
+
+
 Reply = Union[
     Error,
     HelloReply,
@@ -418,6 +444,7 @@ Reply = Union[
     ReadReply,
     ReadDoneReply,
     EventsReply,
+    HintReply,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -510,6 +537,7 @@ MAX_FRAME_BYTES = {
     Op.RELEASE: MAX_CHUNKS * 16 + 1024,
     Op.RESERVE: MAX_CHUNKS * 16 + 2048,
     Op.READ: MAX_CHUNKS * 16 + 2048,
+    Op.HINT: MAX_CHUNKS * 16 + 2048,
     Op.EVENTS: MAX_EVENT_MODELS * (MAX_NAME_BYTES + 8) + 1024,
 }
 

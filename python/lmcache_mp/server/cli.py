@@ -51,7 +51,7 @@ GROUPS = (
       "l2_mooncake_segment", "l2_mooncake_write", "l2_mooncake_codec", "l2_write", "l2_admit", "l2_queue_size",
       "l2_io_threads", "prefetch_timeout", "max_prefetches")),
     ("clients and limits", "leases, heartbeats, per-client limits, events, stopping",
-     ("lease_ttl", "heartbeat_timeout", "max_registrations_per_client", "max_queued_requests", "kv_events",
+     ("lease_ttl", "hint_budget", "heartbeat_timeout", "max_registrations_per_client", "max_queued_requests", "kv_events",
       "drain_timeout")),
     ("process", "", ("spin_us", "log_level")),
 )

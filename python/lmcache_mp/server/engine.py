@@ -47,6 +47,7 @@ from lmcache_mp.server.copies.engine_copies import EngineCopies
 from lmcache_mp.server.copies.server_copies import BytesMoved, ServerCopies
 from lmcache_mp.server.copies.workers import SerialWorker
 from lmcache_mp.server.ops.gc_pauses import GCPauses
+from lmcache_mp.server.hints import Hints
 from lmcache_mp.server.registry import event_feed
 from lmcache_mp.server.registry.clients import Clients
 from lmcache_mp.server.registry.lookups import Lookups
@@ -87,6 +88,7 @@ class MPCacheEngine:
         self.engine_copies = EngineCopies(config, self.arena, self.l1, self.session_id, self.registrations,
                                           self.clients, self.server_copies, self.moved)
         self.lookups = Lookups(config, self.l1, self.l2, self.clients, self._housekeeping)
+        self.hints = Hints(config, self.l1, self.l2, self.clients, self._housekeeping)
         self.shares = TenantShares(self.l1, self.l2, self.registrations, self.engine_copies.windows,
                                    self._housekeeping, self._forget_client)
         self._handlers: dict[type, Callable[[Request], None]] = {
@@ -107,6 +109,7 @@ class MPCacheEngine:
             p.Commit: self.engine_copies.commit,
             p.Read: self.engine_copies.read,
             p.ReadDone: self.engine_copies.read_done,
+            p.Hint: self.hints.hint,
         }
         self.lane = ""  # the transport's local-lane address, told to clients in HELLO
         self.url = ""  # the bound endpoint
@@ -147,7 +150,7 @@ class MPCacheEngine:
     def attach_tenancy(self, tenancy: Tenancy, revoke_lane: Callable[[str], None]) -> None:
         """Tenants (tenancy/tenancy.py), for every part that asks; their shares (tenancy/shares.py)."""
         self.tenancy = tenancy
-        for part in (self.registrations, self.server_copies, self.engine_copies, self.lookups):
+        for part in (self.registrations, self.server_copies, self.engine_copies, self.lookups, self.hints):
             part.tenancy = tenancy
         self.shares.attach(tenancy, revoke_lane)
 
@@ -168,7 +171,7 @@ class MPCacheEngine:
         request.reply(p.HelloReply(protocol_version=p.PROTOCOL_VERSION, server_version=__version__,
                                    session_id=self.session_id, chunk_size=self.config.chunk_size, device=self.device,
                                    capabilities=["lookup_lock", "reply_on_submit", "named_leases", "deadlines",
-                                                 "engine_copy"],
+                                                 "engine_copy", "hints"],
                                    lease_ttl=self.config.lease_ttl, lane=self.lane,
                                    lane_ticket=self.tenancy.ticket(request.credential, msg.client_id)))
 
@@ -285,8 +288,11 @@ class MPCacheEngine:
         if self.l2 is not None:
             out["l2"] = self.l2.stats()
         out["engine_copies"] = self.engine_copies.status()
+        out["hints"] = self.hints.stats()
         if self.tenancy.enabled:
             out["tenants"] = self.shares.status()
+            for name, t in out["tenants"].items():
+                t["pinned_bytes"] = out["hints"]["tenants"].get(name, {}).get("pinned_bytes", 0)
         return out
 
     @property

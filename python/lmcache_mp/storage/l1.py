@@ -580,3 +580,57 @@ class L1Store:
     def l2_flush_order(self) -> list:
         """Every object L1 holds, the most valuable first (what a stopping server writes)."""
         return self.writeback.flush_order()
+
+    # ---- the application's hints (server/hints.py) -------------------------------------------
+
+    def prefix_objects(self, model: str, world_size: int, digests: Sequence[bytes],
+                       salt: bytes = b"") -> tuple[int, list[L1Object]]:
+        """(leading chunks present for every rank or shared, their objects in prefix order);
+        nothing is leased, used or counted: the caller names the objects again to act on them."""
+        out: list[L1Object] = []
+        chunks = 0
+        with self._lock:
+            shared, ranks = self._index.namespace(model, world_size, salt)
+            for i, digest in enumerate(digests):
+                if i and i % SLICE == 0:
+                    self._pause()
+                    shared, ranks = self._index.namespace(model, world_size, salt)
+                found = self._index.found(shared, ranks, hash(digest) & PART_MASK, digest, world_size)
+                if not found:
+                    break
+                chunks += 1
+                out.extend(obj for obj, _ in found)
+        return chunks, out
+
+    def retain(self, objs: Sequence[L1Object], uses: int) -> int:
+        """Count `uses` more uses of each object still held with the eviction policy, as reads
+        would (nothing is read or leased); returns how many objects."""
+        n = 0
+        with self._lock:
+            for i, obj in enumerate(objs):
+                if i and i % SLICE == 0:
+                    self._pause()
+                if self._get(obj.key) is not obj or not obj.committed:
+                    continue
+                self._unpark(obj)
+                for _ in range(uses):
+                    self._policy.use(obj)
+                self._park(obj)
+                n += 1
+        return n
+
+    def drop_objects(self, objs: Sequence[L1Object], written_only: bool = False) -> tuple[int, int]:
+        """Free these objects, deepest first, where nothing holds them (no read, lease, store,
+        move or L2 write); written_only: only those an L2 tier holds a copy of. Returns (objects
+        freed, their bytes)."""
+        freed = nbytes = 0
+        with self._lock:
+            for i, obj in enumerate(reversed(objs)):
+                if i and i % SLICE == 0:
+                    self._pause()
+                if self._get(obj.key) is not obj or not self._evictable(obj) or (written_only and not obj.l2_copies):
+                    continue
+                self._free(obj)
+                freed += 1
+                nbytes += obj.nbytes
+        return freed, nbytes

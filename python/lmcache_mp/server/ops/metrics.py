@@ -87,6 +87,11 @@ class StatusCollector:
         yield gcs
         yield CounterMetricFamily("lmcache_mp_gc_seconds", "time the server process spent in garbage collections",
                                   value=st["gc"]["seconds"])
+        pinned = GaugeMetricFamily("lmcache_mp_hint_pinned_bytes", "L1 bytes the application's pins hold (hints), by "
+                                   "tenant (\"\" on a server without tenants)", labels=["tenant"])
+        for name, t in st["hints"]["tenants"].items():
+            pinned.add_metric([name], t["pinned_bytes"])
+        yield pinned
         if "l2" in st:
             yield from _l2_metrics(st["l2"])
         yield from _tenant_metrics(st.get("tenants", {}))  # (no series without --tenants)

@@ -41,7 +41,7 @@ from lmcache_mp.storage.tenant_quotas import SEP
 logger = logging.getLogger(__name__)
 
 _NAMED_CLIENT = (p.Hello, p.RegisterKVCache, p.UnregisterKVCache, p.Store, p.Retrieve, p.Lookup, p.Release, p.Ping,
-                 p.Status, p.Bye, p.Events, p.MapArena, p.Reserve, p.Commit, p.Read, p.ReadDone)
+                 p.Status, p.Bye, p.Events, p.MapArena, p.Reserve, p.Commit, p.Read, p.ReadDone, p.Hint)
 
 
 def denied(message: str) -> RequestFailure:
@@ -226,7 +226,7 @@ class Tenancy:
             msg.client_id = state.tag + hashlib.blake2b(cid, digest_size=14, key=self._key).digest()
             self._clients[msg.client_id] = credential
         kind = type(msg)
-        if kind is p.Lookup or kind is p.RegisterKVCache:
+        if kind is p.Lookup or kind is p.RegisterKVCache or kind is p.Hint:
             check.names(msg.model)
             msg.model = state.prefix + msg.model
         elif kind is p.Events:

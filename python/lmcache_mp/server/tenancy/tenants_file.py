@@ -29,7 +29,7 @@ SHARED_MODES = ("none", "read", "write")
 DEFAULTS: dict[str, Any] = {
     "curve_keys": [], "uids": [], "gids": [], "shared": "none", "l1_min": 0, "l1_max": 0, "l2_disk_max": 0,
     "l2_valkey_max": 0, "l2_mooncake_max": 0,
-    "max_registrations": 64, "max_inflight": 1024, "admin": False, "engine_window": 256 << 20,
+    "max_registrations": 64, "max_inflight": 1024, "admin": False, "engine_window": 256 << 20, "hint_budget": 0,
 }
 # What a [shared] table may set: the shared namespace's own quotas, enforced as a tenant's are.
 SHARED_FIELDS = ("l1_min", "l1_max", "l2_disk_max", "l2_valkey_max", "l2_mooncake_max")
@@ -55,6 +55,7 @@ class Tenant:
     engine_window: int = 256 << 20  # shared memory its processes map for engine-side copies (windows.py)
     l2_valkey_max: int = 0  # caps on the shared tiers' objects this node wrote for it (storage/l2/tenant_caps.py)
     l2_mooncake_max: int = 0
+    hint_budget: int = 0  # L1 bytes its pins may hold (server/hints.py; 0: the server's --hint-budget)
 
     @property
     def reads_shared(self) -> bool:
@@ -250,7 +251,7 @@ class _Checker:
         if not isinstance(v["admin"], bool):
             raise self.error(at + ("admin",), f"got {v['admin']!r}; expected true or false")
         sizes = {key: self.size(at + (key,), v[key]) for key in ("l1_min", "l1_max", "l2_disk_max", "l2_valkey_max",
-                                                                 "l2_mooncake_max", "engine_window")}
+                                                                 "l2_mooncake_max", "engine_window", "hint_budget")}
         if sizes["l1_max"] and sizes["l1_max"] < sizes["l1_min"]:
             raise self.error(at + ("l1_max",), f"{v['l1_max']!r} is less than l1_min ({v['l1_min']!r}); "
                              "expected l1_max >= l1_min, or 0 for no cap")

@@ -13,6 +13,9 @@ Writes go in prefix order, a chunk after the chunks before it in its prompt, and
 cannot keep up it is the prompts at L1's eviction end that lose their unwritten rest, never a
 chunk in the middle of a written prefix (storage/l1_writeback.py). Drops are counted per tier
 and logged as one WARNING with counts, at most once every WARN_EVERY_S.
+
+Demotions (a hint, server/hints.py): chunks named by the application are written ahead of
+everything else, each after its unwritten predecessors, on the writer's own thread.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class TierWriter:
         self._taking = False  # from before it takes a batch until that batch is written
         self._incident = Incident(f"writes to {tier.name}")
         self._wake = threading.Event()
+        self._demotions: collections.deque = collections.deque()  # (objects, done) to write first
         self._closing = False
         self._deadline = float("inf")
         self._warned = (time.monotonic(), 0, 0, 0, 0)  # when, dropped, lost, written, bytes written
@@ -94,6 +98,25 @@ class TierWriter:
     def wake(self) -> None:
         self._wake.set()
 
+    def demote(self, objs: list, done: Callable[[], None]) -> None:
+        """Write these objects (those the tier should have and lacks) before anything else, then
+        call done() on the writer's thread (at once if it is closing)."""
+        if self._closing:
+            done()
+            return
+        self._demotions.append((objs, done))
+        self._wake.set()
+
+    def _write_demotions(self) -> None:
+        while self._demotions:
+            objs, done = self._demotions.popleft()
+            try:
+                batch = self.l1.l2_take(self.bit, 0, 1 << 62, collections.deque(objs), 0)
+                if batch:
+                    self._write(batch)
+            finally:
+                done()
+
     def dropped(self, dropped: int, lost: int) -> None:
         self.counts["dropped"] += dropped
         self.counts["lost"] += lost
@@ -104,10 +127,13 @@ class TierWriter:
         while True:
             closing = self._closing
             if closing and time.monotonic() > self._deadline:
+                while self._demotions:  # (not written: their chunks stay in L1)
+                    self._demotions.popleft()[1]()
                 return
             # closing: what write-through still has listed, nothing ahead of eviction any more
             self._taking = True
             try:
+                self._write_demotions()
                 batch = self.l1.l2_take(self.bit, 0 if closing else self.below, self.batch_bytes, self.fresh,
                                         self.scan)
                 if batch:
@@ -117,6 +143,8 @@ class TierWriter:
                 self._taking = False
             if not batch:
                 if closing:
+                    while self._demotions:
+                        self._demotions.popleft()[1]()
                     return
                 self._wake.wait(POLL_S)
                 self._wake.clear()
