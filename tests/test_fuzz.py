@@ -52,6 +52,7 @@ def valid_requests(kv_id: int = 7, shm_name: str = "lmcache_mp_1_ab", shm_size: 
         p.ReadDone(client_id=owner, read=5),
         p.Events(client_id=CID, since=0, models=["fz"], max_events=16),
         p.LaneClaim(ticket=os.urandom(32)),
+        p.Hint(client_id=CID, model="fz", world_size=1, hashes=h, action="pin", ttl=0.5),
     ]
     assert {p.peek_op(p.encode(m)) for m in msgs} == {int(op) for op in p.Op}
     return [p.encode(m) for m in msgs]

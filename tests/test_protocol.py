@@ -42,6 +42,8 @@ REQUESTS = [
     p.ReadDone(client_id=b"c" * 16, read=(1 << 62) + 2),
     p.Events(client_id=b"c" * 16, since=12, models=["m#group0:full", "m#group1:sliding_window=4096"], max_events=64),
     p.LaneClaim(ticket=b"t" * 32),
+    p.Hint(client_id=b"c" * 16, model="m", world_size=2, hashes=b"h" * 32, action="pin", salt=b"s", ttl=12.5,
+           priority=3),
 ]
 
 REPLIES = [
@@ -68,6 +70,7 @@ REPLIES = [
     p.CommitReply(stored=2, present=1, skipped=3),
     p.ReadReply(read=4, offsets=p.pack_offsets([1 << 33]), object_bytes=4096),
     p.ReadDoneReply(released=6),
+    p.HintReply(chunks=3, nbytes=12288, pinned_bytes=1 << 33, ignored=False),
 ]
 
 
@@ -134,7 +137,7 @@ BAD_BODIES = {
     "layer is not a struct": (_encode([int(p.Op.REGISTER_KV_CACHE), b"c", "m", 1, 0, "cpu", b"", "auto", [7]]),
                               p.ErrorCode.BAD_REQUEST),
     "unknown op 99": (_encode([99, b"c"]), p.ErrorCode.UNKNOWN_OP),
-    "unknown op 19 (next to be assigned)": (_encode([19]), p.ErrorCode.UNKNOWN_OP),
+    "unknown op 20 (next to be assigned)": (_encode([20]), p.ErrorCode.UNKNOWN_OP),
     "a reply's tag (Error) as a request": (p.encode(REPLIES[0]), p.ErrorCode.UNKNOWN_OP),
 }
 

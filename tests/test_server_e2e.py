@@ -582,6 +582,10 @@ def _typed_requests(target):
         st.builds(p.Ping, client_id=st.binary(max_size=20)),
         st.builds(p.Status),
         st.builds(p.Bye, client_id=st.binary(max_size=20)),
+        st.builds(p.Hint, client_id=st.one_of(st.just(b"fuzz" * 4), st.binary(max_size=20)), model=st.text(max_size=5),
+                  world_size=_int, hashes=digests, action=st.sampled_from(
+                      ["pin", "unpin", "retain", "prefetch", "demote", "drop", "share", ""]),
+                  ttl=st.floats(), priority=_int, **common),
     ).map(p.encode)
 
 
