@@ -168,6 +168,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("rows_per_block", &KVLayout::rows_per_block)
       .def_readwrite("row_bytes", &KVLayout::row_bytes)
       .def_readwrite("row_stride", &KVLayout::row_stride)
+      .def_readwrite("object_row_pitch", &KVLayout::object_row_pitch)
+      .def_readwrite("object_row_offset", &KVLayout::object_row_offset)
       .def_property_readonly("num_layers", &KVLayout::num_layers)
       .def_property_readonly("token_bytes", &KVLayout::token_bytes)
       .def_property_readonly("layer_extent", &KVLayout::layer_extent)

@@ -59,26 +59,31 @@ void cpu_transfer(const KVLayout& layout, const ChunkBatch& b, Direction dir) {
   validate_batch(layout, b);
   const int64_t L = layout.num_layers(), S = layout.num_segments;
   const int64_t bpc = b.blocks_per_chunk(layout);
-  const int64_t plane = b.chunk_size * layout.token_bytes();  // bytes of one (segment, layer) plane
+  const int64_t pitch = layout.object_pitch();
+  const int64_t plane = b.chunk_size * pitch;  // bytes of one (segment, layer) plane of the object
   const int64_t blk = layout.block_bytes();
-  const bool contiguous = layout.rows_contiguous();
+  const bool sliced = layout.sliced();
+  const bool contiguous = layout.rows_contiguous() && !sliced;
+  // object rows: one per token, `pitch` apart, this cache's bytes at `offset` of each
+  const int64_t orow_stride = sliced ? pitch : layout.row_bytes;
+  const int64_t oblk_stride = sliced ? layout.block_size * pitch : blk;
   // One work item per (chunk, segment, layer) plane: large enough to amortise scheduling,
   // and enough of them to keep every thread busy.
   auto item = [&](int64_t i) {
     const int64_t c = i / (S * L), s = (i / L) % S, l = i % L;
-    char* obj = reinterpret_cast<char*>(b.object_ptrs[c]) + (s * L + l) * plane;
+    char* obj = reinterpret_cast<char*>(b.object_ptrs[c]) + (s * L + l) * plane + layout.object_row_offset;
     char* base = reinterpret_cast<char*>(layout.layer_ptrs[l]) + s * layout.segment_stride;
     const int64_t* ids = b.block_ids + c * bpc;
     for (int64_t j = 0; j < bpc; ++j) {
       char* kv = base + ids[j] * layout.block_stride;
-      char* o = obj + j * blk;
+      char* o = obj + j * oblk_stride;
       if (contiguous) {
         if (dir == Direction::kGather) copy_stream(o, kv, blk);
         else copy_stream(kv, o, blk);
       } else {
         for (int64_t r = 0; r < layout.rows_per_block; ++r) {
           char* row = kv + r * layout.row_stride;
-          char* orow = o + r * layout.row_bytes;
+          char* orow = o + r * orow_stride;
           if (dir == Direction::kGather) copy_stream(orow, row, layout.row_bytes);
           else copy_stream(row, orow, layout.row_bytes);
         }

@@ -24,6 +24,15 @@ void KVLayout::validate() const {
   LMC_CHECK_ARG(block_bytes() % block_size == 0, "KV layout: block bytes not divisible by block_size");
   LMC_CHECK_ARG(segment_stride >= 0 && block_stride >= 0 && row_stride >= 0, "KV layout: negative stride");
   for (auto p : layer_ptrs) LMC_CHECK_ARG(p != 0, "KV layout: null layer pointer");
+  LMC_CHECK_ARG(object_row_pitch >= 0 && object_row_offset >= 0, "KV layout: negative object row pitch or offset");
+  if (object_row_pitch == 0) {
+    LMC_CHECK_ARG(object_row_offset == 0, "KV layout: an object row offset needs an object row pitch");
+  } else {
+    LMC_CHECK_ARG(rows_per_block == block_size, "KV layout: only token rows can be a slice of a wider object row");
+    LMC_CHECK_ARG(object_row_offset + token_bytes() <= object_row_pitch, "KV layout: the slice [",
+                  object_row_offset, ", ", object_row_offset + token_bytes(), ") does not fit an object row of ",
+                  object_row_pitch, " bytes");
+  }
   // No two rows may overlap: sort the dimensions by stride and require each stride to step past
   // everything the smaller dimensions span. Writes into an engine's cache must stay in their rows.
   struct Dim { int64_t size, stride; };

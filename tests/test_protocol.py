@@ -99,7 +99,7 @@ def test_reply_round_trip(msg):
 def test_encoding_is_a_tagged_array():
     """Other implementations rely on this shape (docs/protocol.md): [op, field, field, ...]."""
     raw = msgspec.msgpack.decode(p.encode(p.Lookup(client_id=b"c", model="m", world_size=2, hashes=H, lock=True)))
-    assert raw == [int(p.Op.LOOKUP), b"c", "m", 2, H, True, b""]
+    assert raw == [int(p.Op.LOOKUP), b"c", "m", 2, H, True, b"", False]
 
 
 def test_optional_fields_take_their_defaults_when_absent():

@@ -43,21 +43,32 @@ TransferEngine::TransferEngine(int device, const KVLayout& layout, int64_t chunk
   dlay_.num_segments = static_cast<int32_t>(layout_.num_segments);
   dlay_.segment_stride = layout_.segment_stride;
   dlay_.block_stride = layout_.block_stride;
-  if (layout_.rows_contiguous()) {
-    dlay_.spans_per_block = 1;
-    dlay_.span_bytes = layout_.block_bytes();
-    dlay_.span_stride = 0;
-  } else {
-    dlay_.spans_per_block = static_cast<int32_t>(layout_.rows_per_block);
-    dlay_.span_bytes = layout_.row_bytes;
-    dlay_.span_stride = layout_.row_stride;
-  }
-  constexpr int64_t kPiece = 8192;  // 16 vectors of 16 bytes per lane: enough loads in flight
-  dlay_.piece_bytes = std::min(kPiece, dlay_.span_bytes);
-  dlay_.pieces_per_span = static_cast<int32_t>((dlay_.span_bytes + dlay_.piece_bytes - 1) / dlay_.piece_bytes);
-  dlay_.block_bytes = layout_.block_bytes();
-  dlay_.plane_bytes = chunk_size_ * layout_.token_bytes();
+  // A span is a whole block segment when its rows are contiguous on both sides, else one row.
+  auto walk = [&](bool rows_together, int64_t pitch, int64_t offset) {
+    DeviceLayout d = dlay_;
+    if (rows_together) {
+      d.spans_per_block = 1;
+      d.span_bytes = layout_.block_bytes();
+      d.span_stride = 0;
+    } else {
+      d.spans_per_block = static_cast<int32_t>(layout_.rows_per_block);
+      d.span_bytes = layout_.row_bytes;
+      d.span_stride = layout_.row_stride;
+    }
+    constexpr int64_t kPiece = 8192;  // 16 vectors of 16 bytes per lane: enough loads in flight
+    d.piece_bytes = std::min(kPiece, d.span_bytes);
+    d.pieces_per_span = static_cast<int32_t>((d.span_bytes + d.piece_bytes - 1) / d.piece_bytes);
+    d.block_bytes = layout_.block_bytes();
+    d.plane_bytes = chunk_size_ * pitch;
+    d.obj_span_stride = rows_together ? d.span_bytes : pitch;
+    d.obj_block_stride = layout_.block_size * pitch;
+    d.obj_offset = offset;
+    return d;
+  };
+  dslot_ = walk(layout_.rows_contiguous(), layout_.token_bytes(), 0);
+  dlay_ = layout_.sliced() ? walk(false, layout_.object_pitch(), layout_.object_row_offset) : dslot_;
   object_bytes_ = layout_.object_bytes(chunk_size_);
+  slot_bytes_ = layout_.dense_object_bytes(chunk_size_);
 
   for (int d = 0; d < 2; ++d) {
     // High priority (server side): our short packing kernels get SMs at the next kernel boundary
@@ -99,8 +110,8 @@ int TransferEngine::take_event(Side& side) {
 
 void TransferEngine::ensure_staging(Side& side) {
   if (side.staging) return;
-  side.slots = static_cast<int>(std::max<int64_t>(2, opt_.staging_bytes / object_bytes_));
-  check(cudaMalloc(reinterpret_cast<void**>(&side.staging), side.slots * object_bytes_), "cudaMalloc(staging ring)");
+  side.slots = static_cast<int>(std::max<int64_t>(2, opt_.staging_bytes / slot_bytes_));
+  check(cudaMalloc(reinterpret_cast<void**>(&side.staging), side.slots * slot_bytes_), "cudaMalloc(staging ring)");
   side.slot_ready.resize(side.slots);
   side.slot_free.resize(side.slots);
   for (int k = 0; k < side.slots; ++k) {
@@ -108,7 +119,7 @@ void TransferEngine::ensure_staging(Side& side) {
     check(cudaEventCreateWithFlags(&side.slot_free[k], cudaEventDisableTiming), "cudaEventCreateWithFlags");
   }
   std::lock_guard<std::mutex> lk(ticket_mu_);
-  stats_.staging_bytes += side.slots * object_bytes_;
+  stats_.staging_bytes += side.slots * slot_bytes_;
 }
 
 LaunchTable TransferEngine::table_for(const ChunkBatch& b, int64_t first, int64_t n) const {
@@ -135,45 +146,60 @@ void TransferEngine::enqueue_direct(Side& side, bool gather, const ChunkBatch& b
 void TransferEngine::enqueue_staged(Side& side, bool gather, const ChunkBatch& b, bool single_buffer) {
   ensure_staging(side);
   const int64_t bpc = b.blocks_per_chunk(layout_);
-  const int64_t spans = layout_.num_segments * layout_.num_layers() * bpc * dlay_.spans_per_block *
-                        dlay_.pieces_per_span;
+  const int64_t spans = layout_.num_segments * layout_.num_layers() * bpc * dslot_.spans_per_block *
+                        dslot_.pieces_per_span;
   const int warps_per_cta = opt_.threads / 32;
   const int max_ctas = opt_.pack_ctas > 0 ? opt_.pack_ctas : num_sms_;
   const int ctas = static_cast<int>(std::min<int64_t>(max_ctas, (spans + warps_per_cta - 1) / warps_per_cta));
-  const cudaMemcpyKind kind = gather ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
   // The single-buffer reference runs everything on one stream through slot 0: no overlap.
   cudaStream_t copy = single_buffer ? side.main : side.copy;
   for (int64_t c = 0; c < b.num_chunks; ++c) {
     const int k = single_buffer ? 0 : side.next_slot;
     if (!single_buffer) side.next_slot = (k + 1) % side.slots;
-    char* slot = side.staging + k * object_bytes_;
+    char* slot = side.staging + k * slot_bytes_;
     LaunchTable t = table_for(b, c, 1);
     t.objects[0] = reinterpret_cast<uint64_t>(slot);
-    const int width = access_width(dlay_, layout_.layer_ptrs.data(), t);
-    void* host = reinterpret_cast<void*>(b.object_ptrs[c]);
+    const int width = access_width(dslot_, layout_.layer_ptrs.data(), t);
+    char* host = reinterpret_cast<char*>(b.object_ptrs[c]);
     if (gather) {
       check(cudaStreamWaitEvent(side.main, side.slot_free[k], 0), "cudaStreamWaitEvent");
-      launch_kv_copy(true, dlay_, t, width, ctas, opt_.threads, side.main);
+      launch_kv_copy(true, dslot_, t, width, ctas, opt_.threads, side.main);
       check(cudaEventRecord(side.slot_ready[k], side.main), "cudaEventRecord");
       check(cudaStreamWaitEvent(copy, side.slot_ready[k], 0), "cudaStreamWaitEvent");
-      check(cudaMemcpyAsync(host, slot, object_bytes_, kind, copy), "cudaMemcpyAsync(D2H)");
+      copy_slot(true, slot, host, copy);
       check(cudaEventRecord(side.slot_free[k], copy), "cudaEventRecord");
     } else {
       check(cudaStreamWaitEvent(copy, side.slot_free[k], 0), "cudaStreamWaitEvent");
-      check(cudaMemcpyAsync(slot, host, object_bytes_, kind, copy), "cudaMemcpyAsync(H2D)");
+      copy_slot(false, slot, host, copy);
       check(cudaEventRecord(side.slot_ready[k], copy), "cudaEventRecord");
       check(cudaStreamWaitEvent(side.main, side.slot_ready[k], 0), "cudaStreamWaitEvent");
-      launch_kv_copy(false, dlay_, t, width, ctas, opt_.threads, side.main);
+      launch_kv_copy(false, dslot_, t, width, ctas, opt_.threads, side.main);
       check(cudaEventRecord(side.slot_free[k], side.main), "cudaEventRecord");
     }
   }
+}
+
+void TransferEngine::copy_slot(bool gather, char* slot, char* host, cudaStream_t stream) {
+  const cudaMemcpyKind kind = gather ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+  if (!layout_.sliced()) {
+    check(gather ? cudaMemcpyAsync(host, slot, slot_bytes_, kind, stream)
+                 : cudaMemcpyAsync(slot, host, slot_bytes_, kind, stream),
+          gather ? "cudaMemcpyAsync(D2H)" : "cudaMemcpyAsync(H2D)");
+    return;
+  }
+  const size_t w = static_cast<size_t>(layout_.token_bytes()), p = static_cast<size_t>(layout_.object_pitch());
+  const size_t rows = static_cast<size_t>(layout_.num_segments * layout_.num_layers() * chunk_size_);
+  char* row0 = host + layout_.object_row_offset;
+  check(gather ? cudaMemcpy2DAsync(row0, p, slot, w, w, rows, kind, stream)
+               : cudaMemcpy2DAsync(slot, w, row0, p, w, rows, kind, stream),
+        gather ? "cudaMemcpy2DAsync(D2H)" : "cudaMemcpy2DAsync(H2D)");
 }
 
 void TransferEngine::enqueue_dma(Side& side, bool gather, const ChunkBatch& b, bool coalesce, bool batched) {
   const int64_t bpc = b.blocks_per_chunk(layout_);
   const int64_t L = layout_.num_layers(), S = layout_.num_segments;
   const int64_t blk = layout_.block_bytes();
-  const bool rows_contig = layout_.rows_contiguous();
+  const bool rows_contig = layout_.rows_contiguous() && !layout_.sliced();  // sliced: the object's rows are apart
   const bool blocks_adjacent = coalesce && rows_contig && layout_.block_stride == blk;  // neighbours in memory
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
@@ -209,15 +235,16 @@ void TransferEngine::enqueue_dma(Side& side, bool gather, const ChunkBatch& b, b
     for (int64_t s = 0; s < S; ++s) {
       for (int64_t l = 0; l < L; ++l) {
         char* base = reinterpret_cast<char*>(layout_.layer_ptrs[l]) + s * layout_.segment_stride;
-        char* obj = reinterpret_cast<char*>(b.object_ptrs[c]) + (s * L + l) * dlay_.plane_bytes;
+        char* obj = reinterpret_cast<char*>(b.object_ptrs[c]) + (s * L + l) * dlay_.plane_bytes + dlay_.obj_offset;
         run_begin = sizes.size();
         for (int64_t j = 0; j < bpc; ++j) {
           char* cache = base + ids[j] * layout_.block_stride;
+          char* oblk = obj + j * dlay_.obj_block_stride;
           if (rows_contig) {
-            add(cache, obj + j * blk, blk);
+            add(cache, oblk, blk);
           } else {
             for (int64_t r = 0; r < layout_.rows_per_block; ++r)
-              add(cache + r * layout_.row_stride, obj + j * blk + r * layout_.row_bytes, layout_.row_bytes);
+              add(cache + r * layout_.row_stride, oblk + r * dlay_.obj_span_stride, layout_.row_bytes);
           }
         }
       }

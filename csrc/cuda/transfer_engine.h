@@ -125,6 +125,9 @@ class TransferEngine {
   void ensure_staging(Side& side);
   void enqueue_direct(Side& side, bool gather, const ChunkBatch& b, int ctas);
   void enqueue_staged(Side& side, bool gather, const ChunkBatch& b, bool single_buffer);
+  // One DMA between a staging slot and a host object: the whole object, or for a sliced layout
+  // the slot's rows into every pitch-th row of the object (one strided copy).
+  void copy_slot(bool gather, char* slot, char* host, cudaStream_t stream);
   void enqueue_dma(Side& side, bool gather, const ChunkBatch& b, bool coalesce, bool batched);
   LaunchTable table_for(const ChunkBatch& b, int64_t first_chunk, int64_t n_chunks) const;
 
@@ -132,11 +135,13 @@ class TransferEngine {
   KVLayout layout_;
   int64_t chunk_size_;
   EngineOptions opt_;
-  DeviceLayout dlay_;
+  DeviceLayout dlay_;  // the host objects, as the direct kernels walk them
+  DeviceLayout dslot_;  // a staging slot: the dense object of this cache's bytes (= dlay_ unless sliced)
   uint64_t* d_layer_ptrs_ = nullptr;
   int num_sms_ = 0;
   bool direct_supported_ = false;
   int64_t object_bytes_ = 0;
+  int64_t slot_bytes_ = 0;  // a staging slot holds this cache's bytes of one chunk
   Side sides_[2];  // 0: gather (store), 1: scatter (retrieve)
 
   mutable std::mutex ticket_mu_;

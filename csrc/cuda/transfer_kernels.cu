@@ -50,8 +50,8 @@ __global__ void kv_copy_kernel(const DeviceLayout lay, const __grid_constant__ L
     const int64_t bytes = min(lay.piece_bytes, lay.span_bytes - off);
     char* cache = reinterpret_cast<char*>(lay.layer_ptrs[l]) + s * lay.segment_stride + block * lay.block_stride +
                   r * lay.span_stride + off;
-    char* obj = reinterpret_cast<char*>(t.objects[c]) + (s * L + l) * lay.plane_bytes + j * lay.block_bytes +
-                r * lay.span_bytes + off;
+    char* obj = reinterpret_cast<char*>(t.objects[c]) + (s * L + l) * lay.plane_bytes + j * lay.obj_block_stride +
+                r * lay.obj_span_stride + lay.obj_offset + off;
     if (kGather) copy_span<V>(cache, obj, bytes, lane);
     else copy_span<V>(obj, cache, bytes, lane);
   }
@@ -92,7 +92,9 @@ int access_width(const DeviceLayout& lay, const uint64_t* host_layer_ptrs, const
   uint64_t bits = static_cast<uint64_t>(lay.span_bytes) | static_cast<uint64_t>(lay.piece_bytes) |
                   static_cast<uint64_t>(lay.segment_stride) |
                   static_cast<uint64_t>(lay.block_stride) | static_cast<uint64_t>(lay.span_stride) |
-                  static_cast<uint64_t>(lay.block_bytes) | static_cast<uint64_t>(lay.plane_bytes);
+                  static_cast<uint64_t>(lay.block_bytes) | static_cast<uint64_t>(lay.plane_bytes) |
+                  static_cast<uint64_t>(lay.obj_span_stride) | static_cast<uint64_t>(lay.obj_block_stride) |
+                  static_cast<uint64_t>(lay.obj_offset);
   for (int l = 0; l < lay.num_layers; ++l) bits |= host_layer_ptrs[l];
   for (int c = 0; c < t.num_chunks; ++c) bits |= t.objects[c];
   for (int w = 16; w > 1; w >>= 1)

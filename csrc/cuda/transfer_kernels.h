@@ -1,4 +1,5 @@
-// Gather/scatter kernels between paged KV blocks and chunk objects ([S, L, T, W] bytes).
+// Gather/scatter kernels between paged KV blocks and chunk objects ([S, L, T, W] bytes, or a
+// rank's slice of [S, L, T, P] ones).
 // The objects may be pinned host memory (read or written over PCIe: "direct") or a device
 // staging buffer ("staged"). Kernels know raw addresses only.
 #pragma once
@@ -35,7 +36,13 @@ struct DeviceLayout {
   int64_t piece_bytes = 0;  // a multiple of 16; span_bytes when smaller
   int32_t pieces_per_span = 1;
   int64_t block_bytes = 0;  // of one segment of one layer, in the object
-  int64_t plane_bytes = 0;  // chunk_size * W: one (segment, layer) plane of an object
+  int64_t plane_bytes = 0;  // chunk_size * P: one (segment, layer) plane of an object
+  // Where spans lie in the object: spans of one block obj_span_stride apart (span_bytes when the
+  // object is dense), blocks obj_block_stride apart (block_bytes), each shifted by obj_offset
+  // (a tensor-parallel rank's heads' slice of every token row; 0 when dense).
+  int64_t obj_span_stride = 0;
+  int64_t obj_block_stride = 0;
+  int64_t obj_offset = 0;
 };
 
 // Largest power-of-two access width (16, 8, 4, 2 or 1 bytes) every address and size allows.

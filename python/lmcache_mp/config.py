@@ -47,6 +47,14 @@ class ServerConfig:
         "tcp://127.0.0.1:5555", "ZeroMQ endpoint to bind: tcp://HOST:PORT (port 0 picks a free one) or ipc:///path")
     l1_size: int | str = _setting("4GiB", "host memory for cached chunks; page-locked on the cuda device")
     chunk_size: int = _setting(256, "tokens per chunk: the unit of hashing, lookup and storage")
+    tp_shared: bool = _setting(
+        False, "every registration stores tensor-parallel-shared chunks (one object per chunk with every KV head, "
+               "each rank writing and reading its heads' slice: engines of any TP size share them), and lookups "
+               "find those; a registration whose head split the server cannot prove is refused. Without it a "
+               "registration opts in itself (tp_shared=True; docs/tensor-parallel.md)")
+    tp_shared_timeout: float = _setting(
+        10.0, "seconds a tp-shared chunk waits for its other ranks' slices after the last one landed; then it "
+              "is dropped, never served half written")
     device: str = _setting(
         "auto", "cpu: KV caches in shared memory; cuda: GPU caches over CUDA IPC; auto: cuda when usable")
     transfer_mode: str = _setting(
@@ -231,6 +239,8 @@ class ServerConfig:
             raise ValueError(f"spin_us must be at most 1000000, got {self.spin_us}")
         if self.lease_ttl <= 0 or self.heartbeat_timeout <= 0:
             raise ValueError("lease_ttl and heartbeat_timeout must be positive")
+        if self.tp_shared_timeout <= 0:
+            raise ValueError(f"tp_shared_timeout must be positive, got {self.tp_shared_timeout}")
         if self.direct_ctas <= 0:
             raise ValueError("direct_ctas must be positive")
         self.given: frozenset[str] = frozenset()  # the settings a source named (from_sources), not defaults

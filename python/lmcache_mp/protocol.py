@@ -139,6 +139,12 @@ class RegisterKVCache(_Msg, tag=int(Op.REGISTER_KV_CACHE)):
     # Tokens per chunk of this registration (0: the server's --chunk-size): models whose block
     # size does not divide the server's (hybrids: 288, 544, 784 tokens) choose their own.
     chunk_size: int = 0
+    # One object per chunk with every KV head, each rank its heads' slice, shared by every TP
+    # size (head_slices.py); num_kv_heads: the model's KV heads, which prove the split;
+    # pipeline_size: the stages world_size counts (tp-shared chunks need one).
+    tp_shared: bool = False
+    num_kv_heads: int = 0
+    pipeline_size: int = 1
 
 
 class UnregisterKVCache(_Msg, tag=int(Op.UNREGISTER_KV_CACHE)):
@@ -182,6 +188,7 @@ class Lookup(_Msg, tag=int(Op.LOOKUP)):
     hashes: bytes
     lock: bool = False
     salt: bytes = b""
+    tp_shared: bool = False  # the chunks of tp-shared registrations, whatever TP size stored them
 
 
 class Release(_Msg, tag=int(Op.RELEASE)):
@@ -322,6 +329,7 @@ class RegisterReply(_Msg, tag=int(Op.REGISTER_KV_CACHE)):
     block_size: int
     num_blocks: int
     chunk_size: int = 0  # tokens per chunk of this registration (0 from servers before it was asked)
+    tp_shared: bool = False  # its chunks are tp-shared objects (lookups should ask for those)
 
 
 class UnregisterReply(_Msg, tag=int(Op.UNREGISTER_KV_CACHE)):

@@ -251,28 +251,30 @@ class Client(RestartRecovery):
             watch.close()
 
     def lookup(self, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1, lock: bool = False,
-               salt: bytes = b"", timeout: float | None = None) -> LookupResult:
+               salt: bytes = b"", timeout: float | None = None, tp_shared: bool = False) -> LookupResult:
         """Leading chunks present for every rank of (model, world_size), as an int. lock=True
         leases them: pass `result.lease` to the retrieves that read them (each read consumes
         the lease's use of what it reads) and to release(); it also ends at the server's TTL or
-        when this client closes."""
+        when this client closes. tp_shared: of tp-shared chunks (register_kv_cache), which one
+        object holds for every rank of any TP size."""
         packed = pack_hashes(hashes)
         msg = p.Lookup(client_id=self.client_id, model=model, world_size=world_size, hashes=packed, lock=lock,
-                       salt=salt)
+                       salt=salt, tp_shared=tp_shared)
         r = self._call(msg, p.LookupReply, timeout)
         if r.lease:
             self._leases.add(r.lease, model, world_size, salt, unpack_hashes(packed[: r.hits * DIGEST_BYTES]))
         return LookupResult(r.hits, r.lease, r.from_l2)
 
     def lookup_async(self, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1, lock: bool = False,
-                     salt: bytes = b"", timeout: float | None = None) -> "Future[LookupResult]":
+                     salt: bytes = b"", timeout: float | None = None,
+                     tp_shared: bool = False) -> "Future[LookupResult]":
         """lookup() without waiting: a lookup with lock may wait on the server while chunks found
         in L2 are brought into L1 (up to its prefetch timeout)."""
         self._check_reachable()
         stamps = [("call", time.monotonic_ns())] if self.trace else None
         packed = pack_hashes(hashes)
         msg = p.Lookup(client_id=self.client_id, model=model, world_size=world_size, hashes=packed, lock=lock,
-                       salt=salt)
+                       salt=salt, tp_shared=tp_shared)
 
         def convert(reply: Any) -> LookupResult:
             r = _check(reply, p.LookupReply)
@@ -359,7 +361,8 @@ class Client(RestartRecovery):
     def register_kv_cache(self, kv_caches: Sequence[Any] | dict, *, model: str, world_size: int = 1, rank: int = 0,
                           layout: str = "auto", block_size: int | None = None, transfer: str = "auto",
                           staging_bytes: int | None = None, pack_ctas: int = 0,
-                          chunk_size: int = 0) -> KVCacheHandle:
+                          chunk_size: int = 0, tp_shared: bool = False, num_kv_heads: int = 0,
+                          pipeline_size: int = 1) -> KVCacheHandle:
         """Register one tensor per layer (CPU tensors in shared memory, or CUDA tensors; with
         transfer="engine", CPU tensors anywhere in this process's memory).
 
@@ -373,13 +376,20 @@ class Client(RestartRecovery):
         does them all at once). handle.transfer_mode says which was taken. staging_bytes,
         pack_ctas: the engine-side copier's GPU ring and its packing kernels' CTAs (0: one per
         SM). chunk_size: tokens per chunk of this cache's requests (0: the server's, `self.chunk_size`),
-        a multiple of its block size; `handle.chunk_size` says what it is."""
+        a multiple of its block size; `handle.chunk_size` says what it is.
+
+        tp_shared: store and read tensor-parallel-shared chunks, one object with every KV head
+        that engines of any TP size share (docs/tensor-parallel.md); num_kv_heads: the model's KV
+        heads (not this rank's), pipeline_size: the pipeline stages world_size counts. The server
+        refuses a cache whose head split it cannot prove. Lookups of these chunks pass tp_shared=True
+        (`handle.tp_shared` says whether the server took them, also when it opts every cache in)."""
         if transfer not in ("auto", "server", "engine"):
             raise ValueError(f"transfer must be 'auto', 'server' or 'engine', got {transfer!r}")
         tensors = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
         described = describe_kv_caches(tensors, private_cpu=transfer == "engine")
         handle = KVCacheHandle(tensors, model, world_size, rank, layout, block_size, described,
                                transfer, staging_bytes, pack_ctas, chunk_size)
+        handle.requested_tp = (tp_shared, num_kv_heads, pipeline_size)
         handle.chunk_size = chunk_size or self.chunk_size
         if handle.device == "cuda":
             handle.events = EventPool(handle.described.device_index)
@@ -417,7 +427,8 @@ class Client(RestartRecovery):
                                 rank=handle.rank, device=d.device, device_uuid=d.device_uuid,
                                 layout=handle.requested_layout, layers=d.layers,
                                 block_size=handle.requested_block_size or 0, transfer="engine" if engine else "",
-                                chunk_size=handle.requested_chunk_size)
+                                chunk_size=handle.requested_chunk_size, tp_shared=handle.requested_tp[0],
+                                num_kv_heads=handle.requested_tp[1], pipeline_size=handle.requested_tp[2])
         # A worker's CPU cache may live in an unnamed file: the server opens it by name, so it
         # has one until the server answered (it has mapped the file then).
         files = {layer.memory.name for layer in d.layers if layer.memory.kind == "shm"}

@@ -21,6 +21,7 @@ class KVCacheHandle:
         self.requested_block_size = block_size
         self.requested_transfer = transfer
         self.requested_chunk_size = chunk_size
+        self.requested_tp: tuple[bool, int, int] = (False, 0, 1)  # tp_shared, num_kv_heads, pipeline_size
         self.staging_bytes = staging_bytes  # the engine-side copier's GPU ring (None: a few chunks)
         self.pack_ctas = pack_ctas
         self.copier = None  # an EngineCopier when this process copies (transfer_mode "engine")
@@ -30,6 +31,7 @@ class KVCacheHandle:
         self.object_bytes = 0
         self.transfer_mode = ""
         self.shared = False
+        self.tp_shared = False  # its chunks are tp-shared objects (the server's answer)
         self.block_size = 0
         self.num_blocks = 0
         self.chunk_size = 0  # tokens per chunk of this registration
@@ -42,7 +44,7 @@ class KVCacheHandle:
 
     def _apply(self, r: p.RegisterReply) -> None:
         self.kv_id, self.layout, self.object_bytes = r.kv_id, r.layout, r.object_bytes
-        self.transfer_mode, self.shared = r.transfer_mode, r.shared
+        self.transfer_mode, self.shared, self.tp_shared = r.transfer_mode, r.shared, r.tp_shared
         self.block_size, self.num_blocks = r.block_size, r.num_blocks
         self.chunk_size = r.chunk_size or self.requested_chunk_size or self.chunk_size
 

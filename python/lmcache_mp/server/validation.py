@@ -12,7 +12,7 @@ from lmcache_mp import protocol as p
 from lmcache_mp.keys import DIGEST_BYTES, unpack_hashes
 from lmcache_mp.native import request_block_ids
 from lmcache_mp.server.copies.contexts import Registration
-from lmcache_mp.storage.l1 import SHARED_RANK, ObjectKey
+from lmcache_mp.storage.l1 import SHARED_RANK, TP_SHARED_WORLD, ObjectKey
 
 
 class RequestFailure(Exception):
@@ -84,6 +84,8 @@ def chunk_keys(reg: Registration, hashes: bytes, salt: bytes) -> list[ObjectKey]
     found = digests(hashes)
     if len(salt) > p.MAX_SALT_BYTES:
         raise invalid(f"salt must be at most {p.MAX_SALT_BYTES} bytes")
+    if reg.slice is not None:  # one object of every head, for every TP size
+        return [ObjectKey(reg.model, TP_SHARED_WORLD, SHARED_RANK, d, salt) for d in found]
     rank = SHARED_RANK if reg.shared else reg.rank
     return [ObjectKey(reg.model, reg.world_size, rank, d, salt) for d in found]
 

@@ -45,7 +45,7 @@ from lmcache_mp.storage.l1_journal import Entry, L1Journal
 from lmcache_mp.storage.l1_persist import L1Persistence
 from lmcache_mp.storage.l1_writeback import SCAN, L1Writeback
 from lmcache_mp.storage.leases import Lease, LeaseTable
-from lmcache_mp.storage.objects import SHARED_RANK, L1Object, ObjectKey  # noqa: F401 (re-exported)
+from lmcache_mp.storage.objects import SHARED_RANK, TP_SHARED_WORLD, L1Object, ObjectKey  # noqa: F401 (re-exported)
 from lmcache_mp.storage.slab_moves import MAX_MOVES, SlabMove, SlabMoves
 from lmcache_mp.storage.tenant_quotas import L1Quotas
 
@@ -63,6 +63,7 @@ class StorePlan:
     present: int  # chunks already stored
     skipped: int  # chunks not stored: no memory
     pending: list[L1Object] = field(default_factory=list)  # being written by another request
+    cover: int = 0  # tp-shared objects: the heads this store writes of each (0: whole objects)
 
 
 class L1Store:
@@ -83,13 +84,17 @@ class L1Store:
         self._committed = 0
         self.events = None  # an EventLog of commits and removals for subscribers (events.py)
         self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "lookup_chunks": 0, "moved": 0, "slab_moves": 0,
-                         "cleared": 0, "replaced": 0, "format_mismatches": 0}
+                         "cleared": 0, "replaced": 0, "format_mismatches": 0, "partial_dropped": 0}
         self._mismatches_logged: set[str] = set()
         self.quotas = quotas
         self.writeback = L1Writeback(arena, self._lock, self._index, self._policy, quotas)
         self.moves = SlabMoves(arena, self._lock, self._index, quotas, victim=self.writeback.victim, evict=self._evict,
                                moved=self._moved, counters=self.counters, evicted=self._evicted)
         self.persistence: L1Persistence | None = None  # with --l1-persist (attach_journal)
+        # tp-shared objects some of whose slices have not landed: dropped once none is being
+        # written and none landed for partial_ttl seconds (drop_partial())
+        self._partial: set[L1Object] = set()
+        self.partial_ttl = 10.0
 
     def _pause(self) -> None:
         """Between slices of one request: let a waiting thread take the lock (and the GIL)."""
@@ -149,6 +154,7 @@ class L1Store:
             self._committed -= 1
             if self.persistence is not None:  # before the slot can go to anyone else
                 self.persistence.freed(obj)
+        self._partial.discard(obj)
         self.arena.free(obj.offset)
         if obj.owner >= 0:
             self.quotas.removed(obj.owner, obj.nbytes)
@@ -182,12 +188,17 @@ class L1Store:
     # ---- store -------------------------------------------------------------------------------
 
     def begin_store(self, keys: Sequence[ObjectKey], object_bytes: int, format_key: tuple,
-                    parent: ObjectKey | None = None) -> StorePlan:
+                    parent: ObjectKey | None = None, cover: int = 0, full: int = 0) -> StorePlan:
         """Reserve objects for the keys not yet present. Stops at the first chunk it cannot place
         (a later chunk is useless without the earlier ones: lookups are prefix lookups). parent:
         the key of the chunk before the first, when the request names only a prompt's new chunks
-        (its object, in L1 or lately gone, becomes the first one's prefix for L2 writes)."""
-        plan = StorePlan(indices=[], objects=[], present=0, skipped=0)
+        (its object, in L1 or lately gone, becomes the first one's prefix for L2 writes).
+
+        cover, full: a store of one slice (the heads `cover`, of `full`) of tp-shared objects. It
+        writes its slice into an object other stores are filling, unless one of them writes or
+        wrote any of these heads (then the chunk counts as present); commit() makes an object
+        visible once every head has landed."""
+        plan = StorePlan(indices=[], objects=[], present=0, skipped=0, cover=cover)
         with self._lock:
             cls = self._size_class(object_bytes)
             slot_bytes = self.arena.slot_bytes(cls)
@@ -211,7 +222,15 @@ class L1Store:
                     self.counters["replaced"] += 1
                     obj = None
                 if obj is not None:
-                    if obj.committed:
+                    if cover and not obj.committed and obj.heads_full == full:
+                        if (obj.heads_landed | obj.heads_writing) & cover:
+                            plan.present += 1  # another store has these heads
+                        else:
+                            obj.heads_writing |= cover
+                            obj.touched = self._clock()
+                            plan.indices.append(i)
+                            plan.objects.append(obj)
+                    elif obj.committed:
                         plan.present += 1
                         self._use(obj)
                         self._policy.use(obj)  # a store of existing data counts as a use
@@ -236,6 +255,9 @@ class L1Store:
                     break
                 obj = L1Object(key=key, offset=got, size_class=cls, nbytes=slot_bytes, format_key=format_key,
                                prev=last)
+                if cover:
+                    obj.heads_full, obj.heads_writing, obj.touched = full, cover, self._clock()
+                    self._partial.add(obj)
                 last = obj
                 self._put(obj)
                 plan.indices.append(i)
@@ -249,7 +271,7 @@ class L1Store:
         """The plan's bytes have landed; from_l2: they were loaded from L2 (not a use; the loader
         set the tiers they came from in l2_copies)."""
         waiters = []
-        objs = plan.objects
+        objs = self._land_slices(plan) if plan.cover else plan.objects
         if self.persistence is not None:  # room in the journal's queue, or this store sums its own chunks
             self.persistence.sum_ahead(objs)
         with self._lock:
@@ -267,13 +289,27 @@ class L1Store:
                     obj.waiters = None
                 self._committed += len(part)
                 self._policy.admit(part, lead=objs[0], last=start + SLICE >= len(objs))
-            self.counters["stored"] += len(plan.objects)
-            if self.persistence is not None and plan.objects:
-                self.persistence.record_commits(plan.objects)
+            self.counters["stored"] += len(objs)
+            if self.persistence is not None and objs:
+                self.persistence.record_commits(objs)
         for fn in waiters:
             fn(True)
-        if self.on_commit is not None:
-            self.on_commit(len(plan.objects))
+        if self.on_commit is not None and objs:
+            self.on_commit(len(objs))
+
+    def _land_slices(self, plan: StorePlan) -> list[L1Object]:
+        """A slice store's heads landed: the objects it completes (the rest wait for theirs)."""
+        done = []
+        with self._lock:
+            now = self._clock()
+            for obj in plan.objects:
+                obj.heads_writing &= ~plan.cover
+                obj.heads_landed |= plan.cover
+                obj.touched = now
+                if obj.heads_landed == obj.heads_full and not obj.heads_writing:
+                    self._partial.discard(obj)
+                    done.append(obj)
+        return done
 
     def abort(self, plan: StorePlan) -> None:
         waiters = []
@@ -281,12 +317,35 @@ class L1Store:
             for i, obj in enumerate(plan.objects):
                 if i and i % SLICE == 0:
                     self._pause()
+                if plan.cover:  # other slices of it may still land: it goes when none is left
+                    obj.heads_writing &= ~plan.cover
+                    if obj.heads_landed or obj.heads_writing:
+                        continue
                 obj.aborted = True
                 self._free(obj)
                 waiters += obj.waiters or ()
                 obj.waiters = None
         for fn in waiters:
             fn(False)
+
+    def drop_partial(self, now: float | None = None) -> int:
+        """Drop tp-shared objects whose other slices never came: none written now, none landed
+        for partial_ttl seconds. Their slices are never served; returns how many went."""
+        waiters = []
+        with self._lock:
+            cutoff = (self._clock() if now is None else now) - self.partial_ttl
+            stale = [o for o in self._partial if not o.heads_writing and o.touched <= cutoff]
+            for obj in stale:
+                obj.aborted = True
+                self._free(obj)
+                waiters += obj.waiters or ()
+                obj.waiters = None
+            self.counters["partial_dropped"] += len(stale)
+        for fn in waiters:
+            fn(False)
+        if stale:
+            logger.info("dropped %d tp-shared chunks whose other ranks' slices never came", len(stale))
+        return len(stale)
 
     def when_written(self, objs: Sequence[L1Object], fn: Callable[[int], None]) -> None:
         """Call fn(number abandoned) once every object has been committed or abandoned by the
@@ -380,12 +439,14 @@ class L1Store:
         ttl: float = 30.0,
         extend: int = 0,
         fallback_model: str = "",
+        tp_shared: bool = False,
     ) -> tuple[int, int]:
         """(leading chunks present for every rank or as one shared object, lease id). With lock
         and at least one hit, the found prefix is leased under that id, else the id is 0.
         extend: a live lease to add the found chunks to instead (returns (0, 0) if it ended).
         fallback_model: a chunk not found under model is looked for under it (a tenant's reads
-        of the shared namespace). Raises TooManyLeases when the owner holds too many leases."""
+        of the shared namespace). tp_shared: the chunks are tp-shared objects (one object serves
+        every rank of any TP size). Raises TooManyLeases when the owner holds too many leases."""
         hits = 0
         with self._lock:
             if extend:
@@ -406,8 +467,8 @@ class L1Store:
                     if lease is not None and self._leases.get(lease.lease_id) is not lease:
                         break  # it ended meanwhile (TTL, owner gone): report what it covered
                 if spaces is None:  # the indexes of a namespace come and go with its objects
-                    spaces = [self._index.namespace(m, world_size, salt) for m in (model, fallback_model) if m]
-                budget -= world_size
+                    spaces = [self._index.namespace(m, world_size, salt, tp_shared) for m in (model, fallback_model) if m]
+                budget -= 1 if tp_shared else world_size
                 part = hash(digest) & PART_MASK
                 for shared, ranks in spaces:
                     found = self._index.found(shared, ranks, part, digest, world_size)

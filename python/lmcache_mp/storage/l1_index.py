@@ -4,7 +4,7 @@ and by arena offset. The containers are storage/index.py's; L1's lock is held ar
 from __future__ import annotations
 
 from lmcache_mp.storage.index import PART_MASK, OffsetShards, Shards
-from lmcache_mp.storage.objects import SHARED_RANK, L1Object, ObjectKey
+from lmcache_mp.storage.objects import SHARED_RANK, TP_SHARED_WORLD, L1Object, ObjectKey
 
 _NO_SPACE = Shards()  # the index of a namespace with no objects (never written)
 EMPTY = _NO_SPACE.parts  # the parts of a namespace with no objects
@@ -46,8 +46,11 @@ class L1Index:
         index = self.spaces.get(space)
         return EMPTY if index is None else index.parts
 
-    def namespace(self, model: str, world_size: int, salt: bytes) -> tuple[list, list[list]]:
-        """The index parts of a namespace: its objects shared by every rank, and each rank's."""
+    def namespace(self, model: str, world_size: int, salt: bytes, tp_shared: bool = False) -> tuple[list, list[list]]:
+        """The index parts of a namespace: its objects shared by every rank, and each rank's
+        (tp_shared: its tp-shared objects, which every rank of any TP size reads, and no rank's)."""
+        if tp_shared:
+            return self.parts_of((model, TP_SHARED_WORLD, SHARED_RANK, salt)), []
         return (self.parts_of((model, world_size, SHARED_RANK, salt)),
                 [self.parts_of((model, world_size, r, salt)) for r in range(world_size)])
 

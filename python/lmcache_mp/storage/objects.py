@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-SHARED_RANK = -1  # rank of objects shared by every rank (MLA)
+SHARED_RANK = -1  # rank of objects shared by every rank (MLA, tp-shared objects)
+TP_SHARED_WORLD = 0  # world size of tp-shared objects (head_slices.py): every TP size reads them
 
 
 class ObjectKey(NamedTuple):
@@ -36,6 +37,12 @@ class L1Object:
     l2_lost: int = 0  # bits of the L2 tiers it never reaches (left L1 unwritten, or a write failed)
     owner: int = -1  # its tenant's index in L1Quotas (-1: L1 has no quotas)
     checksum: int | None = None  # of its bytes, once summed for the journal (storage/l1_persist.py)
+    # A tp-shared object (head_slices.py) is written by several stores, one slice of heads each,
+    # as bits: it is committed once heads_landed is heads_full (0: one store writes it all).
+    heads_full: int = 0
+    heads_landed: int = 0
+    heads_writing: int = 0
+    touched: float = 0.0  # when a slice of it was last claimed or landed (partial ones expire)
     # The eviction policy's (storage/eviction/base.py): neighbours in the list it is parked in
     # (index.Lru; newer is None while it is not parked), and its own marks.
     older: L1Object | None = field(default=None, repr=False)

@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 from lmcache_mp import protocol as p
+from lmcache_mp.head_slices import HeadSlice
 from lmcache_mp.layout import LayoutError, LayoutSpec
 from lmcache_mp.layout import describe_layers as layout_of_layers
 from lmcache_mp.native import cpu_gather, cpu_scatter
@@ -55,6 +56,7 @@ class Registration:
     rank: int
     spec: LayoutSpec
     chunk_size: int
+    slice: HeadSlice | None = None  # its heads of tp-shared objects (None: objects of its own)
 
     @functools.cached_property
     def shared(self) -> bool:
@@ -64,6 +66,8 @@ class Registration:
 
     @functools.cached_property
     def object_bytes(self) -> int:
+        if self.slice is not None:
+            return self.spec.num_segments * self.spec.num_layers * self.chunk_size * self.slice.pitch
         return self.spec.object_bytes(self.chunk_size)
 
     @functools.cached_property
@@ -72,7 +76,19 @@ class Registration:
 
     @functools.cached_property
     def format_key(self) -> tuple:
+        if self.slice is not None:  # every head of each token, whatever the TP size or block size
+            return ("tp-shared", self.spec.num_segments, self.spec.num_layers, self.slice.heads,
+                    self.slice.head_bytes, self.spec.dtype)
         return self.spec.format_key()
+
+    def native(self, layer_ptrs):
+        """The C++ layout at these addresses, with its slice of the object's rows."""
+        n = self.spec.native(layer_ptrs)
+        if self.slice is not None and self.slice.pitch != self.spec.token_bytes:
+            n.object_row_pitch = self.slice.pitch
+            n.object_row_offset = self.slice.offset
+            n.validate()
+        return n
 
 
 def _check_extent(spec: LayoutSpec, i: int, offset: int, size: int) -> None:
@@ -117,7 +133,7 @@ class CPUCacheContext:
                     mapping = self._maps[m.name] = SharedMapping(m.name, 1)
                 _check_extent(reg.spec, i, m.offset, mapping.size)
                 ptrs.append(mapping.address + m.offset)
-            self.native = reg.spec.native(ptrs)
+            self.native = reg.native(ptrs)
         except (OSError, ValueError, TypeError, OverflowError) as e:  # TypeError: a value too big for C++
             self.close()
             raise RegistrationError(str(e)) from None
@@ -222,6 +238,10 @@ class GPUCacheContext:
         # The mode of every transfer of this cache, and why (log line, /status)
         self.transfer_mode, self.mode_reason = (
             choose_mode(reg.spec) if transfer_mode == "auto" else (transfer_mode, "--transfer-mode"))
+        if transfer_mode == "auto" and reg.slice is not None and reg.slice.pitch != reg.spec.token_bytes:
+            self.transfer_mode, self.mode_reason = "staged", (
+                f"a slice of tp-shared chunks ({reg.spec.token_bytes} of every {reg.slice.pitch} bytes of a token): "
+                "packed on the GPU, one strided copy per chunk")
         self._ipc = ipc
         self._events = events
         self._handles: list[bytes] = []
@@ -236,7 +256,7 @@ class GPUCacheContext:
                 _, alloc_bytes = native.cuda.address_range(base, device_index)
                 _check_extent(reg.spec, i, m.offset, alloc_bytes)
                 ptrs.append(base + m.offset)
-            self.native = reg.spec.native(ptrs)
+            self.native = reg.native(ptrs)
             self.mover = native.cuda.TransferEngine(
                 device_index, self.native, reg.chunk_size, staging_bytes=staging_bytes, direct_ctas=direct_ctas
             )

@@ -132,7 +132,9 @@ class ServerCopies:
         request.mark("checked")
         self.clients.touch(reg.client_id)
         check_deadline(msg)
-        plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key, parent)
+        tp = reg.slice
+        plan = self.l1.begin_store(keys, reg.object_bytes, reg.format_key, parent,
+                                   *((tp.cover, tp.full) if tp is not None else ()))
         request.mark("in L1")
         if plan.skipped:
             logger.debug("store skipped %d chunks: no evictable memory", plan.skipped)

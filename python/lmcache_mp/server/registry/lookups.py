@@ -45,7 +45,7 @@ class Lookups:
             try:
                 hits, lease = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt,
                                              lock=msg.lock, owner=msg.client_id, ttl=self.config.lease_ttl,
-                                             fallback_model=self._shared_of(msg.model))
+                                             fallback_model=self._shared_of(msg.model), tp_shared=self._tp(msg))
             except TooManyLeases as e:
                 raise over_limit(str(e)) from None
             if self.l2 is not None and hits < len(digests):
@@ -69,7 +69,7 @@ class Lookups:
                 reply(p.LookupReply(hits=hits + (n or 0), lease=0, from_l2=n or 0))
 
         self.l2.lookup_remote(lambda: self.l2.find(msg.model, msg.world_size, digests[hits:], msg.salt,
-                                                   self._shared_of(msg.model)), msg.lock, found_in_l2)
+                                                   self._shared_of(msg.model), self._tp(msg)), msg.lock, found_in_l2)
 
     def _answer_leased(self, msg: p.Lookup, digests: list[bytes], hits: int, lease: int, reply: Reply) -> None:
         """The reply of a lookup with lock once its L2 chunks were brought in (or its deadline
@@ -77,12 +77,12 @@ class Lookups:
         try:
             if lease:
                 more, still = self.l1.lookup(msg.model, msg.world_size, digests[hits:], msg.salt, extend=lease,
-                                             fallback_model=self._shared_of(msg.model))
+                                             fallback_model=self._shared_of(msg.model), tp_shared=self._tp(msg))
                 reply(p.LookupReply(hits=hits + more if still else 0, lease=still, from_l2=more if still else 0))
             else:
                 got, new = self.l1.lookup(msg.model, msg.world_size, digests, msg.salt, lock=True,
                                           owner=msg.client_id, ttl=self.config.lease_ttl,
-                                          fallback_model=self._shared_of(msg.model))
+                                          fallback_model=self._shared_of(msg.model), tp_shared=self._tp(msg))
                 reply(p.LookupReply(hits=got, lease=new, from_l2=max(0, got - hits)))
         except TooManyLeases as e:
             reply(p.Error(code=int(p.ErrorCode.LIMIT_EXCEEDED), message=str(e)))
@@ -94,7 +94,8 @@ class Lookups:
         """The lookup goes on into L2 after the L1 prefix. Without lock it counts what L2 holds
         (a retrieve loads it); with lock the L2 chunks are loaded into L1 and the reply, which
         leases what is resident, waits until they are in or the prefetch deadline passed."""
-        found = self.l2.find(msg.model, msg.world_size, digests[hits:], msg.salt, self._shared_of(msg.model))
+        found = self.l2.find(msg.model, msg.world_size, digests[hits:], msg.salt, self._shared_of(msg.model),
+                             self._tp(msg))
         if not found:
             reply(p.LookupReply(hits=hits, lease=lease))
             return
@@ -122,6 +123,10 @@ class Lookups:
             request.reply(p.ReleaseReply(released=self.l1.release(msg.lease, digests)))
 
         self._housekeeping.submit(request.job(run))
+
+    def _tp(self, msg: p.Lookup) -> bool:
+        """Whether the lookup is of tp-shared chunks: it says so, or every registration's are."""
+        return msg.tp_shared or self.config.tp_shared
 
     def _shared_of(self, model: str) -> str:
         """Where a lookup of this model continues: the shared namespace, for a tenant that reads it."""

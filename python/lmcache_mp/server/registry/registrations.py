@@ -16,7 +16,8 @@ from typing import Callable
 from lmcache_mp import protocol as p
 from lmcache_mp.completions import CompletionWaiter
 from lmcache_mp.config import ServerConfig, format_size
-from lmcache_mp.layout import describe_kind
+from lmcache_mp.head_slices import head_slice
+from lmcache_mp.layout import LayoutError, describe_kind
 from lmcache_mp.native import HostArena, pinning_paused
 from lmcache_mp.server import validation as check
 from lmcache_mp.server.copies.contexts import (
@@ -194,13 +195,17 @@ class Registrations:
                 self.tenancy.audit.write("registration", tenant=tenant.name, model=strip(reg.model),
                                          kv=f"{kv_id & 0xFFFF:04x}", world_size=reg.world_size, rank=reg.rank)
             logger.info("registered %s KV cache: model %s rank %d/%d, %d layers x %d blocks of %d tokens, "
-                        "%s, %s per chunk, transfer mode %s (%s)", describe_kind(spec), shown(reg.model), reg.rank,
+                        "%s, %s per chunk%s, transfer mode %s (%s)", describe_kind(spec), shown(reg.model), reg.rank,
                         reg.world_size, spec.model_layers, spec.num_blocks, spec.block_size, spec.dtype,
-                        format_size(reg.object_bytes), ctx.transfer_mode, ctx.mode_reason)
+                        format_size(reg.object_bytes),
+                        "" if reg.slice is None else
+                        f" (tp-shared: heads {reg.slice.first}-{reg.slice.first + reg.slice.count - 1} "
+                        f"of {reg.slice.heads})",
+                        ctx.transfer_mode, ctx.mode_reason)
             request.reply(p.RegisterReply(kv_id=kv_id, layout=spec.kind, object_bytes=reg.object_bytes,
                                           transfer_mode=ctx.transfer_mode, shared=reg.shared,
                                           block_size=spec.block_size, num_blocks=spec.num_blocks,
-                                          chunk_size=reg.chunk_size))
+                                          chunk_size=reg.chunk_size, tp_shared=reg.slice is not None))
 
         worker.submit(open_context)
 
@@ -213,8 +218,19 @@ class Registrations:
         if chunk_size % spec.block_size:
             where = "the registration's" if msg.chunk_size else "the server's (--chunk-size)"
             raise RegistrationError(f"block size {spec.block_size} does not divide {where} chunk size {chunk_size}")
+        tp_slice = None
+        if msg.tp_shared or self.config.tp_shared:
+            if msg.transfer == "engine":
+                raise RegistrationError("tp-shared chunks are copied by the server: register with transfer='server'")
+            if spec.kind == "packed":  # the object is per layer and token: the layers' own views, one by one
+                spec = spec.layer
+            try:
+                tp_slice = head_slice(spec, msg.layers[0].shape, msg.world_size, msg.rank, msg.num_kv_heads,
+                                      msg.pipeline_size)
+            except LayoutError as e:
+                raise RegistrationError(str(e)) from None
         reg = Registration(kv_id=kv_id, client_id=msg.client_id, model=msg.model, world_size=msg.world_size,
-                           rank=msg.rank, spec=spec, chunk_size=chunk_size)
+                           rank=msg.rank, spec=spec, chunk_size=chunk_size, slice=tp_slice)
         if reg.object_bytes > self.arena.slab_bytes:
             raise RegistrationError(f"one chunk of this cache is {format_size(reg.object_bytes)}, more than a slab "
                                     f"({format_size(self.arena.slab_bytes)}): raise --slab-size or lower "
@@ -305,7 +321,7 @@ class Registrations:
                  "layout": e.ctx.reg.spec.kind, "layers": e.ctx.reg.spec.model_layers,
                  "copy_bytes": e.ctx.reg.spec.segment_bytes, "device": e.ctx.device,
                  "transfer_mode": e.ctx.transfer_mode, "transfer_mode_reason": e.ctx.mode_reason,
-                 "object_bytes": e.ctx.reg.object_bytes}
+                 "object_bytes": e.ctx.reg.object_bytes, "tp_shared": e.ctx.reg.slice is not None}
                 for kv, e in self._entries.items()
             ]
 

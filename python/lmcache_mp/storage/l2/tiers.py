@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple, Sequence
 import msgspec
 
 from lmcache_mp.sizes import format_size
-from lmcache_mp.storage.l1 import SHARED_RANK, L1Object, L1Store, ObjectKey, StorePlan
+from lmcache_mp.storage.l1 import SHARED_RANK, TP_SHARED_WORLD, L1Object, L1Store, ObjectKey, StorePlan
 from lmcache_mp.storage.l1_journal import format_key_from
 from lmcache_mp.storage.l2 import CORRUPT, FORMAT_MISMATCH, IO_ERROR, MISS, L2Backend
 from lmcache_mp.storage.l2.writers import POLICIES, Incident, TierWriter, key_bytes
@@ -186,18 +186,21 @@ class L2Tiers:
         return out
 
     def find(self, model: str, world_size: int, digests: Sequence[bytes], salt: bytes = b"",
-             fallback_model: str = "") -> list[list[Found]]:
+             fallback_model: str = "", tp_shared: bool = False) -> list[list[Found]]:
         """The objects of the leading chunks the tiers hold for every rank (or as one shared
         object), chunk by chunk; a chunk not held under model is looked for under fallback_model
-        (a tenant's reads of the shared namespace)."""
+        (a tenant's reads of the shared namespace). tp_shared: as tp-shared objects only."""
         models = [m for m in (model, fallback_model) if m]
-        shared = [self._locate([ObjectKey(m, world_size, SHARED_RANK, d, salt) for d in digests]) for m in models]
+        space = TP_SHARED_WORLD if tp_shared else world_size
+        shared = [self._locate([ObjectKey(m, space, SHARED_RANK, d, salt) for d in digests]) for m in models]
         chunks: list[list[Found]] = []
         for i, d in enumerate(digests):
             for m, held in zip(models, shared):
                 if held[i] is not None:
                     chunks.append([held[i]])
                     break
+                if tp_shared:
+                    continue
                 ranks = self._locate([ObjectKey(m, world_size, r, d, salt) for r in range(world_size)])
                 if all(f is not None for f in ranks):
                     chunks.append(ranks)  # type: ignore[arg-type]
