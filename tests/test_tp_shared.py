@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from lmcache_mp import Client, RequestError, Server, ServerConfig, chunk_hashes, shared_cpu_tensor
+from test_tenants import Setup, keys  # noqa: F401 (keys: the tenants' CURVE keys, a fixture)
 
 CHUNK = 32
 BLOCK = 16
@@ -314,3 +315,20 @@ def _keys(hashes):
     from lmcache_mp.storage.objects import SHARED_RANK, TP_SHARED_WORLD, ObjectKey
 
     return [ObjectKey("m", TP_SHARED_WORLD, SHARED_RANK, h, b"") for h in hashes]
+
+
+def test_tenants_share_them_only_within_their_namespace(tmp_path, keys):  # noqa: F811
+    s = Setup(tmp_path, keys)
+    try:
+        alice, bob = s.client("client"), s.client("b")
+        hashes, blocks = prompt(17, 2)
+        ref = reference(18, "mha", 4, len(blocks) * BLOCK)
+        store_all(engine(alice, "m", "mha", 4, 2), hashes, blocks, ref)
+        assert alice.lookup(hashes, model="m", world_size=1, tp_shared=True) == 2
+        assert bob.lookup(hashes, model="m", world_size=1, tp_shared=True) == 0
+        (theirs,) = engine(bob, "m", "mha", 4, 1)
+        assert theirs.retrieve(hashes, blocks).loaded == 0
+        (mine,) = engine(alice, "m", "mha", 4, 1)
+        assert mine.retrieve(hashes, blocks).loaded == 2 and mine.holds(blocks, ref)
+    finally:
+        s.close()
