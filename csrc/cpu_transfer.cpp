@@ -59,14 +59,12 @@ void cpu_transfer(const KVLayout& layout, const ChunkBatch& b, Direction dir) {
   validate_batch(layout, b);
   const int64_t L = layout.num_layers(), S = layout.num_segments;
   const int64_t bpc = b.blocks_per_chunk(layout);
-  const int64_t pitch = layout.object_pitch();
-  const int64_t plane = b.chunk_size * pitch;  // bytes of one (segment, layer) plane of the object
+  // the object's rows are `orow_stride` apart, this cache's bytes at object_row_offset of each
+  const int64_t orow_stride = layout.object_pitch();
+  const int64_t oblk_stride = layout.rows_per_block * orow_stride;
+  const int64_t plane = bpc * oblk_stride;  // bytes of one (segment, layer) plane of the object
   const int64_t blk = layout.block_bytes();
-  const bool sliced = layout.sliced();
-  const bool contiguous = layout.rows_contiguous() && !sliced;
-  // object rows: one per token, `pitch` apart, this cache's bytes at `offset` of each
-  const int64_t orow_stride = sliced ? pitch : layout.row_bytes;
-  const int64_t oblk_stride = sliced ? layout.block_size * pitch : blk;
+  const bool contiguous = layout.rows_contiguous() && !layout.sliced();
   // One work item per (chunk, segment, layer) plane: large enough to amortise scheduling,
   // and enough of them to keep every thread busy.
   auto item = [&](int64_t i) {

@@ -28,10 +28,8 @@ void KVLayout::validate() const {
   if (object_row_pitch == 0) {
     LMC_CHECK_ARG(object_row_offset == 0, "KV layout: an object row offset needs an object row pitch");
   } else {
-    LMC_CHECK_ARG(rows_per_block == block_size, "KV layout: only token rows can be a slice of a wider object row");
-    LMC_CHECK_ARG(object_row_offset + token_bytes() <= object_row_pitch, "KV layout: the slice [",
-                  object_row_offset, ", ", object_row_offset + token_bytes(), ") does not fit an object row of ",
-                  object_row_pitch, " bytes");
+    LMC_CHECK_ARG(object_row_offset + row_bytes <= object_row_pitch, "KV layout: the slice [", object_row_offset,
+                  ", ", object_row_offset + row_bytes, ") does not fit an object row of ", object_row_pitch, " bytes");
   }
   // No two rows may overlap: sort the dimensions by stride and require each stride to step past
   // everything the smaller dimensions span. Writes into an engine's cache must stay in their rows.

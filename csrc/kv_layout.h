@@ -7,9 +7,9 @@
 // row_bytes == block_size * W) and are only ever copied whole.
 //
 // Host object for one chunk of T tokens: [S, L, T, W] bytes, contiguous. A tensor-parallel-shared
-// object holds every KV head of its tokens: [S, L, T, P] bytes with P the bytes of one token's
-// heads of all ranks; a rank's W bytes of a token lie at offset O of the token's P (its heads'
-// slice). Its copies are those of the dense format with the object's rows P apart, shifted by O.
+// object holds every KV head of its rows (tokens, or whole blocks of opaque layouts): each of its
+// rows is P bytes, and a rank's row_bytes of a row (its heads) lie at offset O of it. Its copies
+// are those of the dense format with the object's rows P apart, shifted by O.
 #pragma once
 
 #include <cstdint>
@@ -27,8 +27,8 @@ struct KVLayout {
   int64_t rows_per_block = 0;  // block_size for token layouts, 1 for opaque ones
   int64_t row_bytes = 0;       // contiguous bytes per row
   int64_t row_stride = 0;      // bytes between rows of one block
-  // Tensor-parallel-shared objects (token layouts only): bytes between token rows in the object
-  // (0: W, the dense object), and where this cache's W bytes start in each (its heads' slice).
+  // Tensor-parallel-shared objects: bytes between rows in the object (0: row_bytes, the dense
+  // object), and where this cache's row_bytes start in each (its heads' slice).
   int64_t object_row_pitch = 0;
   int64_t object_row_offset = 0;
 
@@ -36,17 +36,17 @@ struct KVLayout {
   int64_t block_bytes() const { return rows_per_block * row_bytes; }  // one segment, one layer
   int64_t token_bytes() const { return block_bytes() / block_size; }  // W
   bool rows_contiguous() const { return rows_per_block == 1 || row_stride == row_bytes; }
-  // P: bytes of one token of one segment of one layer in the object (W unless sliced).
-  int64_t object_pitch() const { return object_row_pitch ? object_row_pitch : token_bytes(); }
-  // The object holds more than this cache's bytes of each token: its copies are row by row.
-  bool sliced() const { return object_pitch() != token_bytes(); }
+  // P: bytes between the object's rows (row_bytes unless sliced).
+  int64_t object_pitch() const { return object_row_pitch ? object_row_pitch : row_bytes; }
+  // The object holds more than this cache's bytes of each row: its copies are row by row.
+  bool sliced() const { return object_pitch() != row_bytes; }
   int64_t dense_object_bytes(int64_t chunk_size) const {
     return num_segments * num_layers() * chunk_size * token_bytes();
   }
   // Bytes from a layer's base to one past the last byte the layout can touch.
   int64_t layer_extent() const;
   int64_t object_bytes(int64_t chunk_size) const {
-    return num_segments * num_layers() * chunk_size * object_pitch();
+    return num_segments * num_layers() * (chunk_size / block_size) * rows_per_block * object_pitch();
   }
   // Throws InvalidArgument unless the geometry is consistent and rows never overlap.
   void validate() const;

@@ -49,10 +49,15 @@ def heads_of(world: int, rank: int, heads: int) -> list[int]:
     return [rank // (world // heads)]
 
 
+# opaque layouts as vLLM's caches are: [blocks, heads, block_size, K and V of a head], heads
+# outermost in memory (the CPU cache) or tokens outermost (its CUDA caches, token-major blocks)
+OPAQUE = ("cpu_blocks", "token_major")
+
+
 def reference(seed: int, layout: str, heads: int, tokens: int) -> np.ndarray:
     """A prompt's KV bytes for every head: [layers, segments, tokens, heads, head bytes]."""
-    segments = 1 if layout == "mla" else 2
-    width = heads * HEAD_BYTES if layout == "mla" else HEAD_BYTES
+    segments = 1 if layout == "mla" or layout in OPAQUE else 2
+    width = heads * HEAD_BYTES if layout == "mla" else 2 * HEAD_BYTES if layout in OPAQUE else HEAD_BYTES
     return np.random.default_rng(seed).integers(0, 256, (LAYERS, segments, tokens, 1 if layout == "mla" else heads,
                                                           width), dtype=np.uint8)
 
@@ -68,9 +73,13 @@ class Rank:
         self.mine = [0] if layout == "mla" else heads_of(world, rank, heads)
         h = len(self.mine)
         shape = {"mha": (2, NUM_BLOCKS, BLOCK, h, HEAD_SIZE), "block_major": (NUM_BLOCKS, 2, BLOCK, h, HEAD_SIZE),
-                 "mla": (NUM_BLOCKS, BLOCK, heads * HEAD_SIZE)}[layout]
+                 "mla": (NUM_BLOCKS, BLOCK, heads * HEAD_SIZE), "cpu_blocks": (NUM_BLOCKS, h, BLOCK, 2 * HEAD_SIZE),
+                 "token_major": (NUM_BLOCKS, BLOCK, h, 2 * HEAD_SIZE)}[layout]
         self.kv = [shared_cpu_tensor(shape, torch.float16) for _ in range(LAYERS)]
-        self.handle = client.register_kv_cache(self.kv, model=model, world_size=world, rank=rank, tp_shared=tp_shared,
+        views = [t.transpose(1, 2) for t in self.kv] if layout == "token_major" else self.kv
+        if layout in OPAQUE:
+            register.update(layout="opaque", block_size=BLOCK)
+        self.handle = client.register_kv_cache(views, model=model, world_size=world, rank=rank, tp_shared=tp_shared,
                                                 num_kv_heads=0 if layout == "mla" else heads, **register)
         self.client = client
 
@@ -83,6 +92,10 @@ class Rank:
             return a.reshape(2, NUM_BLOCKS, BLOCK, len(self.mine), HEAD_BYTES)
         if self.layout == "block_major":
             return a.reshape(NUM_BLOCKS, 2, BLOCK, len(self.mine), HEAD_BYTES).transpose(1, 0, 2, 3, 4)
+        if self.layout == "cpu_blocks":
+            return a.reshape(NUM_BLOCKS, len(self.mine), BLOCK, -1).transpose(0, 2, 1, 3)[None]
+        if self.layout == "token_major":
+            return a.reshape(1, NUM_BLOCKS, BLOCK, len(self.mine), -1)
         return a.reshape(1, NUM_BLOCKS, BLOCK, 1, -1)
 
     def write(self, blocks: list[int], ref: np.ndarray) -> None:
@@ -131,6 +144,8 @@ def store_all(ranks: list[Rank], hashes, blocks, ref) -> None:
     ("block_major", 8, 2, 1), ("block_major", 8, 1, 2), ("block_major", 8, 4, 1),
     ("mha", 2, 4, 1), ("mha", 2, 1, 4), ("mha", 2, 4, 2),  # TP 4 over 2 KV heads: each head on two ranks
     ("mla", 1, 2, 1), ("mla", 1, 1, 4),
+    ("cpu_blocks", 4, 2, 1), ("cpu_blocks", 4, 1, 4), ("cpu_blocks", 2, 4, 1),
+    ("token_major", 4, 2, 1), ("token_major", 4, 1, 2), ("token_major", 2, 1, 4),
 ])
 def test_one_tp_size_loads_what_another_stored(client, layout, heads, store_tp, load_tp):
     hashes, blocks = prompt(1, 3)
@@ -247,7 +262,7 @@ def test_a_server_opts_every_registration_in():
 
 
 @pytest.mark.parametrize("case, words", [
-    (dict(layout="opaque", shape=(NUM_BLOCKS, 4, BLOCK, 2 * HEAD_SIZE), heads=4), "opaque"),
+    (dict(layout="opaque", shape=(NUM_BLOCKS, BLOCK, 2 * HEAD_SIZE), heads=4), "opaque"),
     (dict(layout="mha", shape=(2, NUM_BLOCKS, BLOCK, 2, HEAD_SIZE), heads=0), "number of KV heads"),
     (dict(layout="mha", shape=(2, NUM_BLOCKS, BLOCK, 2, HEAD_SIZE), heads=8), "2 of 8 KV heads"),
     (dict(layout="mha", shape=(2, NUM_BLOCKS, BLOCK, 2, HEAD_SIZE), heads=4, pipeline_size=2), "pipeline"),

@@ -59,13 +59,13 @@ TransferEngine::TransferEngine(int device, const KVLayout& layout, int64_t chunk
     d.piece_bytes = std::min(kPiece, d.span_bytes);
     d.pieces_per_span = static_cast<int32_t>((d.span_bytes + d.piece_bytes - 1) / d.piece_bytes);
     d.block_bytes = layout_.block_bytes();
-    d.plane_bytes = chunk_size_ * pitch;
     d.obj_span_stride = rows_together ? d.span_bytes : pitch;
-    d.obj_block_stride = layout_.block_size * pitch;
+    d.obj_block_stride = layout_.rows_per_block * pitch;
+    d.plane_bytes = chunk_size_ / layout_.block_size * d.obj_block_stride;
     d.obj_offset = offset;
     return d;
   };
-  dslot_ = walk(layout_.rows_contiguous(), layout_.token_bytes(), 0);
+  dslot_ = walk(layout_.rows_contiguous(), layout_.row_bytes, 0);
   dlay_ = layout_.sliced() ? walk(false, layout_.object_pitch(), layout_.object_row_offset) : dslot_;
   object_bytes_ = layout_.object_bytes(chunk_size_);
   slot_bytes_ = layout_.dense_object_bytes(chunk_size_);
@@ -187,8 +187,9 @@ void TransferEngine::copy_slot(bool gather, char* slot, char* host, cudaStream_t
           gather ? "cudaMemcpyAsync(D2H)" : "cudaMemcpyAsync(H2D)");
     return;
   }
-  const size_t w = static_cast<size_t>(layout_.token_bytes()), p = static_cast<size_t>(layout_.object_pitch());
-  const size_t rows = static_cast<size_t>(layout_.num_segments * layout_.num_layers() * chunk_size_);
+  const size_t w = static_cast<size_t>(layout_.row_bytes), p = static_cast<size_t>(layout_.object_pitch());
+  const size_t rows = static_cast<size_t>(layout_.num_segments * layout_.num_layers() *
+                                          (chunk_size_ / layout_.block_size) * layout_.rows_per_block);
   char* row0 = host + layout_.object_row_offset;
   check(gather ? cudaMemcpy2DAsync(row0, p, slot, w, w, rows, kind, stream)
                : cudaMemcpy2DAsync(slot, w, row0, p, w, rows, kind, stream),

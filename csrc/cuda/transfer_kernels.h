@@ -36,7 +36,7 @@ struct DeviceLayout {
   int64_t piece_bytes = 0;  // a multiple of 16; span_bytes when smaller
   int32_t pieces_per_span = 1;
   int64_t block_bytes = 0;  // of one segment of one layer, in the object
-  int64_t plane_bytes = 0;  // chunk_size * P: one (segment, layer) plane of an object
+  int64_t plane_bytes = 0;  // one (segment, layer) plane of an object: its blocks' rows, each P bytes
   // Where spans lie in the object: spans of one block obj_span_stride apart (span_bytes when the
   // object is dense), blocks obj_block_stride apart (block_bytes), each shifted by obj_offset
   // (a tensor-parallel rank's heads' slice of every token row; 0 when dense).

@@ -67,7 +67,8 @@ class Registration:
     @functools.cached_property
     def object_bytes(self) -> int:
         if self.slice is not None:
-            return self.spec.num_segments * self.spec.num_layers * self.chunk_size * self.slice.pitch
+            rows = self.chunk_size // self.spec.block_size * self.spec.rows_per_block
+            return self.spec.num_segments * self.spec.num_layers * rows * self.slice.pitch
         return self.spec.object_bytes(self.chunk_size)
 
     @functools.cached_property
@@ -76,15 +77,17 @@ class Registration:
 
     @functools.cached_property
     def format_key(self) -> tuple:
-        if self.slice is not None:  # every head of each token, whatever the TP size or block size
-            return ("tp-shared", self.spec.num_segments, self.spec.num_layers, self.slice.heads,
-                    self.slice.head_bytes, self.spec.dtype)
+        if self.slice is not None:  # every head of each row, whatever the TP size
+            s = self.slice
+            inner = tuple(d for d in self.spec.block_order if d[0] != 0)  # an opaque head's dims, in memory order
+            return ("tp-shared", s.rows, self.spec.num_segments, self.spec.num_layers, s.heads, s.head_bytes,
+                    self.spec.dtype, self.spec.block_size if s.rows == "blocks" else 0, inner)
         return self.spec.format_key()
 
     def native(self, layer_ptrs):
         """The C++ layout at these addresses, with its slice of the object's rows."""
         n = self.spec.native(layer_ptrs)
-        if self.slice is not None and self.slice.pitch != self.spec.token_bytes:
+        if self.slice is not None and self.slice.pitch != self.spec.row_bytes:
             n.object_row_pitch = self.slice.pitch
             n.object_row_offset = self.slice.offset
             n.validate()
@@ -238,9 +241,9 @@ class GPUCacheContext:
         # The mode of every transfer of this cache, and why (log line, /status)
         self.transfer_mode, self.mode_reason = (
             choose_mode(reg.spec) if transfer_mode == "auto" else (transfer_mode, "--transfer-mode"))
-        if transfer_mode == "auto" and reg.slice is not None and reg.slice.pitch != reg.spec.token_bytes:
+        if transfer_mode == "auto" and reg.slice is not None and reg.slice.pitch != reg.spec.row_bytes:
             self.transfer_mode, self.mode_reason = "staged", (
-                f"a slice of tp-shared chunks ({reg.spec.token_bytes} of every {reg.slice.pitch} bytes of a token): "
+                f"a slice of tp-shared chunks ({reg.spec.row_bytes} of every {reg.slice.pitch} bytes of a row): "
                 "packed on the GPU, one strided copy per chunk")
         self._ipc = ipc
         self._events = events

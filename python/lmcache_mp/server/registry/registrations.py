@@ -225,8 +225,9 @@ class Registrations:
             if spec.kind == "packed":  # the object is per layer and token: the layers' own views, one by one
                 spec = spec.layer
             try:
-                tp_slice = head_slice(spec, msg.layers[0].shape, msg.world_size, msg.rank, msg.num_kv_heads,
-                                      msg.pipeline_size)
+                layer = msg.layers[0]
+                spec, tp_slice = head_slice(spec, layer.shape, layer.strides, msg.world_size, msg.rank,
+                                            msg.num_kv_heads, msg.pipeline_size)
             except LayoutError as e:
                 raise RegistrationError(str(e)) from None
         reg = Registration(kv_id=kv_id, client_id=msg.client_id, model=msg.model, world_size=msg.world_size,
