@@ -25,9 +25,12 @@ from lmcache_mp.integration.connector_types import (
     group_model_name,
 )
 from lmcache_mp.integration.link import ClientLink
+from lmcache_mp.integration.request_hints import AT_ARRIVAL, RequestHint
 from lmcache_mp.keys import chunk_hashes
 
 logger = logging.getLogger(__name__)
+
+MAX_WAITING_HINTS = 4096  # finished requests whose hints wait for their stores (beyond: the oldest go unsent)
 
 
 @dataclass(eq=False)
@@ -58,6 +61,7 @@ class _Tracked:
     pending: list[cf.Future] | None = None  # the prefix lookups (one per prefix group), while on their way
     # The state groups' lookups (boundary in chunks, group position, lookup), while on their way.
     pending_states: list[tuple[int, int, cf.Future]] | None = None
+    hints: tuple[RequestHint, ...] = ()  # what the application asked of the server for it (request_hints.py)
 
 
 class SchedulerCore:
@@ -99,6 +103,8 @@ class SchedulerCore:
         self.on_store_planned: Callable[[str, int, int, bytes], None] | None = None
         self._pin_ids = itertools.count(1)
         self._requests: dict[str, _Tracked] = {}
+        # finished requests' hints, sent once the workers report their stores answered: (hashes, hints)
+        self._hints_after_stores: dict[str, tuple[list[bytes], list[RequestHint]]] = {}
         self._pending_loads: list[Transfer] = []
         self._chunk_size: int | None = None
         self._error_logged = False
@@ -109,7 +115,7 @@ class SchedulerCore:
         # scheduler loop spent in lookups; answer_us_max: the longest a request waited for its
         # lookup's answer, over the steps that asked.
         self.stats = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0, "found_tokens": 0, "store_chunks": 0,
-                      "lookup_us_total": 0, "lookup_us_max": 0, "answer_us_max": 0}
+                      "lookup_us_total": 0, "lookup_us_max": 0, "answer_us_max": 0, "hints": 0, "hint_errors": 0}
         self._hits_logged: tuple[float, int, int] | None = None
         self._first_hit_logged = False
         self._block_left = config.lookup_block  # what this step may still wait for lookups, all together
@@ -195,6 +201,7 @@ class SchedulerCore:
         skip_load: bool = False,
         skip_save: bool = False,
         spans: Sequence[tuple[int, int, bytes]] = (),
+        hints: Sequence[RequestHint] = (),
     ) -> int | None:
         """Tokens beyond `num_computed_tokens` the server can supply: whole chunks, never the
         last token. Repeated calls for one admission (`generation`) reuse the first lookup.
@@ -205,7 +212,8 @@ class SchedulerCore:
         salt); `spans`: (start, end, what) token ranges whose KV depends on `what` too (an
         image behind placeholder tokens): the chunks they overlap, and all later ones, get other
         keys. `cacheable=False`: neither looked up nor stored; `skip_load` / `skip_save`: one
-        of the two only."""
+        of the two only. `hints`: what the application asks of the server for this request's
+        chunks (docs/hints.md): a prefetch before its lookup, the others once it finished."""
         tr = self._requests.get(req_id)
         if tr is None or tr.generation != generation:
             if tr is not None:  # re-admitted after preemption
@@ -227,9 +235,12 @@ class SchedulerCore:
                     skip_load=skip_load,
                     skip_save=skip_save,
                     spans=tuple(spans),
+                    hints=tuple(hints) if cacheable else (),
                 )
                 self._requests[req_id] = tr
         if not tr.looked_up:
+            if tr.hints and self.cfg.loads and not tr.skip_load:
+                self._send_hints(tr, (len(tr.token_ids) - 1), [h for h in tr.hints if h.action in AT_ARRIVAL])
             tr.looked_up = True
             tr.asked_at = time.perf_counter()
             tr.engine_tokens = num_computed_tokens
@@ -640,7 +651,60 @@ class SchedulerCore:
             return False
         self._forget_lookup(tr)
         self._drop_lease(tr)
+        later = [h for h in tr.hints if h.action not in AT_ARRIVAL]
+        if later and tr.stored_chunks and self._chunk_size:
+            hashes = self._hashes(tr, tr.stored_chunks, self._chunk_size)
+            if tr.has_transfers:  # (their chunks are on the server once the workers say the stores are over)
+                if len(self._hints_after_stores) >= MAX_WAITING_HINTS:
+                    self._hints_after_stores.pop(next(iter(self._hints_after_stores)))
+                self._hints_after_stores[req_id] = (hashes, later)
+            else:
+                self._send(hashes, later)
         return tr.has_transfers
+
+    @property
+    def hints_waiting(self) -> int:
+        """Finished requests whose hints wait for the workers to report their stores over."""
+        return len(self._hints_after_stores)
+
+    def stores_finished(self, req_ids: Iterable[str]) -> None:
+        """The workers report these finished requests' stores answered: send their hints now."""
+        for req_id in req_ids:
+            waiting = self._hints_after_stores.pop(req_id, None)
+            if waiting is not None:
+                self._send(*waiting)
+
+    def _send_hints(self, tr: _Tracked, num_tokens: int, hints: Sequence[RequestHint]) -> None:
+        client, cs = self._client()
+        if client is not None and hints and num_tokens >= cs:
+            self._send(self._hashes(tr, num_tokens // cs, cs), hints)
+
+    def _send(self, hashes: list[bytes], hints: Sequence[RequestHint]) -> None:
+        """Each hint on the leading chunks it names, for every prefix group; not waited for: a
+        hint that fails is counted and logged at DEBUG, and changes nothing else."""
+        client, cs = self._client()
+        if client is None:
+            return
+
+        def answered(f: cf.Future) -> None:
+            if f.exception() is not None:
+                self.stats["hint_errors"] += 1
+                logger.debug("lmcache-mp: a hint failed: %s", f.exception())
+
+        for h in hints:
+            n = len(hashes) if h.tokens is None else min(len(hashes), h.tokens // cs)
+            if n <= 0:
+                continue
+            for gi in self._prefix_groups:
+                try:
+                    f = client.hint_async(h.action, hashes[:n], model=self.models[gi], world_size=self.cfg.world_size,
+                                          ttl=h.ttl, priority=h.priority, timeout=self.cfg.lookup_timeout)
+                except LMCacheMPError as exc:
+                    self.stats["hint_errors"] += 1
+                    logger.debug("lmcache-mp: a hint was not sent: %s", exc)
+                    return
+                self.stats["hints"] += 1
+                f.add_done_callback(answered)
 
     def flush_releases(self, timeout: float | None = None) -> None:
         """Wait until the releases queued so far reached the server."""

@@ -46,6 +46,7 @@ from lmcache_mp.integration.connector_core import (
     WorkerCore,
 )
 from lmcache_mp.integration import vllm_requests
+from lmcache_mp.integration.request_hints import request_hints
 from lmcache_mp.integration.chunk_events import ChunkEvents
 from lmcache_mp.integration.connector_types import STATE
 from lmcache_mp.integration.vllm_specs import kv_groups
@@ -416,16 +417,19 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.unpin_blocks = lambda ids: gpu_block_pool.free_blocks([blocks[b] for b in ids])
 
     def has_pending_push_work(self) -> bool:
-        """Pinned blocks are given back, and KV events published, only as steps run: keep the
-        engine stepping until then."""
+        """Pinned blocks are given back, KV events published and finished requests' hints sent
+        (once their stores are over) only as steps run: keep the engine stepping until then."""
         if self._scheduler is None:
             return False
-        return self._scheduler.pinned_stores > 0 or (self._events is not None and self._events.has_news())
+        return (self._scheduler.pinned_stores > 0 or self._scheduler.hints_waiting > 0
+                or (self._events is not None and self._events.has_news()))
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self._scheduler is not None and isinstance(meta, LMCacheMPWorkerMetadata):
             self._scheduler.stores_settled(meta.settled)
+        if self._scheduler is not None and getattr(connector_output, "finished_sending", None):
+            self._scheduler.stores_finished(connector_output.finished_sending)
         if self._events is not None and getattr(connector_output, "finished_sending", None):
             # Those requests' stores are on the server: announce them within a step, even if the
             # engine has nothing else to do (it steps until has_news is over).
@@ -448,6 +452,7 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             skip_load=vllm_requests.asks(request, vllm_requests.SKIP_LOAD),
             skip_save=vllm_requests.asks(request, vllm_requests.SKIP_SAVE),
             spans=vllm_requests.spans(request),
+            hints=request_hints(request),
         )
         return n, bool(n) and self._scheduler.async_loads
 
