@@ -76,7 +76,9 @@ def test_a_pin_over_the_budget_is_refused_and_holds_nothing(shm_files, servers, 
     with pytest.raises(RequestError, match=r"LIMIT_EXCEEDED.*hint budget of 8\.0 KiB"):
         c.hint("pin", hashes, model="m", ttl=60)
     assert c.status()["l1"]["leases"] == 0 and c.status()["hints"]["refused"] == 1
+    lookups = c.status()["l1"]["lookups"]
     assert c.hint("pin", hashes[:2], model="m", ttl=60).pinned_bytes == 2 * SLOT
+    assert c.status()["l1"]["lookups"] == lookups  # a pin is no lookup (only reads and stores count)
     again = c.hint("pin", hashes[:2], model="m", ttl=60)  # the same chunks count once
     assert (again.chunks, again.nbytes, again.pinned_bytes) == (2, 0, 2 * SLOT)
     with pytest.raises(RequestError, match="hint budget"):

@@ -295,6 +295,7 @@ class Hint(_Msg, tag=int(Op.HINT)):
     salt: bytes = b""
     ttl: float = 0.0  # pin: seconds
     priority: int = 0  # retain: uses to count
+    tp_shared: bool = False  # of tp-shared chunks (as Lookup's)
 
 
 Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Store, Retrieve, Lookup, Release, Clear, Ping, Status, Bye,

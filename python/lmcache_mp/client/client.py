@@ -309,23 +309,24 @@ class Client(RestartRecovery):
                           timeout).released
 
     def hint(self, action: str, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1,
-             salt: bytes = b"", ttl: float = 0.0, priority: int = 0, timeout: float | None = None) -> HintResult:
+             salt: bytes = b"", ttl: float = 0.0, priority: int = 0, tp_shared: bool = False,
+             timeout: float | None = None) -> HintResult:
         """A hint about the leading chunks of `hashes` the server holds, in this client's tenant
         (docs/hints.md): "pin" keeps them in L1 for `ttl` seconds within the tenant's hint budget
         (over it: RequestError LIMIT_EXCEEDED, nothing pinned), "unpin" ends the tenant's pins on
         them, "retain" counts them `priority` (1-16) more uses, "prefetch" loads them from L2 into
         L1, "demote" writes them to L2 and drops them from L1, "drop" frees them from L1. An action
         the server does not know is ignored (`result.ignored`). Hints never change what a lookup
-        or retrieve finds."""
-        msg = hint_message(self.client_id, action, hashes, model, world_size, salt, ttl, priority)
+        or retrieve finds. tp_shared: of tp-shared chunks (as lookup's)."""
+        msg = hint_message(self.client_id, action, hashes, model, world_size, salt, ttl, priority, tp_shared)
         return hint_result(self._call(msg, p.HintReply, timeout))
 
     def hint_async(self, action: str, hashes: bytes | Iterable[bytes], *, model: str, world_size: int = 1,
-                   salt: bytes = b"", ttl: float = 0.0, priority: int = 0,
+                   salt: bytes = b"", ttl: float = 0.0, priority: int = 0, tp_shared: bool = False,
                    timeout: float | None = None) -> "Future[HintResult]":
         """hint() without waiting."""
         self._check_reachable()
-        msg = hint_message(self.client_id, action, hashes, model, world_size, salt, ttl, priority)
+        msg = hint_message(self.client_id, action, hashes, model, world_size, salt, ttl, priority, tp_shared)
         return self._async(msg, timeout, lambda reply: hint_result(_check(reply, p.HintReply)), None)
 
     def ping(self, timeout: float | None = None) -> float:

@@ -21,11 +21,11 @@ class HintResult:
 
 
 def hint_message(client_id: bytes, action: str, hashes: bytes | Iterable[bytes], model: str, world_size: int,
-                 salt: bytes, ttl: float, priority: int) -> p.Hint:
+                 salt: bytes, ttl: float, priority: int, tp_shared: bool = False) -> p.Hint:
     if not isinstance(action, str) or not action:
         raise ValueError(f"a hint's action is a name such as {', '.join(HINT_ACTIONS)}; got {action!r}")
     return p.Hint(client_id=client_id, model=model, world_size=world_size, hashes=pack_hashes(hashes),
-                  action=action, salt=salt, ttl=float(ttl), priority=int(priority))
+                  action=action, salt=salt, ttl=float(ttl), priority=int(priority), tp_shared=tp_shared)
 
 
 def hint_result(reply: p.HintReply) -> HintResult:

@@ -53,6 +53,7 @@ def default_budget(config: ServerConfig, l1_bytes: int) -> int:
 class Hints:
     def __init__(self, config: ServerConfig, l1: L1Store, l2: L2Tiers | None, clients: Clients,
                  housekeeping: SerialWorker):
+        self.config = config
         self.l1 = l1
         self.l2 = l2
         self.clients = clients
@@ -94,50 +95,58 @@ class Hints:
         self.counters[action] += 1
         self._housekeeping.submit(request.job(lambda: run(request, tenant, check.digests(msg.hashes))))
 
+    def _tp(self, msg: p.Hint) -> bool:
+        """Whether the hint is of tp-shared chunks: it says so, or every registration's are."""
+        return msg.tp_shared or self.config.tp_shared
+
+    def _prefix(self, msg: p.Hint, digests: list[bytes]):
+        return self.l1.prefix_objects(msg.model, msg.world_size, digests, msg.salt, self._tp(msg))
+
     # ---- actions (housekeeping thread) ---------------------------------------------------------
 
     def _pin(self, request: Request, tenant: str, digests: list[bytes]) -> None:
         msg: p.Hint = request.msg
         try:
-            chunks, added = self.pins.pin(tenant, msg.model, msg.world_size, digests, msg.salt, msg.ttl)
+            chunks, added = self.pins.pin(tenant, msg.model, msg.world_size, digests, msg.salt, msg.ttl, self._tp(msg))
         except (OverBudget, TooManyLeases) as e:
             raise check.over_limit(str(e)) from None
         request.reply(p.HintReply(chunks=chunks, nbytes=added, pinned_bytes=self.pins.pinned_bytes(tenant)))
 
     def _unpin(self, request: Request, tenant: str, digests: list[bytes]) -> None:
         msg: p.Hint = request.msg
-        n = self.pins.unpin(tenant, msg.model, msg.world_size, digests, msg.salt)
+        n = self.pins.unpin(tenant, msg.model, msg.world_size, digests, msg.salt, self._tp(msg))
         request.reply(p.HintReply(chunks=n, pinned_bytes=self.pins.pinned_bytes(tenant)))
 
     def _retain(self, request: Request, tenant: str, digests: list[bytes]) -> None:
         msg: p.Hint = request.msg
-        chunks, objs = self.l1.prefix_objects(msg.model, msg.world_size, digests, msg.salt)
+        chunks, objs = self._prefix(msg, digests)
         self.l1.retain(objs, msg.priority)
         request.reply(p.HintReply(chunks=chunks, nbytes=sum(o.nbytes for o in objs),
                                   pinned_bytes=self.pins.pinned_bytes(tenant)))
 
     def _drop(self, request: Request, tenant: str, digests: list[bytes]) -> None:
-        msg: p.Hint = request.msg
-        _, objs = self.l1.prefix_objects(msg.model, msg.world_size, digests, msg.salt)
+        _, objs = self._prefix(request.msg, digests)
         freed, nbytes = self.l1.drop_objects(objs)
         request.reply(p.HintReply(chunks=freed, nbytes=nbytes, pinned_bytes=self.pins.pinned_bytes(tenant)))
 
     def _prefetch(self, request: Request, tenant: str, digests: list[bytes]) -> None:
         msg: p.Hint = request.msg
-        before, _ = self.l1.prefix_objects(msg.model, msg.world_size, digests, msg.salt)
-        found = self.l2.find(msg.model, msg.world_size, digests[before:], msg.salt)
 
-        def answer() -> None:
-            now, objs = self.l1.prefix_objects(msg.model, msg.world_size, digests, msg.salt)
+        def answer(before: int) -> None:
+            now, objs = self._prefix(msg, digests)
             request.reply(p.HintReply(chunks=max(0, now - before), nbytes=sum(o.nbytes for o in objs[before:]),
                                       pinned_bytes=self.pins.pinned_bytes(tenant)))
 
-        if not found or not self.l2.prefetch(found, request.job(answer)):
-            request.reply(p.HintReply(chunks=0, pinned_bytes=self.pins.pinned_bytes(tenant)))
+        def find() -> None:  # (on the L2 reader thread: a remote tier's index is a round trip away)
+            before, _ = self._prefix(msg, digests)
+            found = self.l2.find(msg.model, msg.world_size, digests[before:], msg.salt, "", self._tp(msg))
+            if not found or not self.l2.prefetch(found, request.job(lambda: answer(before))):
+                request.reply(p.HintReply(chunks=0, pinned_bytes=self.pins.pinned_bytes(tenant)))
+
+        self.l2.run_read(request.job(find))
 
     def _demote(self, request: Request, tenant: str, digests: list[bytes]) -> None:
-        msg: p.Hint = request.msg
-        _, objs = self.l1.prefix_objects(msg.model, msg.world_size, digests, msg.salt)
+        _, objs = self._prefix(request.msg, digests)
         writers = self.l2.writers
         left = [len(writers)]
         lock = threading.Lock()

@@ -37,7 +37,7 @@ def pin_owner(tenant: str) -> bytes:
 class _Pin:
     lease: int
     tenant: str
-    space: tuple  # (model, world_size, salt)
+    space: tuple  # (model, world_size, salt, tp_shared)
     expires: float
     objs: list = field(default_factory=list)
 
@@ -110,12 +110,14 @@ class PinTable:
     # ---- hints -------------------------------------------------------------------------------
 
     def pin(self, tenant: str, model: str, world_size: int, digests: Sequence[bytes], salt: bytes,
-            ttl: float) -> tuple[int, int]:
+            ttl: float, tp_shared: bool = False) -> tuple[int, int]:
         """Hold the leading chunks present for ttl seconds: (chunks held, bytes added to the
-        tenant's pinned bytes). Raises OverBudget (nothing held), or TooManyLeases."""
+        tenant's pinned bytes). Raises OverBudget (nothing held), or TooManyLeases. (Not a lookup
+        in L1's counters, nor a use of the chunks: only reads and stores count.)"""
         with self._lock:
             self._sweep()
-            hits, lease = self.l1.lookup(model, world_size, digests, salt, lock=True, owner=pin_owner(tenant), ttl=ttl)
+            hits, lease = self.l1.lookup(model, world_size, digests, salt, lock=True, owner=pin_owner(tenant), ttl=ttl,
+                                         tp_shared=tp_shared, counted=False)
             held = self.l1.lease(lease)
             if held is None:
                 return 0, 0
@@ -127,18 +129,19 @@ class PinTable:
                 self.l1.release(lease)
                 self.counters["refused"] += 1
                 raise OverBudget(why)
-            self._pins[lease] = _Pin(lease, tenant, (model, world_size, salt), self._clock() + ttl, objs)
+            self._pins[lease] = _Pin(lease, tenant, (model, world_size, salt, tp_shared), self._clock() + ttl, objs)
             self._hold(tenant, objs)
             self.counters["pins"] += 1
             return hits, adding
 
-    def unpin(self, tenant: str, model: str, world_size: int, digests: Sequence[bytes], salt: bytes) -> int:
+    def unpin(self, tenant: str, model: str, world_size: int, digests: Sequence[bytes], salt: bytes,
+              tp_shared: bool = False) -> int:
         """End this tenant's pins on these chunks (of this namespace); returns the objects let go."""
         released = 0
         with self._lock:
             self._sweep()
             for lease, pin in list(self._pins.items()):
-                if pin.tenant != tenant or pin.space != (model, world_size, salt):
+                if pin.tenant != tenant or pin.space != (model, world_size, salt, tp_shared):
                     continue
                 released += self.l1.release(lease, digests)
                 held = self.l1.lease(lease)

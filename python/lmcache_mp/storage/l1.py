@@ -440,13 +440,15 @@ class L1Store:
         extend: int = 0,
         fallback_model: str = "",
         tp_shared: bool = False,
+        counted: bool = True,
     ) -> tuple[int, int]:
         """(leading chunks present for every rank or as one shared object, lease id). With lock
         and at least one hit, the found prefix is leased under that id, else the id is 0.
         extend: a live lease to add the found chunks to instead (returns (0, 0) if it ended).
         fallback_model: a chunk not found under model is looked for under it (a tenant's reads
         of the shared namespace). tp_shared: the chunks are tp-shared objects (one object serves
-        every rank of any TP size). Raises TooManyLeases when the owner holds too many leases."""
+        every rank of any TP size). counted=False: neither a lookup in the counters nor a use of the
+        chunks found (a pin, server/hints.py). Raises TooManyLeases when the owner holds too many leases."""
         hits = 0
         with self._lock:
             if extend:
@@ -480,7 +482,8 @@ class L1Store:
                 if lease is not None:
                     for obj, _ in found:
                         self._unpark(obj)
-                        self._use(obj)
+                        if counted:
+                            self._use(obj)
                     self._leases.add(lease, digest, found)
                 else:
                     for obj, _ in found:
@@ -489,9 +492,10 @@ class L1Store:
             self._park_all(seen)
             if extend:
                 return hits, lease.lease_id
-            self.counters["lookups"] += 1
-            self.counters["lookup_chunks"] += len(digests)
-            self.counters["hits"] += hits
+            if counted:
+                self.counters["lookups"] += 1
+                self.counters["lookup_chunks"] += len(digests)
+                self.counters["hits"] += hits
             if lease is None:
                 return hits, 0
             self._leases.close(lease)  # no-op unless it holds nothing
@@ -644,18 +648,19 @@ class L1Store:
 
     # ---- the application's hints (server/hints.py) -------------------------------------------
 
-    def prefix_objects(self, model: str, world_size: int, digests: Sequence[bytes],
-                       salt: bytes = b"") -> tuple[int, list[L1Object]]:
+    def prefix_objects(self, model: str, world_size: int, digests: Sequence[bytes], salt: bytes = b"",
+                       tp_shared: bool = False) -> tuple[int, list[L1Object]]:
         """(leading chunks present for every rank or shared, their objects in prefix order);
-        nothing is leased, used or counted: the caller names the objects again to act on them."""
+        nothing is leased, used or counted: the caller names the objects again to act on them.
+        tp_shared: of tp-shared chunks (as lookup)."""
         out: list[L1Object] = []
         chunks = 0
         with self._lock:
-            shared, ranks = self._index.namespace(model, world_size, salt)
+            shared, ranks = self._index.namespace(model, world_size, salt, tp_shared)
             for i, digest in enumerate(digests):
                 if i and i % SLICE == 0:
                     self._pause()
-                    shared, ranks = self._index.namespace(model, world_size, salt)
+                    shared, ranks = self._index.namespace(model, world_size, salt, tp_shared)
                 found = self._index.found(shared, ranks, hash(digest) & PART_MASK, digest, world_size)
                 if not found:
                     break
