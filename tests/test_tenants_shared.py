@@ -168,7 +168,7 @@ def test_a_capped_tenants_own_oldest_objects_make_room_and_no_one_elses(valkey):
     from lmcache_mp.storage.l2.valkey import ValkeyTier
     from lmcache_mp.storage.l2.writers import key_bytes
     from lmcache_mp.storage.objects import ObjectKey
-    from lmcache_mp.storage.tenant_quotas import SEP
+    from lmcache_mp.storage.eviction.quotas import SEP
 
     arena = HostArena(1 << 24, 1 << 22, False, -1)
     n = 4096

@@ -58,7 +58,7 @@ from lmcache_mp.server.tenancy.tenancy import NoTenancy, Tenancy
 from lmcache_mp.server.tenancy.tenants_file import SHARED
 from lmcache_mp.server.validation import RequestFailure
 from lmcache_mp.server.storage_setup import open_l1, open_l2
-from lmcache_mp.storage.tenant_quotas import SEP
+from lmcache_mp.storage.eviction.quotas import SEP
 
 logger = logging.getLogger(__name__)
 

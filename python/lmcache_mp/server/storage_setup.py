@@ -9,10 +9,10 @@ from lmcache_mp.config import ServerConfig, format_size
 from lmcache_mp.native import HostArena
 from lmcache_mp.server.ops.gc_pauses import made_long_lived
 from lmcache_mp.storage.events import EventLog
+from lmcache_mp.storage.eviction.quotas import Quotas
 from lmcache_mp.storage.l1 import L1Store
 from lmcache_mp.storage.l1_journal import L1Journal
 from lmcache_mp.storage.l2.tiers import L2Tiers
-from lmcache_mp.storage.tenant_quotas import L1Quotas
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def open_l1(config: ServerConfig, device: str, numa: int) -> tuple[HostArena, L1
             journal.close()
         raise
     # with tenants, quotas from the start: each chunk the journal re-attaches is counted to its tenant
-    l1 = L1Store(arena, policy=config.eviction_policy, quotas=L1Quotas() if config.tenants else None)
+    l1 = L1Store(arena, policy=config.eviction_policy, quotas=Quotas() if config.tenants else None)
     l1.partial_ttl = config.tp_shared_timeout
     l1.on_commit = made_long_lived  # (a no-op unless this process is only a server)
     events = EventLog(config.kv_events)

@@ -38,16 +38,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
 
 from lmcache_mp.storage.eviction import DEFAULT_POLICY, make_policy
+from lmcache_mp.storage.eviction.chooser import VictimChooser
+from lmcache_mp.storage.eviction.quotas import Quotas
 from lmcache_mp.storage.events import REMOVED, STORED
 from lmcache_mp.storage.index import PART_MASK
 from lmcache_mp.storage.l1_index import L1Index
 from lmcache_mp.storage.l1_journal import Entry, L1Journal
 from lmcache_mp.storage.l1_persist import L1Persistence
-from lmcache_mp.storage.l1_writeback import SCAN, L1Writeback
+from lmcache_mp.storage.l1_writeback import SCAN, L1Writeback, busy
 from lmcache_mp.storage.leases import Lease, LeaseTable
 from lmcache_mp.storage.objects import SHARED_RANK, TP_SHARED_WORLD, L1Object, ObjectKey  # noqa: F401 (re-exported)
 from lmcache_mp.storage.slab_moves import MAX_MOVES, SlabMove, SlabMoves
-from lmcache_mp.storage.tenant_quotas import L1Quotas
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,8 @@ class StorePlan:
 
 class L1Store:
     def __init__(self, arena, clock: Callable[[], float] = time.monotonic, policy: str = DEFAULT_POLICY,
-                 quotas: L1Quotas | None = None):
-        """quotas: tenants' shares of L1 (storage/tenant_quotas.py; a server with a tenants file)."""
+                 quotas: Quotas | None = None):
+        """quotas: tenants' shares of L1 (storage/eviction/quotas.py; a server with a tenants file)."""
         self.arena = arena
         self._clock = clock
         self.on_commit: Callable[[int], None] | None = None  # (objects committed), called without the lock
@@ -87,9 +88,10 @@ class L1Store:
                          "cleared": 0, "replaced": 0, "format_mismatches": 0, "partial_dropped": 0}
         self._mismatches_logged: set[str] = set()
         self.quotas = quotas
-        self.writeback = L1Writeback(arena, self._lock, self._index, self._policy, quotas)
-        self.moves = SlabMoves(arena, self._lock, self._index, quotas, victim=self.writeback.victim, evict=self._evict,
-                               moved=self._moved, counters=self.counters, evicted=self._evicted)
+        self.writeback = L1Writeback(arena, self._lock, self._index, self._policy)
+        self.chooser = VictimChooser(self._policy, quotas, busy=busy)  # told which are dirty by attach_l2
+        self.moves = SlabMoves(arena, self._lock, self._index, self.chooser, evict=self._evict, moved=self._moved,
+                               counters=self.counters, evicted=self._evicted)
         self.persistence: L1Persistence | None = None  # with --l1-persist (attach_journal)
         # tp-shared objects some of whose slices have not landed: dropped once none is being
         # written and none landed for partial_ttl seconds (drop_partial())
@@ -160,11 +162,9 @@ class L1Store:
             self.quotas.removed(obj.owner, obj.nbytes)
 
     def _evict(self, victim: L1Object, cause: str) -> None:
-        """victim leaves L1 for room (cause: storage/tenant_quotas.CAUSES)."""
+        """victim leaves L1 for room (cause: pressure, or its owner's cap)."""
         self.writeback.evicting(victim)
-        self._policy.evicted(victim)
-        if victim.owner >= 0:
-            self.quotas.evicted[victim.owner][cause] += 1
+        self.chooser.evicted(victim, cause)
         self._free(victim)
         self.counters["evicted"] += 1
         self._evicted[victim.size_class] = self._evicted.get(victim.size_class, 0) + 1
@@ -551,7 +551,7 @@ class L1Store:
         return removed
 
     def set_quota(self, tenant: str, l1_min: int, l1_max: int) -> None:
-        """A tenant's share of L1 (storage/tenant_quotas.py; L1 must have been given quotas)."""
+        """A tenant's share of L1 (storage/eviction/quotas.py; L1 must have been given quotas)."""
         with self._lock:
             self.quotas.set_limits(tenant, l1_min, l1_max)
 
@@ -633,6 +633,8 @@ class L1Store:
                   on_evict: Callable | None) -> None:
         """The tiers that take writes (bits; 0: none), the admission count and the writers' hooks."""
         self.writeback.attach(wanted, admit, on_dirty, on_drop, on_evict)
+        with self._lock:  # a clean victim before a dirty one, while tiers take writes
+            self.chooser.prefer_clean(self.writeback.dirty if wanted else None)
 
     def l2_take(self, bit: int, below: int, max_bytes: int, fresh=None, scan: int = SCAN, dry: bool = False) -> list:
         """For the writer of tier `bit`: the dirty objects to write now (L1Writeback.take)."""

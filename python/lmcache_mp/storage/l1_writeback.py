@@ -1,5 +1,5 @@
-"""How L1 hands its chunks to the L2 tiers' writers and picks eviction victims (a part L1Store owns,
-built from L1's arena, lock, index and eviction policy).
+"""How L1 hands its chunks to the L2 tiers' writers and tells eviction which objects are dirty (a
+part L1Store owns, built from L1's arena, lock, index and eviction policy).
 
 Each L2 tier that takes writes has a bit (1 << its index). An object records the tiers that hold
 a copy of it (`l2_copies`) and those writing it now (`l2_writing`: the tier reads its bytes, so
@@ -19,11 +19,11 @@ whether L1 still holds it or it left lately (the last DEPARTED are remembered, w
 got them). An object that leaves L1 lets go of its `prev` (every walk back stops at it: each tier
 has a copy of it or lost it), so the chains of long conversations hold no dead objects.
 
-Eviction. The victim is the least recently used evictable object, except that among the oldest
-EVICTION_WINDOW ones a clean object (nothing left to write: written, not admitted, or lost
-anyway) goes before a dirty one. Only when the window holds no clean object does a dirty one
-leave L1 unwritten: a dropped write, counted per tier (`on_l2_drop`), and the chunks after it in
-its prompt are then lost too (counted when they leave).
+Eviction (storage/eviction/chooser.py, told `dirty`). The victim is the least recently used
+evictable object, except that among the oldest EVICTION_WINDOW ones a clean object (nothing left
+to write: written, not admitted, or lost anyway) goes before a dirty one. Only when the window
+holds no clean object does a dirty one leave L1 unwritten: a dropped write, counted per tier
+(`on_l2_drop`), and the chunks after it in its prompt are then lost too (counted when they leave).
 
 Writers (`l2_take`), while less than `below` bytes of L1 are free: the dirty objects from the
 eviction end on, oldest first, as far as `scan` objects reach, and the whole of a prompt a batch
@@ -35,19 +35,15 @@ and drops nothing; a write-back tier's spare bandwidth goes to the chunks neares
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 from typing import TYPE_CHECKING, Callable
 
 from lmcache_mp.storage.eviction.base import EvictionPolicy
 from lmcache_mp.storage.l1_index import L1Index
-from lmcache_mp.storage.tenant_quotas import L1Quotas
 
 if TYPE_CHECKING:
     from lmcache_mp.native import HostArena
 
-QUOTA_SCAN = 16384  # candidates a store of a tenant looks through past others' protected objects
-EVICTION_WINDOW = 64  # oldest evictable objects looked through for a clean one before a dirty one goes
 MAX_CHAIN = 64  # predecessors followed (a longer unwritten run is written from there on)
 SCAN = 1024  # objects a write-back pass looks at, at most (under the lock: a bounded walk)
 DEPARTED = 16384  # objects that left L1 lately, kept for the stores that name them as parent
@@ -60,16 +56,14 @@ def busy(obj) -> bool:
 
 class L1Writeback:
     """L1's side of the L2 writes; methods with a leading underscore, and those L1Store calls
-    from its own locked sections (missing, dirty, victim, evicting, leaving, parent, admitted),
+    from its own locked sections (missing, dirty, evicting, leaving, parent, admitted),
     run with L1's lock held."""
 
-    def __init__(self, arena: HostArena, lock: threading.Lock, index: L1Index, policy: EvictionPolicy,
-                 quotas: L1Quotas | None):
+    def __init__(self, arena: HostArena, lock: threading.Lock, index: L1Index, policy: EvictionPolicy):
         self.arena = arena
         self._lock = lock
         self._index = index
         self._policy = policy
-        self.quotas = quotas  # tenants' shares of L1 (None: no tenants)
         self.wanted = 0  # bits of the tiers that take writes (0: no L2 writes; eviction is plain LRU)
         self.admit = 1
         self.on_dirty: Callable | None = None  # (obj), lock held: obj was just admitted (a write-through list)
@@ -108,34 +102,6 @@ class L1Writeback:
     def dirty(self, obj) -> int:
         missing = self.missing(obj)
         return missing & ~self._lost_before(obj, missing) if missing else 0
-
-    def victim(self, owner: int = -1, own_only: bool = False):
-        """The object to evict next (lock held), or None when nothing is evictable. owner: the
-        tenant that needs the room (L1Quotas): objects of others below their l1_min are passed
-        over (own_only: only its own objects), within QUOTA_SCAN candidates."""
-        candidates = self._policy.candidates()
-        if owner >= 0:
-            candidates = self._allowed(candidates, owner, own_only)
-        if not self.wanted:
-            return next((obj for obj in candidates if not busy(obj)), None)
-        first, seen = None, 0
-        for obj in candidates:
-            if busy(obj):
-                continue
-            if not self.dirty(obj):
-                return obj
-            if first is None:
-                first = obj
-            seen += 1
-            if seen >= EVICTION_WINDOW:
-                break
-        return first
-
-    def _allowed(self, candidates, owner: int, own_only: bool):
-        quotas = self.quotas
-        for obj in itertools.islice(candidates, QUOTA_SCAN):
-            if obj.owner == owner if own_only else not quotas.protected(obj.owner, obj.nbytes, owner):
-                yield obj
 
     def evicting(self, victim) -> None:
         """victim leaves L1 for room (lock held, before it is freed): count the writes it drops."""

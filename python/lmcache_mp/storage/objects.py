@@ -35,7 +35,7 @@ class L1Object:
     l2_copies: int = 0  # bits of the L2 tiers that hold a copy (written there or loaded from there)
     l2_writing: int = 0  # bits of the L2 tiers writing it now: not freed or moved until they have read it
     l2_lost: int = 0  # bits of the L2 tiers it never reaches (left L1 unwritten, or a write failed)
-    owner: int = -1  # its tenant's index in L1Quotas (-1: L1 has no quotas)
+    owner: int = -1  # its tenant's index in L1's Quotas (-1: L1 has no quotas)
     checksum: int | None = None  # of its bytes, once summed for the journal (storage/l1_persist.py)
     # A tp-shared object (head_slices.py) is written by several stores, one slice of heads each,
     # as bits: it is committed once heads_landed is heads_full (0: one store writes it all).

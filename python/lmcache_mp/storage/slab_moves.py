@@ -1,5 +1,5 @@
 """How L1 memory moves between object sizes (a part L1Store owns, built from L1's arena, lock and
-index, the victim choice and what evicting or moving an object means to L1).
+index, the victim chooser and what evicting or moving an object means to L1).
 
 Objects stay contiguous and inside one pinned slab (one DMA per chunk, no
 re-pinning), so the arena hands out same-size slots from slabs of one size each (O(log slabs),
@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Callable
 
 from lmcache_mp.storage.l1_index import L1Index
 from lmcache_mp.storage.objects import L1Object
-from lmcache_mp.storage.tenant_quotas import L1Quotas
+from lmcache_mp.storage.eviction.chooser import VictimChooser
+from lmcache_mp.storage.eviction.quotas import PRESSURE
 
 if TYPE_CHECKING:
     from lmcache_mp.native import HostArena
@@ -47,17 +48,15 @@ class SlabMove:
 class SlabMoves:
     """Allocation across sizes for L1Store; every method but size_stats runs with L1's lock held."""
 
-    def __init__(self, arena: HostArena, lock: threading.Lock, index: L1Index, quotas: L1Quotas | None,
-                 victim: Callable[[int, bool], L1Object | None], evict: Callable[[L1Object, str], None],
-                 moved: Callable[[L1Object, int], None], counters: dict, evicted: dict[int, int]):
-        """victim(owner, own_only): the next object to evict; evict(victim, cause): it leaves L1;
+    def __init__(self, arena: HostArena, lock: threading.Lock, index: L1Index, chooser: VictimChooser,
+                 evict: Callable[[L1Object, str], None], moved: Callable[[L1Object, int], None], counters: dict, evicted: dict[int, int]):
+        """chooser: L1's victims (storage/eviction/chooser.py); evict(victim, cause): it leaves L1;
         moved(obj, old offset): obj's bytes were copied to its new slot (obj.offset); counters:
         L1's, where moves are counted; evicted: objects evicted per size class (L1 counts them)."""
         self.arena = arena
         self._lock = lock
         self._index = index
-        self.quotas = quotas
-        self._victim = victim
+        self._chooser = chooser
         self._evict = evict
         self._moved = moved
         self.counters = counters
@@ -65,17 +64,12 @@ class SlabMoves:
 
     def allocate(self, cls: int, may_move: bool, owner: int = -1) -> int | SlabMove:
         """A slot of class cls: its offset, -1 when nothing evictable is left, or a slab move
-        the caller runs without the lock (then asks again). owner: the tenant storing (L1Quotas):
+        the caller runs without the lock (then asks again). owner: the tenant storing (Quotas):
         past its l1_max it evicts its own objects first; it never evicts another's below l1_min."""
         donors = None  # listed only when the arena has no free slot of cls (not the usual case)
-        quotas = self.quotas if owner >= 0 else None
         while True:
-            if quotas is not None and quotas.over_max(owner, self.arena.slot_bytes(cls)):
-                victim = self._victim(owner, own_only=True)
-                if victim is None:
-                    return -1
-                self._evict(victim, "l1_max")
-                continue
+            if owner >= 0 and not self._chooser.fit_cap(owner, self.arena.slot_bytes(cls), self._evict):
+                return -1
             off = self.arena.allocate(cls)
             if off >= 0:
                 return off
@@ -85,10 +79,10 @@ class SlabMoves:
                 move = self._plan(donor)
                 if move is not None:
                     return move
-            victim = self._victim(owner)
+            victim = self._chooser.victim(owner)
             if victim is None or (not may_move and victim.size_class != cls):
                 return -1  # nothing to evict, or only victims whose memory could not reach cls
-            self._evict(victim, "pressure")
+            self._evict(victim, PRESSURE)
             donors = [victim.size_class] if victim.size_class != cls else []
 
     def _plan(self, cls: int) -> SlabMove | None:

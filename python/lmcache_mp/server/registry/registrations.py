@@ -37,7 +37,7 @@ from lmcache_mp.server.registry.clients import Clients
 from lmcache_mp.server.request import Request
 from lmcache_mp.server.tenancy.tenancy import NoTenancy, Tenancy, shown, strip
 from lmcache_mp.server.validation import RequestFailure, invalid, over_limit
-from lmcache_mp.storage.tenant_quotas import SEP
+from lmcache_mp.storage.eviction.quotas import SEP
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from lmcache_mp.server.tenancy.tenants_file import SHARED, SHARED_FIELDS, Shared
 from lmcache_mp.server.tenancy.windows import TenantWindows
 from lmcache_mp.storage.l1 import L1Store
 from lmcache_mp.storage.l2.tiers import L2Tiers
-from lmcache_mp.storage.tenant_quotas import CAUSES
+from lmcache_mp.storage.eviction.quotas import CAUSES
 
 
 class TenantShares:

@@ -36,7 +36,7 @@ from lmcache_mp.server.tenancy.audit import NullAuditLog
 from lmcache_mp.server.tenancy.tenants_file import (SHARED, SharedLimits, Tenant, TenantsFileError, TenantTable,
                                        credential_fingerprint, load_tenants)
 from lmcache_mp.server.validation import RequestFailure
-from lmcache_mp.storage.tenant_quotas import SEP
+from lmcache_mp.storage.eviction.quotas import SEP
 
 logger = logging.getLogger(__name__)
 

@@ -8,16 +8,16 @@ start the directory is scanned (headers only) and the index rebuilt; the payload
 checked on every read, and a file that fails it is deleted and counted.
 
 Which files stay within the size limit is the eviction policy's choice (storage/eviction/, the
-same as L1's): this tier keeps the policy's view of every file and makes room before each write,
-so the store's own LRU (by bytes, the last resort) never has to. A read is a use; a write batch is
-admitted as one request's chunks, in the order the writers give them (prefix order).
+same as L1's), and L1's victim chooser picks them (storage/eviction/chooser.py), tenants' caps
+(`l2_disk_max`) included: this tier keeps the policy's view of every file and makes room before
+each write, so the store's own LRU (by bytes, the last resort) never has to. A read is a use; a
+write batch is admitted as one request's chunks, in the order the writers give them (prefix order).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import itertools
 import shutil
 import threading
 from typing import Callable
@@ -27,15 +27,15 @@ import xxhash
 
 from lmcache_mp.sizes import format_size
 from lmcache_mp.storage.eviction import DEFAULT_POLICY, make_policy
+from lmcache_mp.storage.eviction.chooser import VictimChooser
+from lmcache_mp.storage.eviction.quotas import PRESSURE, Quotas
 from lmcache_mp.storage.l2 import CORRUPT, MISS, L2Backend
 from lmcache_mp.storage.objects import ObjectKey
-from lmcache_mp.storage.tenant_quotas import tenant_of
 
 logger = logging.getLogger(__name__)
 
 FREE_SPACE_SHARE = 0.9  # of the filesystem's free space, when no size is given
 HEADER_BYTES = 4096  # of every file, besides its payload
-QUOTA_SCAN = 16384  # files a write over its tenant's cap looks through for its own to evict
 
 
 def _bytes_in(path: str) -> int:
@@ -61,9 +61,9 @@ class _File:
 
     __slots__ = ("key", "blob", "nbytes", "older", "newer", "queue", "freq", "stamp", "since", "prev", "owner")
 
-    def __init__(self, blob: bytes, nbytes: int, prev: "_File | None" = None):
+    def __init__(self, blob: bytes, nbytes: int, owners: Quotas, prev: "_File | None" = None):
         self.key, self.blob, self.nbytes, self.prev = policy_key(blob), blob, nbytes, prev
-        self.owner = tenant_of(self.key.model)
+        self.owner = owners.owner_of(self.key.model)
         self.older = self.newer = None
         self.queue = self.freq = self.stamp = self.since = 0
 
@@ -84,15 +84,15 @@ class DiskTier(L2Backend):
         self._store = native.DiskStore(path, size, io_threads)
         self._lock = threading.Lock()  # the policy and the byte counts (puts and gets come from other threads)
         self._policy = make_policy(policy)
+        self._quotas = Quotas(cap="l2_disk_max")  # the files' owners: their bytes and caps (a server with tenants)
+        self._chooser = VictimChooser(self._policy, self._quotas)
         self._files: dict[bytes, _File] = {}
         self._used = self._reserved = self._evicted = 0
-        self._caps: dict[str, int] = {}  # tenant -> its l2_disk_max (a server with tenants)
-        self._owned: dict[str, int] = {}  # tenant -> bytes of its files
         self._refused = 0  # chunks not written: their tenant's cap, and none of its own files to evict
         # (tenant, chunks not written, its files' bytes, its cap): for the audit log, called outside the lock
         self.on_over_cap: Callable[[str, int, int, int], None] | None = None
         for blob, payload in self._store.entries():  # least recently used first
-            self._add([_File(blob, HEADER_BYTES + payload)])
+            self._add([_File(blob, HEADER_BYTES + payload, self._quotas)])
         st = self._store.stats()
         logger.info("L2 disk %s: %s, %d objects (%s) found in %.2f s%s", path, format_size(size), st["objects"],
                     format_size(st["bytes_used"]), st["scan_seconds"],
@@ -105,73 +105,60 @@ class DiskTier(L2Backend):
             self._drop(self._files.get(f.blob))
             self._files[f.blob] = f
             self._used += f.nbytes
-            self._owned[f.owner] = self._owned.get(f.owner, 0) + f.nbytes
+            self._quotas.added(f.owner, f.nbytes)
         self._policy.admit(files)
 
     def _drop(self, f: _File | None) -> None:
         if f is not None and self._files.get(f.blob) is f:
             del self._files[f.blob]
             self._used -= f.nbytes
-            self._owned[f.owner] -= f.nbytes
+            self._quotas.removed(f.owner, f.nbytes)
             self._policy.remove(f)
+
+    def _evict(self, f: _File, cause: str, victims: list[bytes]) -> None:
+        self._chooser.evicted(f, cause)
+        self._drop(f)
+        victims.append(f.blob)
+        self._evicted += 1
 
     def _make_room(self, need: int) -> list[bytes]:
         """Evict (from the view) until `need` more bytes fit; the keys whose files must go."""
-        victims = []
+        victims: list[bytes] = []
         while self._files and self._used + self._reserved + need > self.capacity:
-            f = next(self._policy.candidates(), None)
+            f = self._chooser.victim()
             if f is None:
                 break
-            self._policy.evicted(f)
-            self._drop(f)
-            victims.append(f.blob)
-        self._evicted += len(victims)
+            self._evict(f, PRESSURE, victims)
         return victims
 
     def _within_caps(self, keys, sizes) -> tuple[list[int], list[bytes], list[tuple[str, int, int, int]]]:
         """The writes that fit their tenants' l2_disk_max once those tenants' own files make
         room (their indices), the keys of the files that go for it, and the refusals (see on_over_cap)."""
-        if not self._caps:
+        quotas = self._quotas
+        if not any(cap for _, cap in quotas.limits):
             return list(range(len(keys))), [], []
         keep, victims, want, over = [], [], {}, []
         for i, blob in enumerate(keys):
-            want.setdefault(tenant_of(policy_key(blob).model), []).append(i)
+            want.setdefault(quotas.owner_of(policy_key(blob).model), []).append(i)
+        evict = lambda f, cause: self._evict(f, cause, victims)  # noqa: E731
         for owner, idx in want.items():
-            cap = self._caps.get(owner, 0)
+            cap = quotas.cap_of(owner)
             need = sum(HEADER_BYTES + sizes[i] for i in idx)
-            if cap:
-                if need > cap:
-                    self._refused += len(idx)
-                    over.append((owner, len(idx), self._owned.get(owner, 0), cap))
-                    continue
-                own = (f for f in itertools.islice(self._policy.candidates(), QUOTA_SCAN) if f.owner == owner)
-                while self._owned.get(owner, 0) + need > cap:
-                    f = next(own, None)
-                    if f is None:
-                        break
-                    self._policy.evicted(f)
-                    self._drop(f)
-                    victims.append(f.blob)
-                    own = (f for f in itertools.islice(self._policy.candidates(), QUOTA_SCAN) if f.owner == owner)
-                if self._owned.get(owner, 0) + need > cap:
-                    self._refused += len(idx)
-                    over.append((owner, len(idx), self._owned.get(owner, 0), cap))
-                    continue
+            if cap and (need > cap or not self._chooser.fit_cap(owner, need, evict)):
+                self._refused += len(idx)
+                over.append((quotas.names[owner], len(idx), quotas.bytes[owner], cap))
+                continue
             keep += idx
-        self._evicted += len(victims)
         return sorted(keep), victims, over
 
     def set_quota(self, tenant: str, l2_disk_max: int) -> None:
         """A tenant's cap on this tier (0: none): beyond it, its writes evict its own files first."""
         with self._lock:
-            if l2_disk_max:
-                self._caps[tenant] = l2_disk_max
-            else:
-                self._caps.pop(tenant, None)
+            self._quotas.set_limits(tenant, 0, l2_disk_max)
 
     def tenant_bytes(self) -> dict[str, int]:
         with self._lock:
-            return {t: n for t, n in self._owned.items() if t}
+            return {name: n for name, n in zip(self._quotas.names, self._quotas.bytes) if name}
 
     # ---- L2Backend ---------------------------------------------------------------------------------
 
@@ -204,7 +191,7 @@ class DiskTier(L2Backend):
             files: list[_File] = []
             for blob, size, stored in zip(keys, sizes, ok):
                 if stored:
-                    files.append(_File(blob, HEADER_BYTES + size, files[-1] if files else None))
+                    files.append(_File(blob, HEADER_BYTES + size, self._quotas, files[-1] if files else None))
             self._add(files)
         return ok
 

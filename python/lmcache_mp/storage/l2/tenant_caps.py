@@ -25,7 +25,7 @@ import threading
 import msgspec
 
 from lmcache_mp.storage.l2 import CORRUPT, HEADER_BYTES, MISS, L2Backend
-from lmcache_mp.storage.tenant_quotas import tenant_of
+from lmcache_mp.storage.eviction.quotas import tenant_of
 
 logger = logging.getLogger(__name__)
 

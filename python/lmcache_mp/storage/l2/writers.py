@@ -29,7 +29,8 @@ from typing import Callable
 import msgspec
 
 from lmcache_mp.sizes import format_size
-from lmcache_mp.storage.l1_writeback import EVICTION_WINDOW, SCAN
+from lmcache_mp.storage.eviction.chooser import EVICTION_WINDOW
+from lmcache_mp.storage.l1_writeback import SCAN
 
 logger = logging.getLogger(__name__)
 
