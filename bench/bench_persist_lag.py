@@ -24,7 +24,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from server_process import ServerProcess
+
 CHUNK, BLOCK = 256, 16
 
 
@@ -40,26 +41,15 @@ UNBOUNDED = ("import sys; import lmcache_mp.storage.l1_persist as p; p.MAX_LAG_S
              "from lmcache_mp.server.cli import main; sys.argv[0] = 'lmcache-mp-server'; sys.exit(main())")
 
 
-def server(url: str, args, persist: str | None, unbounded: bool = False) -> subprocess.Popen:
+def server(url: str, args, persist: str | None, unbounded: bool = False) -> ServerProcess:
     """unbounded: the journal's queue without its bound (as before it had one), for comparison."""
-    cmd = [sys.executable] + (["-c", UNBOUNDED] if unbounded else ["-m", "lmcache_mp.server.cli"])
-    cmd += ["--url", url, "--device", "cpu", "--chunk-size", str(CHUNK), "--l1-size", args.l1_size, "--http-addr",
-            "off", "--eviction-policy", args.policy]
+    flags = ["--url", url, "--device", "cpu", "--chunk-size", str(CHUNK), "--l1-size", args.l1_size, "--http-addr",
+             "off", "--eviction-policy", args.policy]
     if persist:
-        cmd += ["--l1-persist", persist]
-    log = tempfile.NamedTemporaryFile("w+", prefix="lmcache-mp-bench-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-    proc.logfile = log.name
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if "ready: serving on" in Path(log.name).read_text():
-            return proc
-        time.sleep(0.05)
-    raise RuntimeError("the server did not start:\n" + Path(log.name).read_text())
-
-
-def log_lines(proc) -> list[str]:
-    return Path(proc.logfile).read_text().splitlines()
+        flags += ["--l1-persist", persist]
+    srv = ServerProcess(flags, command=[sys.executable, "-c", UNBOUNDED] if unbounded else None)
+    srv.wait_ready()
+    return srv
 
 
 def digest(worker: int, i: int) -> bytes:
@@ -147,8 +137,8 @@ def kill_run(args) -> dict:
             os.kill(srv.pid, signal.SIGKILL)
 
         procs, outs = load(url, args, until)
-        srv.wait(30)
-        os.unlink(srv.logfile)
+        srv.proc.wait(30)
+        os.unlink(srv.log_path)
         killed_after = time.monotonic() - t_start
         answered, _ = collect(procs, outs)
         srv = server(url, args, persist)
@@ -158,10 +148,9 @@ def kill_run(args) -> dict:
             status = c.status()
             c.close()
         finally:
-            srv.send_signal(signal.SIGTERM)
-            srv.wait(60)
-        reattach = next((x for x in log_lines(srv) if "L1 journal:" in x or "L1 in" in x), "")
-        os.unlink(srv.logfile)
+            srv.stop(60)
+        reattach = next((x for x in srv.log().splitlines() if "L1 journal:" in x or "L1 in" in x), "")
+        os.unlink(srv.log_path)
         return {"answered": len(answered), "missing": int(missing), "seconds": round(killed_after, 2),
                 "objects_after": status["l1"]["objects"], "log": reattach}
     finally:
@@ -188,9 +177,8 @@ def cost_run(args, persist: bool, unbounded: bool = False) -> dict:
             procs, outs = load(url, args, until)
             answered, lat = collect(procs, outs)
         finally:
-            srv.send_signal(signal.SIGTERM)
-            srv.wait(120)
-            os.unlink(srv.logfile)
+            srv.stop(120)
+            os.unlink(srv.log_path)
         return {"persist": ("unbounded" if unbounded else "bounded") if persist else "off", "stores": len(answered),
                 "stores_per_s": round(len(answered) / args.seconds, 1),
                 "p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 3),

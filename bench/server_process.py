@@ -3,7 +3,8 @@ with their flags, its log (stdout and stderr) in a file, its endpoint once it se
 
 Without `--url` among the flags the server binds a free TCP port and its endpoint is read from
 its "ready: serving on" line (so the log level must let INFO through); with one, readiness is a
-client that connects.
+client that connects. `command` runs another starter than the server's CLI (a benchmark's
+variant of the server: `[sys.executable, "-c", code]`), given the same flags.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import time
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: str | None = None, env: dict | None = None):
+    def __init__(self, args: list[str], log_path: str | None = None, env: dict | None = None,
+                 command: list[str] | None = None):
         args = list(args)
         if "--url" in args:
             self.url = args[args.index("--url") + 1]
@@ -29,7 +31,8 @@ class ServerProcess:
             os.close(fd)
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmcache_mp.server.cli", *args], env=env,
+        command = command or [sys.executable, "-m", "lmcache_mp.server.cli"]
+        self.proc = subprocess.Popen([*command, *args], env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
 
     @property

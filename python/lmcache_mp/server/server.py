@@ -13,7 +13,7 @@ from lmcache_mp.server.engine import MPCacheEngine
 from lmcache_mp.server.ops.gc_pauses import settle
 from lmcache_mp.server.ops.resources import check_start, memory_note
 from lmcache_mp.server.tenancy.audit import open_audit_log
-from lmcache_mp.server.tenancy.tenancy import Tenancy
+from lmcache_mp.server.tenancy.tenancy import NoTenancy, Tenancy
 from lmcache_mp.server.tenancy.gate import TenantGate
 from lmcache_mp.server.transport.router import Transport
 
@@ -36,7 +36,8 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
         if "arena" in str(e):  # e.g. mmap: Cannot allocate memory (where overcommit is off)
             raise RuntimeError(f"{e} (L1 of {format_size(config.l1_size)}; {memory_note()})") from None
         raise
-    curve = tenancy = gate = None
+    curve = gate = None
+    tenancy: Tenancy | NoTenancy = NoTenancy()
     stops: list = []  # what was started, to stop if a later part fails
     try:
         audit = open_audit_log(config.audit_log)
@@ -49,7 +50,7 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
             curve = CurveServer(config.curve_secret_key, config.curve_clients, tenancy, audit)
             stops.append(curve.stop)
             context = curve.context
-        elif tenancy is not None:  # ipc:// peers by uid/gid: the ZAP handler on a context of its own
+        elif tenancy.enabled:  # ipc:// peers by uid/gid: the ZAP handler on a context of its own
             context = zmq.Context()
             gate = TenantGate(context, tenancy)
             stops += [lambda: threading.Thread(target=context.term, daemon=True).start(), gate.stop]
@@ -62,7 +63,7 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
             stop()
         engine.close()
         raise
-    if tenancy is not None:
+    if tenancy.enabled:
         engine.attach_tenancy(tenancy, transport.revoke)
         audit.write("server_start", tenants_file=config.tenants, tenants=len(tenancy.table), url=transport.url)
     engine.url = transport.url
@@ -89,7 +90,7 @@ def run_cache_server(config: ServerConfig, return_engine: bool = False) -> MPCac
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    if tenancy is not None:  # the reload runs on a thread of its own, not in the signal handler
+    if tenancy.enabled:  # the reload runs on a thread of its own, not in the signal handler
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, frame: threading.Thread(
             target=tenancy.reload, name="lmcache-tenants-reload", daemon=True).start())
     else:  # (SIGHUP's default action ends the process, silently: an operator's reload must not)

@@ -8,7 +8,7 @@ from typing import Callable
 
 from lmcache_mp.server.copies.workers import SerialWorker
 from lmcache_mp.server.registry.registrations import Registrations
-from lmcache_mp.server.tenancy.tenancy import Tenancy, TenantState
+from lmcache_mp.server.tenancy.tenancy import NoTenancy, Tenancy, TenantState
 from lmcache_mp.server.tenancy.tenants_file import SHARED, SHARED_FIELDS, SharedLimits, Tenant
 from lmcache_mp.server.tenancy.windows import TenantWindows
 from lmcache_mp.storage.l1 import L1Store
@@ -26,7 +26,7 @@ class TenantShares:
         self.windows = windows
         self._housekeeping = housekeeping
         self._forget_client = forget_client
-        self.tenancy: Tenancy | None = None
+        self.tenancy: Tenancy | NoTenancy = NoTenancy()
 
     def attach(self, tenancy: Tenancy, revoke_lane: Callable[[str], None]) -> None:
         """Tenants (tenancy.py): their L1 shares now and on every reload; a credential
@@ -62,7 +62,7 @@ class TenantShares:
 
     def status(self) -> dict[str, dict]:
         """Per tenant: its limits, L1 share, requests and registrations."""
-        if self.tenancy is None:
+        if not self.tenancy.enabled:
             return {}
         l1 = self.l1.quota_stats()
         disk = self.l2.disk_tenant_bytes() if self.l2 is not None else {}

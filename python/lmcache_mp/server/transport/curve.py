@@ -21,6 +21,7 @@ import threading
 import zmq
 import zmq.auth
 
+from lmcache_mp.server.tenancy.tenancy import NoTenancy, Tenancy
 from lmcache_mp.server.transport.refusals import RefusalLog, fingerprint  # noqa: F401 (fingerprint: re-exported)
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,8 @@ class CurveServer:
     a ZeroMQ context of its own (`context`, for the server's socket too): a context has one ZAP
     endpoint, so two servers in one process each need theirs."""
 
-    def __init__(self, secret_key_file: str, clients_dir: str = "", tenancy=None, audit=None):
+    def __init__(self, secret_key_file: str, clients_dir: str = "", tenancy: Tenancy | NoTenancy = NoTenancy(),
+                 audit=None):
         from zmq.auth.thread import ThreadAuthenticator
 
         public, secret = zmq.auth.load_certificate(secret_key_file)
@@ -47,7 +49,7 @@ class CurveServer:
         self._auth = self._gate = None
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()
-        if tenancy is not None:  # the tenants file says which keys get in, and as whom
+        if tenancy.enabled:  # the tenants file says which keys get in, and as whom
             from lmcache_mp.server.tenancy.gate import TenantGate
 
             self._gate = TenantGate(self.context, tenancy, self.refusals)

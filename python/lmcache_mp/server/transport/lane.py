@@ -23,6 +23,7 @@ import threading
 from typing import Iterator
 
 from lmcache_mp import protocol as p
+from lmcache_mp.server.tenancy.tenancy import NoTenancy, Tenancy
 from lmcache_mp.server.transport.socket_files import share_with_group, socket_files_private
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def lane_path(zmq_url: str) -> str | None:
 
 
 class Lane:
-    def __init__(self, zmq_url: str, ipc_group: str = "", tenancy=None):
+    def __init__(self, zmq_url: str, ipc_group: str = "", tenancy: Tenancy | NoTenancy = NoTenancy()):
         from lmcache_mp.server.transport.refusals import RefusalLog
 
         self._tenancy = tenancy
@@ -131,7 +132,7 @@ class Lane:
                 continue
             sock.setblocking(False)
             conn = LaneConn(sock)
-            if self._tenancy is not None:
+            if self._tenancy.enabled:
                 self._admit(conn)
             self.conns.append(conn)
             self.version += 1

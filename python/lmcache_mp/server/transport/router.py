@@ -23,7 +23,7 @@ from lmcache_mp.config import is_ipv6_url
 from lmcache_mp.errors import CREDENTIAL_REVOKED
 from lmcache_mp.native import spin_poll
 from lmcache_mp.server.request import Request, Route
-from lmcache_mp.server.tenancy.tenancy import TenantState
+from lmcache_mp.server.tenancy.tenancy import NoTenancy, Tenancy, TenantState
 from lmcache_mp.server.transport.lane import Lane, LaneConn, lane_path
 from lmcache_mp.server.transport.routes import LaneResponder, Responder
 from lmcache_mp.server.transport.request_stats import RequestStats
@@ -39,7 +39,8 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum 
 
 class Transport:
     def __init__(self, url: str, engine, context: zmq.Context | None = None, spin_us: int = 0,
-                 lane: bool = True, ipc_group: str = "", curve=None, tenancy=None):
+                 lane: bool = True, ipc_group: str = "", curve=None,
+                 tenancy: Tenancy | NoTenancy = NoTenancy()):
         self.engine = engine
         self.tenancy = tenancy  # with tenants: every request's tenant comes from its connection's credential
         self._revoked: list[str] = []  # credentials whose lane connections the loop closes
@@ -48,7 +49,7 @@ class Transport:
         self._spin = spin_us / 1e6
         # The lane has no authentication of its own: with CURVE it is there only for tenants, whose
         # lane connections claim the tenant their client's CURVE handshake proved (LaneClaim).
-        lane = lane and (curve is None or tenancy is not None)
+        lane = lane and (curve is None or tenancy.enabled)
         if url.startswith("ipc://"):  # both files before anything is made: a refusal leaves nothing to undo
             claim_socket_file(url[len("ipc://"):], socket.SOCK_STREAM, "the endpoint")
             if lane:
@@ -64,7 +65,7 @@ class Transport:
             self._sock.setsockopt(zmq.IPV6, 1)
         if curve is not None:
             curve.apply(self._sock)
-        if tenancy is not None:
+        if tenancy.enabled:
             from lmcache_mp.server.tenancy.gate import TenantGate
 
             TenantGate.apply(self._sock)
@@ -125,7 +126,7 @@ class Transport:
         with self._sock_lock:
             if not self._sock.get(_EVENTS) & _POLLIN:
                 return None
-            if self.tenancy is None:
+            if not self.tenancy.enabled:
                 return self._sock.recv_multipart(zmq.NOBLOCK)
             frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
         credential = frames[-1].get("User-Id")
@@ -135,7 +136,7 @@ class Transport:
     # ---- the loop ----------------------------------------------------------------------------
 
     def _handle(self, frames: list[bytes]) -> None:
-        credential, fd = frames.pop() if self.tenancy is not None else (None, -1)
+        credential, fd = frames.pop() if self.tenancy.enabled else (None, -1)
         identity = frames[0]
         traced = len(frames) == 4 and frames[3] == p.TRACE_FRAME
         if not (len(frames) == 3 or traced) or len(frames[1]) != 8:
@@ -174,7 +175,7 @@ class Transport:
             logger.debug("ignored a malformed lane datagram")
             return
         route = LaneResponder(conn, req_id, [("received", time.monotonic_ns())] if traced else None, self.stats)
-        if self.tenancy is None:
+        if not self.tenancy.enabled:
             self._dispatch(body, route, lane=conn)
             return
         try:
