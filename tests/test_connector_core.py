@@ -675,12 +675,12 @@ def test_tensor_parallel_two_ranks(server, engines):
 
 
 def store_in_one_engine_load_in_another(url: str, *, kind: str, world_size: int, device: str = "cpu",
-                                        between=None) -> None:
+                                        between=None, **more) -> None:
     """Engine A stores a prompt's full chunks from every rank; a fresh engine B, with other
     block ids, loads them and must see every rank's bytes exactly, with no lease left over.
     between(), when given, runs after A and returns the server URL B talks to."""
     # One namespace per layout: a server shared by several of these runs keeps them apart.
-    cfg = dict(world_size=world_size, device=device, kind=kind, lookup_timeout=5.0, model=f"tiny-{kind}")
+    cfg = dict(world_size=world_size, device=device, kind=kind, lookup_timeout=5.0, model=f"tiny-{kind}", **more)
     a = Engine(url, **cfg)
     toks = prompt(40 + world_size, 333)
     try:
@@ -756,6 +756,23 @@ def test_chunks_of_another_block_packing_are_load_errors_not_garbage(server, cap
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_every_cache_layout_round_trips(server, kind, world_size):
     store_in_one_engine_load_in_another(server.url, kind=kind, world_size=world_size)
+
+
+@pytest.mark.parametrize("kind", ["opaque", "opaque_nhd", "mha", "mla", "cross_layer"])
+def test_tp_shared_chunks_round_trip_through_the_connector(server, kind):
+    """lmcache_mp.tp_shared: the workers register tp-shared caches (the model's heads are two
+    ranks' worth) and the scheduler looks up tp-shared chunks; engines of other TP sizes sharing
+    them: tests/test_tp_shared.py, and with vLLM tests/vllm_e2e."""
+    hashes = chunk_hashes(prompt(42, 333), CS)
+
+    def stored_as_tp_shared() -> str:
+        with Client(server.url, timeout=10) as c:
+            assert c.lookup(hashes, model=f"tiny-{kind}", world_size=1, tp_shared=True) == len(hashes)
+            assert c.lookup(hashes, model=f"tiny-{kind}", world_size=2) == 0  # no per-rank objects
+        return server.url
+
+    store_in_one_engine_load_in_another(server.url, kind=kind, world_size=2, between=stored_as_tp_shared,
+                                        tp_shared=True, num_kv_heads=2 * HEADS)
 
 
 @pytest.mark.parametrize("kind", ["opaque", "opaque_nhd", "mha", "mla"])

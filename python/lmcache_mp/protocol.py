@@ -39,6 +39,7 @@ MAX_CHUNKS = 1 << 16  # hashes in one request
 MAX_WORLD_SIZE = 256
 MAX_LAYERS = 1024
 MAX_LOOKUP_KEYS = 1 << 18  # hashes x world_size of one lookup
+TP_SHARED_WORLD = 0  # the world size of tp-shared objects (keys, events): every TP size reads them
 MAX_NAME_BYTES = 1024  # model names
 MAX_SALT_BYTES = 256
 MAX_CHUNK_TOKENS = 1 << 20  # tokens per chunk a registration may ask for
@@ -410,8 +411,8 @@ class ChunkEvent(_Msg):
     seq: int
     kind: int  # 1: committed (visible to lookups), 2: removed (evicted, cleared, replaced)
     model: int  # index into EventsReply.models
-    world_size: int
-    rank: int  # -1: shared by every rank (MLA)
+    world_size: int  # 0: a tp-shared object, read by every rank of any TP size
+    rank: int  # -1: shared by every rank (MLA, tp-shared objects)
     digest: bytes
     salt: bytes = b""
 

@@ -417,6 +417,36 @@ def test_tensor_parallel_two_ranks(run, prompts, model_dir, workdir):
         server.stop()
 
 
+@pytest.mark.skipif(two_cpus() is None, reason="needs two CPUs for two worker processes")
+def test_engines_of_tp_2_and_tp_1_share_tp_shared_chunks(run, prompts, baseline, model_dir, workdir):
+    """lmcache_mp.tp_shared: a TP 2 engine stores, a TP 1 engine loads its chunks (and stores
+    more), a TP 2 engine loads those; every output is the cold run's of its own TP size."""
+    P, Q, shared = prompts
+    batch, shared = P[:3] + Q[:2], shared[:2]
+    cold1 = [baseline["outputs"][i] for i in (0, 1, 2, len(P), len(P) + 1)]
+    cpus = two_cpus()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
+    tp = ("--tensor-parallel", "2")
+    opt_in = ("--extra-config", json.dumps({"lmcache_mp.tp_shared": True}))
+    cold2 = run("tps_tp2_cold", batch, None, *tp, env=env)["outputs"]
+    server = ServerProcess(free_port(), workdir / "server_tps.log")
+    try:
+        a = run("tps_tp2_A", batch[:3], server.url, *tp, *opt_in, env=env)
+        assert a["outputs"] == cold2[:3]
+        b = run("tps_tp1_B", batch, server.url, *opt_in)  # loads what TP 2 stored, stores Q's new chunks
+        want = [expected_hit(len(p), len(p)) for p in P[:3]] + [expected_hit(len(q), n) for q, n in zip(Q, shared)]
+        assert b["num_cached_tokens"] == want
+        assert_loaded(b, want)
+        assert b["outputs"] == cold1
+        c = run("tps_tp2_C", batch, server.url, *tp, *opt_in, env=env)  # Q's chunks were stored at TP 1
+        want = [expected_hit(len(p), len(p)) for p in batch]
+        assert c["num_cached_tokens"] == want
+        assert c["outputs"] == cold2
+    finally:
+        server.stop()
+    assert "tp-shared" in (workdir / "server_tps.log").read_text()
+
+
 def test_local_prefix_hit_inside_a_chunk(run, model_dir, workdir):
     """vLLM's own prefix cache holds 3 blocks (96 tokens) of X, the server 7 chunks: the load
     starts inside chunk 1, whose first block vLLM already holds (written to a scratch block)."""

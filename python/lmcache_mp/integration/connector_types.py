@@ -67,6 +67,12 @@ class ConnectorConfig:
     flush_timeout: float = 30.0  # longest shutdown (or a preemption) waits for stores in flight
     store_decode: bool = False  # also store chunks completed by generated tokens
     store_shared: bool = False  # store into the shared namespace (a server with tenants: docs/tenants.md)
+    # Tensor-parallel-shared chunks (docs/tensor-parallel.md): one object per chunk with every KV
+    # head, which engines of any TP size share; the model's KV heads and pipeline stages prove the
+    # split (the engine fills them in).
+    tp_shared: bool = False
+    num_kv_heads: int = 0
+    pipeline_size: int = 1
     loads: bool = True  # look up and load (vLLM: kv_role kv_both or kv_consumer)
     stores: bool = True  # store (vLLM: kv_role kv_both or kv_producer)
     recompute_on_load_error: bool = True  # engine recomputes what a load missed (else fails it)

@@ -272,7 +272,8 @@ class SchedulerCore:
         try:
             for gi in self._prefix_groups:
                 pending.append(client.lookup_async(hashes, model=self.models[gi], world_size=self.cfg.world_size,
-                                                   lock=True, timeout=self.cfg.lookup_timeout))
+                                                   lock=True, timeout=self.cfg.lookup_timeout,
+                                                   tp_shared=self.cfg.tp_shared))
         except ServerUnavailable as exc:
             self._abandon(pending)
             self.link.report_failure(exc)

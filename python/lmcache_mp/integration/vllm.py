@@ -50,6 +50,7 @@ from lmcache_mp.integration.request_hints import request_hints
 from lmcache_mp.integration.chunk_events import ChunkEvents
 from lmcache_mp.integration.connector_types import STATE
 from lmcache_mp.integration.vllm_specs import kv_groups
+from lmcache_mp.protocol import TP_SHARED_WORLD
 
 try:  # vLLM's hybrid memory allocator: one block table per KV-cache group
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
@@ -125,6 +126,15 @@ class LMCacheMPWorkerMetadata(KVConnectorWorkerMetadata):
         return LMCacheMPWorkerMetadata(merged)
 
 
+def _total_kv_heads(vllm_config: "VllmConfig") -> int:
+    """The model's KV heads (all ranks'; 0 when the engine does not say): what proves the head
+    split of tp-shared chunks."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
 def _served_model_name(vllm_config: "VllmConfig") -> str:
     mc = vllm_config.model_config
     name = getattr(mc, "served_model_name", None) or mc.model
@@ -157,6 +167,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
             model=_served_model_name(vllm_config),
             block_size=int(vllm_config.cache_config.block_size),
             world_size=self._tp * self._pp,
+            num_kv_heads=_total_kv_heads(vllm_config),
+            pipeline_size=self._pp,
             loads=kv_role != "kv_producer",  # a producer only stores
             stores=kv_role != "kv_consumer",  # a consumer only loads
         )
@@ -206,7 +218,8 @@ class LMCacheMPConnector(KVConnectorBase_V1, SupportsHMA):
         if events_config is None or not events_config.enable_kv_cache_events:
             return
         self._hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or self._cfg.block_size)
-        self._events = ChunkEvents(self._scheduler.link, self._scheduler.models, self._cfg.world_size,
+        world = TP_SHARED_WORLD if self._cfg.tp_shared else self._cfg.world_size  # tp-shared: one object, any TP
+        self._events = ChunkEvents(self._scheduler.link, self._scheduler.models, world,
                                    interval=self._cfg.kv_events_interval, shared=self._cfg.store_shared)
         self._scheduler.on_store_planned = self._store_planned
         logger.info("lmcache-mp: publishing KV events of the chunks this engine stores (medium CPU)")

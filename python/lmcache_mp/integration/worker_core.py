@@ -131,6 +131,10 @@ class WorkerCore:
                     block_size=g.block_size if state else None,
                     transfer=self.cfg.transfer,
                     chunk_size=0 if cs == client.chunk_size else cs,
+                    # a state's pages hold no heads to split: they stay the rank's own
+                    tp_shared=self.cfg.tp_shared and not state,
+                    num_kv_heads=self.cfg.num_kv_heads,
+                    pipeline_size=self.cfg.pipeline_size,
                 )
                 handles.append(handle)
                 per_block.append(self._kernel_blocks_per_block(handle.block_size, g.block_size))

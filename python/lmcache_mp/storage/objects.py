@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 SHARED_RANK = -1  # rank of objects shared by every rank (MLA, tp-shared objects)
-TP_SHARED_WORLD = 0  # world size of tp-shared objects (head_slices.py): every TP size reads them
+TP_SHARED_WORLD = 0  # world size of tp-shared objects (head_slices.py; protocol.TP_SHARED_WORLD)
 
 
 class ObjectKey(NamedTuple):
