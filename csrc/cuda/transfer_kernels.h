@@ -39,7 +39,7 @@ struct DeviceLayout {
   int64_t plane_bytes = 0;  // one (segment, layer) plane of an object: its blocks' rows, each P bytes
   // Where spans lie in the object: spans of one block obj_span_stride apart (span_bytes when the
   // object is dense), blocks obj_block_stride apart (block_bytes), each shifted by obj_offset
-  // (a tensor-parallel rank's heads' slice of every token row; 0 when dense).
+  // (a tensor-parallel rank's heads' slice of every row; 0 when dense).
   int64_t obj_span_stride = 0;
   int64_t obj_block_stride = 0;
   int64_t obj_offset = 0;
