@@ -418,6 +418,7 @@ def test_tensor_parallel_two_ranks(run, prompts, model_dir, workdir):
 
 
 @pytest.mark.skipif(two_cpus() is None, reason="needs two CPUs for two worker processes")
+@pytest.mark.timeout(1200)  # five engines, three of them at TP 2, on a 2-core machine
 def test_engines_of_tp_2_and_tp_1_share_tp_shared_chunks(run, prompts, baseline, model_dir, workdir):
     """lmcache_mp.tp_shared: a TP 2 engine stores, a TP 1 engine loads its chunks (and stores
     more), a TP 2 engine loads those; every output is the cold run's of its own TP size."""
