@@ -608,7 +608,7 @@ class SlowClient:
     def __init__(self):
         self.lookups = 0
 
-    def lookup_async(self, hashes, *, model, world_size=1, lock=False, salt=b"", timeout=None):
+    def lookup_async(self, hashes, *, model, world_size=1, lock=False, salt=b"", timeout=None, tp_shared=False):
         from concurrent.futures import Future
 
         from lmcache_mp import ServerUnavailable
