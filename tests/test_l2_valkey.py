@@ -329,7 +329,7 @@ def test_a_cluster_routes_every_slot_and_survives_a_failover(cluster):
 def test_a_batch_goes_to_the_cluster_primaries_at_once_and_comes_back_byte_exact(tmp_path, monkeypatch):
     import threading
 
-    from lmcache_mp.storage.l2 import valkey as vk
+    from lmcache_mp.storage.l2 import valkey_nodes
 
     procs, ports = start_valkey_cluster(3, str(tmp_path))
     try:
@@ -345,7 +345,7 @@ def test_a_batch_goes_to_the_cluster_primaries_at_once_and_comes_back_byte_exact
         # too: shares sent one node after another would each wait in vain.
         entered, met, lock = set(), [], threading.Lock()
         both = threading.Event()
-        run = vk._Node.run
+        run = valkey_nodes.Node.run
 
         def run_beside_another(node, fn):
             with lock:
@@ -355,7 +355,7 @@ def test_a_batch_goes_to_the_cluster_primaries_at_once_and_comes_back_byte_exact
             met.append(both.wait(5))
             return run(node, fn)
 
-        monkeypatch.setattr(vk._Node, "run", run_beside_another)
+        monkeypatch.setattr(valkey_nodes.Node, "run", run_beside_another)
         assert tier.put(keys, [b"f"] * count, [p for p, _ in src], [n] * count) == [True] * count
         assert met and all(met)
         holding = [int(Connection("127.0.0.1", p).call("DBSIZE")) for p in ports]
@@ -425,7 +425,7 @@ def test_tls_with_client_certificates(redis_tls, shm_files, servers, clients, no
 @pytest.mark.parametrize("url", ["redis://h:1?ssl_ca_certs=x", "rediss://h:1?nope=1", "http://h:1",
                                  "rediss://h:1?ssl_cert_reqs=maybe", "rediss://h:1?ssl_ca_certs=/no/such/file"])
 def test_bad_redis_urls_are_refused_with_the_reason(url):
-    from lmcache_mp.storage.l2.valkey import parse_url
+    from lmcache_mp.storage.l2.valkey_nodes import parse_url
 
     with pytest.raises(ValueError, match="redis|ssl|TLS"):
         parse_url(url)

@@ -181,7 +181,7 @@ class ServerConfig:
         if self.l2_admit < 1 or self.l2_io_threads < 1 or self.max_prefetches < 0:
             raise ValueError("l2_admit and l2_io_threads must be at least 1, max_prefetches not negative")
         if self.l2_redis:
-            from lmcache_mp.storage.l2.valkey import parse_url
+            from lmcache_mp.storage.l2.valkey_nodes import parse_url
 
             parse_url(self.l2_redis)
         if self.l2_redis_ttl < 0:

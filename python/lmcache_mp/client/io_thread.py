@@ -17,6 +17,10 @@ can come (tens of microseconds at the earliest), so a future nobody reads for re
 reply comes, and one that is waited for wakes the I/O thread for nothing. Synchronous calls, which
 read from before their send (call()), touch neither. epoll applies these changes to the thread
 sleeping on it: none costs a wake-up.
+
+One module over 450 lines: the sends, the reads of a waiting thread and the I/O thread's loop share
+one socket, one lock and one table of pending requests, in the order reasoned about above (the
+local lane is client/lane.py, the futures client/futures.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Scheduler half of the lmcache-mp connector: lookups with leases, and per-step plans."""
+"""Scheduler half of the lmcache-mp connector: lookups with leases, and per-step plans.
+
+One module over 450 lines: every scheduler step (lookup, allocation, plan, finish) reads and
+changes one request's state (`_Tracked`) in order, and its helpers already live apart
+(connector_types.py, link.py, request_hints.py).
+"""
 
 from __future__ import annotations
 

@@ -26,6 +26,10 @@ has read its bytes.
 All methods are thread-safe under one lock, which no call holds for long: requests are worked
 through in slices of at most SLICE keys with the lock released between them, object moves copy
 without it, and no table of the index is ever rebuilt whole (storage/index.py).
+
+One module over 450 lines: L1Store holds L1's one lock, and each step of a request here (store,
+read, lookup, lease, hint, tp-shared slice) changes the index, the policy's order, the leases and
+the counters together under it; what works from collaborators of its own is in the parts above.
 """
 
 from __future__ import annotations

@@ -282,7 +282,7 @@ def check_l2(r: Report, config: ServerConfig) -> None:
             r.line(OK, f"L2 disk {path}: writable, {format_size(free)} free")
     if config.l2_redis:
         from lmcache_mp.storage.l2.resp import Connection, RespError
-        from lmcache_mp.storage.l2.valkey import _redacted, parse_url
+        from lmcache_mp.storage.l2.valkey_nodes import parse_url, redacted
 
         where = parse_url(config.l2_redis)
         for host, port in where.pop("seeds"):
@@ -290,7 +290,7 @@ def check_l2(r: Report, config: ServerConfig) -> None:
                 Connection(host, port, timeout=2, **where).call("PING")
                 r.line(OK, f"L2 valkey {host}:{port}: answers")
             except (OSError, RespError) as e:
-                r.line(WARN, f"L2 valkey {host}:{port} ({_redacted(config.l2_redis)}): {e}",
+                r.line(WARN, f"L2 valkey {host}:{port} ({redacted(config.l2_redis)}): {e}",
                        "the server still starts and serves from L1; check the address, password and TLS options")
     if config.l2_mooncake:
         host, _, port = config.l2_mooncake.rpartition(":")

@@ -22,7 +22,6 @@ Keys and formats are stored as msgpack of the L1 key and of the layout's format 
 from __future__ import annotations
 
 import collections
-import heapq
 import logging
 import queue
 import threading
@@ -35,6 +34,7 @@ from lmcache_mp.sizes import format_size
 from lmcache_mp.storage.l1 import SHARED_RANK, TP_SHARED_WORLD, L1Object, L1Store, ObjectKey, StorePlan
 from lmcache_mp.storage.l1_journal import format_key_from
 from lmcache_mp.storage.l2 import CORRUPT, FORMAT_MISMATCH, IO_ERROR, MISS, L2Backend
+from lmcache_mp.storage.l2.deadlines import Deadlines, first_of_two
 from lmcache_mp.storage.l2.writers import POLICIES, Incident, TierWriter, key_bytes
 
 logger = logging.getLogger(__name__)
@@ -56,50 +56,6 @@ class Found(NamedTuple):
     tier: int
     nbytes: int
     fmt: bytes
-
-
-def _first() -> Callable[[], bool]:
-    """True for the first call only, from any thread: of two events (done, deadline), the
-    first one answers."""
-    once = iter((True,))
-    return lambda: next(once, False)
-
-
-class _Deadlines:
-    """One thread that runs callbacks at their time."""
-
-    def __init__(self):
-        self._heap: list = []
-        self._seq = 0
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="lmcache-l2-deadlines", daemon=True)
-        self._thread.start()
-
-    def at(self, when: float, fn: Callable[[], None]) -> None:
-        with self._cv:
-            self._seq += 1
-            heapq.heappush(self._heap, (when, self._seq, fn))
-            self._cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stop and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    self._cv.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
-                if self._stop:
-                    return
-                _, _, fn = heapq.heappop(self._heap)
-            try:
-                fn()
-            except Exception:
-                logger.exception("L2 deadline callback failed")
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._thread.join()
 
 
 class L2Tiers:
@@ -129,7 +85,7 @@ class L2Tiers:
         self._closing = False
         self._prefetching = 0
         self._read_incident = Incident("reads")
-        self._deadlines = _Deadlines()
+        self._deadlines = Deadlines()
         self._reads: queue.SimpleQueue = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read_loop, name="lmcache-l2-reader", daemon=True)
         self._reader.start()
@@ -232,7 +188,7 @@ class L2Tiers:
                 return False
             self._prefetching += 1
         self.counters["prefetches"] += 1
-        first = _first()
+        first = first_of_two()
 
         def at_deadline() -> None:
             if first():
@@ -262,7 +218,7 @@ class L2Tiers:
         find(), and with lock the load of what it found (pinned until answered, as prefetch).
         answer(chunks found) is called once, when done, or answer(None) at the prefetch deadline,
         whichever comes first: a slow or hung server delays no lookup beyond it."""
-        first = _first()
+        first = first_of_two()
 
         def at_deadline() -> None:
             if first():

@@ -16,157 +16,41 @@ sends value i while value i+1 is summed, a get sums value i while reading value 
 Failures are misses: a server that cannot be reached is tried again only after a backoff, so a
 lookup never waits on connects; keys just found missing are not asked for again for a second.
 A cluster's slot map comes from CLUSTER SLOTS; commands are pipelined per node, MOVED reloads
-the map, ASK is followed once, and a node that fails makes the map reload (a failover).
+the map, ASK is followed once, and a node that fails makes the map reload (a failover). How a
+node is reached (the URL, TLS, a node's connections) is valkey_nodes.py's.
 """
 
 from __future__ import annotations
 
-import binascii
 import collections
 import concurrent.futures
 import logging
-import queue
-import ssl
 import threading
 import time
 from typing import NamedTuple
-from urllib.parse import parse_qsl, unquote, urlparse
 
 from lmcache_mp.storage.l2 import (CORRUPT, FORMAT_MISMATCH, HEADER_BYTES, IO_ERROR, MISS, TOO_LARGE, L2Backend,
                                    checksum_async, memory_view, pack_header, unpack_header)
 from lmcache_mp.storage.l2.resp import Connection, RespError
+from lmcache_mp.storage.l2.valkey_nodes import SLOTS, Node, key_slot, parse_url, redacted
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"LMCMPV2\0"  # V1 summed with XXH64: its values are foreign now
 MAX_FORMAT = 512  # bytes of a format a lookup reads with the header
-SLOTS = 16384
 SEND_BATCH = 1 << 20  # a pipeline's commands go out once this many bytes are framed
 # GETs in flight on one connection. One: with two, the server copies the next value into an
 # output buffer while the first is still being sent; measured on loopback, 32 MiB values, that
 # took GET from 2.4 to 1.4 GB/s. A round trip per value costs about 1% at this size.
 GET_WINDOW = 1
 PUT_WINDOW = 4  # SETs in flight on one connection (their replies are small)
-BACKOFF_S = (0.5, 10.0)  # first and longest wait before reconnecting to an unreachable server
 MISSING_TTL_S = 1.0
 MISSING_MAX = 1 << 16
-
-
-TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
-
-
-def parse_url(url: str) -> dict:
-    """redis[s]://[user:password@]host:port[,host:port...][/db][?option=value&...]: several
-    addresses are seeds of a cluster. rediss:// is TLS, verified against the system's CAs or
-    ssl_ca_certs; ssl_certfile/ssl_keyfile give a client certificate; ssl_cert_reqs=none skips
-    the verification, ssl_check_hostname=false only the host name check (option names as redis-py's)."""
-    u = urlparse(url)
-    if u.scheme not in ("redis", "rediss"):
-        raise ValueError(f"L2 redis URL must be redis[s]://[user:password@]host:port[,host:port...][/db], got {url!r}")
-    options = dict(parse_qsl(u.query, keep_blank_values=True))
-    unknown = set(options) - set(TLS_OPTIONS)
-    if unknown or (options and u.scheme != "rediss"):
-        raise ValueError(f"L2 redis URL {url!r}: options {sorted(options)} are not known"
-                         f"{'' if unknown else ' without rediss://'} (known: {', '.join(TLS_OPTIONS)})")
-    netloc = u.netloc.rsplit("@", 1)[-1]
-    seeds = []
-    for hp in netloc.split(","):
-        host, _, port = hp.rpartition(":")
-        if not host:
-            host, port = hp, "6379"
-        seeds.append((host.strip("[]") or "127.0.0.1", int(port)))
-    return dict(seeds=seeds, username=unquote(u.username or ""), password=unquote(u.password or ""),
-                db=int(u.path.lstrip("/") or 0), tls=_tls_context(options) if u.scheme == "rediss" else None)
-
-
-def _tls_context(options: dict) -> ssl.SSLContext:
-    try:
-        ctx = ssl.create_default_context(cafile=options.get("ssl_ca_certs") or None)
-        if options.get("ssl_certfile"):
-            ctx.load_cert_chain(options["ssl_certfile"], options.get("ssl_keyfile") or None)
-    except OSError as e:  # ssl.SSLError is one
-        raise ValueError(f"L2 redis TLS files: {e}") from None
-    reqs = options.get("ssl_cert_reqs", "required").lower()
-    if reqs not in ("required", "none"):
-        raise ValueError(f"ssl_cert_reqs must be required or none, got {reqs!r}")
-    if reqs == "none" or options.get("ssl_check_hostname", "true").lower() in ("false", "0", "no"):
-        ctx.check_hostname = False
-    if reqs == "none":
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx
-
-
-def key_slot(key: bytes) -> int:
-    """The cluster's key-to-slot hash: CRC16-XMODEM (binascii's crc_hqx from 0, in C: a loop in
-    Python took 57 us a key, 4 ms of a 64-chunk lookup) of the key's hash tag."""
-    start = key.find(b"{")
-    if start >= 0:
-        end = key.find(b"}", start + 1)
-        if end > start + 1:
-            key = key[start + 1:end]
-    return binascii.crc_hqx(key, 0) % SLOTS
 
 
 class _Redirect(NamedTuple):
     node: tuple
     ask: bool
-
-
-class _Node:
-    """Pooled connections to one server, with its own reconnect backoff."""
-
-    def __init__(self, addr: tuple, auth: dict, timeout: float, connections: int):
-        self.addr, self._auth, self._timeout = addr, auth, timeout
-        self._pool: queue.LifoQueue = queue.LifoQueue()
-        self._slots = threading.Semaphore(connections)
-        self._lock = threading.Lock()
-        self.down_until = 0.0
-        self._backoff = BACKOFF_S[0]
-        self.connects = 0
-
-    def _connect(self) -> Connection:
-        now = time.monotonic()
-        if now < self.down_until:
-            raise ConnectionError(f"{self.addr[0]}:{self.addr[1]} is down (next try in {self.down_until - now:.1f} s)")
-        try:
-            c = Connection(self.addr[0], self.addr[1], self._timeout, **self._auth)
-        except (OSError, RespError) as e:
-            with self._lock:
-                self.down_until = time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, BACKOFF_S[1])
-            raise ConnectionError(f"{self.addr[0]}:{self.addr[1]}: {e}") from None
-        with self._lock:
-            self._backoff = BACKOFF_S[0]
-            self.connects += 1
-        return c
-
-    def run(self, fn):
-        """fn(connection) on a pooled connection; a broken one is closed, not returned."""
-        self._slots.acquire()
-        try:
-            try:
-                c = self._pool.get_nowait()
-            except queue.Empty:
-                c = self._connect()
-            try:
-                out = fn(c)
-            except (OSError, ConnectionError) as e:  # a timeout too: later calls fail fast for a while
-                c.close()
-                with self._lock:
-                    self.down_until = time.monotonic() + self._backoff
-                    self._backoff = min(self._backoff * 2, BACKOFF_S[1])
-                raise ConnectionError(f"{self.addr[0]}:{self.addr[1]}: {e}") from None
-            self._pool.put(c)
-            return out
-        finally:
-            self._slots.release()
-
-    def close(self) -> None:
-        while True:
-            try:
-                self._pool.get_nowait().close()
-            except queue.Empty:
-                return
 
 
 class ValkeyTier(L2Backend):
@@ -191,7 +75,7 @@ class ValkeyTier(L2Backend):
         # a batch's streams to every primary at once (threads are made as needed: up to 16 primaries)
         self._parallel = concurrent.futures.ThreadPoolExecutor(16 * connections, thread_name_prefix="lmcache-valkey")
         self._lock = threading.Lock()
-        self._nodes: dict[tuple, _Node] = {}
+        self._nodes: dict[tuple, Node] = {}
         self._slot_map: list | None = None  # cluster: slot -> primary's address
         self._missing: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._st = collections.Counter({k: 0 for k in (
@@ -204,19 +88,19 @@ class ValkeyTier(L2Backend):
                 self._load_slots()
             else:
                 self._node(self._seeds[0]).run(lambda c: c.call("PING"))
-            logger.info("L2 valkey %s: connected%s", _redacted(url),
+            logger.info("L2 valkey %s: connected%s", redacted(url),
                         f", a cluster of {len(set(self._slot_map))} primaries" if self.cluster else "")
         except (ConnectionError, RespError) as e:
             logger.warning("L2 valkey %s: not reachable (%s); serving from the other tiers until it is",
-                           _redacted(url), str(e))
+                           redacted(url), str(e))
 
     # ---- routing -----------------------------------------------------------------------------
 
-    def _node(self, addr: tuple) -> _Node:
+    def _node(self, addr: tuple) -> Node:
         with self._lock:
             node = self._nodes.get(addr)
             if node is None:
-                node = self._nodes[addr] = _Node(addr, self._auth, self._timeout, self._connections)
+                node = self._nodes[addr] = Node(addr, self._auth, self._timeout, self._connections)
             return node
 
     def _load_slots(self) -> None:
@@ -480,7 +364,7 @@ class ValkeyTier(L2Backend):
             st = dict(self._st)
             nodes = list(self._nodes.values())
         now = time.monotonic()
-        return {"url": _redacted(self.url), "cluster": self.cluster, "nodes": len(nodes),
+        return {"url": redacted(self.url), "cluster": self.cluster, "nodes": len(nodes),
                 "connected": bool(nodes) and all(now >= n.down_until for n in nodes),
                 "connects": sum(n.connects for n in nodes), **st, "read_seconds": self._st_seconds["read"],
                 "write_seconds": self._st_seconds["write"], "last_error": self.last_error}
@@ -491,14 +375,6 @@ class ValkeyTier(L2Backend):
         for n in nodes:
             n.close()
         self._parallel.shutdown(wait=True)
-
-
-def _redacted(url: str) -> str:
-    """The URL without its password (status and logs are not secret)."""
-    u = urlparse(url)
-    if u.password is None:
-        return url
-    return url.replace(f":{u.password}@", ":***@", 1)
 
 
 class _Joined:
