@@ -128,3 +128,51 @@ def test_float_block_ids_rejected():
     objs, ptrs = _objects(1, 4096)
     with pytest.raises(ValueError, match="integers"):
         cpu_gather(case.spec.native(case.ptrs), 8, [0.0, 1.0], ptrs, 4096)
+
+
+# ---- a rank's slice of tensor-parallel-shared objects (docs/tensor-parallel.md) ------------------
+
+
+def _sliced(data, spec):
+    """An object row pitch wider than the layout's rows and this cache's offset in each row."""
+    pitch = spec.row_bytes * data.draw(st.integers(1, 3), label="ranks") + data.draw(st.integers(0, 8), label="pad")
+    offset = data.draw(st.integers(0, pitch - spec.row_bytes), label="offset")
+    return pitch, offset
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=kv_cases(), data=st.data())
+def test_a_slice_of_wider_object_rows_is_gathered_and_scattered_row_by_row(case, data):
+    """Each row's bytes land at `offset` of a `pitch`-byte row of the object and nothing else of
+    the object is written; a scatter reads them back from there."""
+    spec = case.spec
+    chunk_size, n, ids = _chunking(data, spec, distinct=True)
+    pitch, offset = _sliced(data, spec)
+    layout = spec.native(case.ptrs)
+    layout.object_row_pitch, layout.object_row_offset = pitch, offset
+    layout.validate()
+    rows = spec.num_segments * spec.num_layers * chunk_size // spec.block_size * spec.rows_per_block
+    obj_bytes = rows * pitch
+    assert layout.object_bytes(chunk_size) == obj_bytes
+    objs, ptrs = _objects(n, obj_bytes)
+    cpu_gather(layout, chunk_size, ids, ptrs, obj_bytes)
+    dense = gather_reference(case.buffers, spec, chunk_size, ids).reshape(n, rows, spec.row_bytes)
+    want = np.full((n, rows, pitch), POISON, dtype=np.uint8)
+    want[:, :, offset:offset + spec.row_bytes] = dense
+    assert np.array_equal(objs[:n, :obj_bytes].reshape(n, rows, pitch), want)
+    assert (objs[:n, obj_bytes:] == POISON).all(), "wrote past the object"
+    for b in case.buffers:
+        b[:] = 0
+    cpu_scatter(layout, chunk_size, ids, ptrs, obj_bytes)
+    assert np.array_equal(gather_reference(case.buffers, spec, chunk_size, ids).reshape(n, rows, spec.row_bytes), dense)
+
+
+def test_a_slice_that_does_not_fit_its_object_row_is_refused():
+    case = _simple_case()
+    layout = case.spec.native(case.ptrs)
+    layout.object_row_pitch, layout.object_row_offset = case.spec.row_bytes + 4, 8
+    with pytest.raises(ValueError, match="does not fit an object row"):
+        layout.validate()
+    layout.object_row_pitch = 0
+    with pytest.raises(ValueError, match="needs an object row pitch"):
+        layout.validate()
