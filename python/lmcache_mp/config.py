@@ -53,8 +53,8 @@ class ServerConfig:
                "find those; a registration whose head split the server cannot prove is refused. Without it a "
                "registration opts in itself (tp_shared=True; docs/tensor-parallel.md)")
     tp_shared_timeout: float = _setting(
-        10.0, "seconds a tp-shared chunk waits for its other ranks' slices after the last one landed; then it "
-              "is dropped, never served half written")
+        10.0, "seconds a tp-shared chunk waits for its other ranks' slices once none is being written (from the "
+              "last one's start or landing); then it is dropped, never served half written")
     device: str = _setting(
         "auto", "cpu: KV caches in shared memory; cuda: GPU caches over CUDA IPC; auto: cuda when usable")
     transfer_mode: str = _setting(
