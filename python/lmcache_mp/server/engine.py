@@ -20,8 +20,8 @@ The walk of a request, from the socket to storage: the transport (transport/rout
 dispatch table names the part that answers, each an object built here from the collaborators it
 names: `registrations` (registry/registrations.py: REGISTER, UNREGISTER), `server_copies`
 (copies/server_copies.py: STORE, RETRIEVE), `engine_copies` (copies/engine_copies.py: MAP_ARENA,
-RESERVE, COMMIT, READ, READ_DONE), `lookups` (registry/lookups.py: LOOKUP, RELEASE), or the
-engine itself (HELLO, PING, STATUS, EVENTS, CLEAR, BYE). The parts hold `l1` (storage/l1.py, an
+RESERVE, COMMIT, READ, READ_DONE), `lookups` (registry/lookups.py: LOOKUP, RELEASE), `hints`
+(hints.py: HINT), or the engine itself (HELLO, PING, STATUS, EVENTS, CLEAR, BYE). The parts hold `l1` (storage/l1.py, an
 `L1Store`) and, with a tier below, `l2` (storage/l2/tiers.py, `L2Tiers`), both opened by
 storage_setup.py. `clients` (registry/clients.py) knows who was heard from and when; `shares`
 (tenancy/shares.py) keeps the tenants' quotas.
