@@ -9,7 +9,8 @@ Prompt embeddings have no token ids that stand for them: such requests are not c
 
 Per request, `kv_transfer_params` (vLLM's `SamplingParams(extra_args={"kv_transfer_params":
 {...}})`) may ask `{"lmcache_mp.skip_save": true}` (nothing of this request is stored) or
-`{"lmcache_mp.skip_load": true}` (it is not looked up).
+`{"lmcache_mp.skip_load": true}` (it is not looked up); hints for the server (pin, retain, ...) are
+request_hints.py's.
 """
 
 from __future__ import annotations
