@@ -205,3 +205,16 @@ def test_prefetch_and_demote_without_a_tier_say_so(shm_files, servers, clients):
         with pytest.raises(RequestError, match=f"UNSUPPORTED.*{action}: this server has no L2 tier"):
             c.hint(action, hashes, model="m")
     assert c.lookup(hashes, model="m") == 2
+
+
+def test_a_clear_ends_every_pin_and_its_bytes_with_it(shm_files, servers, clients, no_internal_errors):  # noqa: F811
+    srv = small_server(servers)
+    c = clients(srv.url)
+    kv, h = register_mha(c, num_blocks=96)
+    hashes, _ = stored(c, h, kv, seed=1, chunks=4)
+    assert c.hint("pin", hashes, model="m", ttl=600).pinned_bytes == 4 * SLOT
+    assert c.clear() == 4  # (a pinned chunk goes too: CLEAR ends every lease)
+    st = c.status()
+    assert st["hints"]["tenants"] == {} and st["l1"]["leases"] == 0
+    again, _ = stored(c, h, kv, seed=1, chunks=4)
+    assert c.hint("pin", again, model="m", ttl=600).pinned_bytes == 4 * SLOT  # the budget is whole again
