@@ -25,14 +25,14 @@ IN_FLIGHT = 2  # KV layer groups asked for at once
 BATCH = 4096  # objects per retrieve request (a node of page size 1 may hold 100k pages)
 
 
-def batches(digests: bytes, rows):
-    """(packed digests, rows) of at most BATCH objects each."""
-    for start in range(0, len(rows), BATCH):
-        yield digests[start * DIGEST_BYTES:(start + BATCH) * DIGEST_BYTES], rows[start:start + BATCH]
+def batches(digests: bytes, rows, size: int = BATCH):
+    """(packed digests, rows) of at most `size` objects each."""
+    for start in range(0, len(rows), size):
+        yield digests[start * DIGEST_BYTES:(start + size) * DIGEST_BYTES], rows[start:start + size]
 
 
 def load_batch(client, handles: dict, requests, group_ends, on_layers: Callable[[int, int], None] | None, *,
-               timeout: float, in_flight: int = IN_FLIGHT) -> None:
+               timeout: float, in_flight: int = IN_FLIGHT, batch: int = BATCH) -> None:
     """Retrieve every request's objects into their rows and report layers as their groups land.
 
     requests: ``[(items, leases)]``, items ``[(part, packed digests, rows)]``, leases the lookup
@@ -51,7 +51,7 @@ def load_batch(client, handles: dict, requests, group_ends, on_layers: Callable[
     def ask(step: int, items: list) -> None:
         out = futures.setdefault(step, [])
         for part, digests, rows, lease in items:
-            for some, at in batches(digests, rows):
+            for some, at in batches(digests, rows, batch):
                 out.append((part, len(at), client.retrieve(handles[id(part)], some, at, lease=lease, timeout=timeout)))
 
     def landed(step: int) -> None:
