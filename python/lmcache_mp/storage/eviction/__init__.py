@@ -9,8 +9,9 @@ from lmcache_mp.storage.eviction.base import EvictionPolicy
 from lmcache_mp.storage.eviction.follow import FollowPolicy
 from lmcache_mp.storage.eviction.lru import LruPolicy
 from lmcache_mp.storage.eviction.s3fifo import S3FifoPolicy
+from lmcache_mp.storage.eviction.switch import SwitchPolicy
 
-POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (FollowPolicy, AdaptivePolicy, LruPolicy, ArcPolicy, S3FifoPolicy)}
+POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (SwitchPolicy, FollowPolicy, AdaptivePolicy, LruPolicy, ArcPolicy, S3FifoPolicy)}
 DEFAULT_POLICY = "adaptive"
 
 
