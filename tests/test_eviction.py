@@ -106,10 +106,11 @@ def test_what_a_policy_remembers_is_bounded(policy):
                 pol.use(obj)
     st = pol.stats()
     assert st["policy"] == policy
-    # ghosts, and the adaptive policy's sample; the default keeps every candidate's, and a miniature
-    # cache of each (at most as large as the cache, with its own ghosts and sample)
+    # ghosts, and the adaptive policy's sample; follow and switch keep a miniature cache of each
+    # candidate (at most as large as the cache, with its own ghosts and sample), follow every
+    # candidate's history, switch the live objects it hands over
     bound = ghost_limit(400) + 65536
-    if policy == "follow":
+    if policy in ("follow", "switch"):
         bound = 2 * len(CANDIDATES) * (bound + 400)
     assert st["history_keys"] <= bound, st
     assert st["history_bytes"] == st["history_keys"] * GHOST_BYTES

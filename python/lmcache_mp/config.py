@@ -71,8 +71,9 @@ class ServerConfig:
                   "most l1_size/16; smaller slabs leave less memory idle when layouts of several sizes share L1. "
                   "The default suits chunks up to 256 MiB")
     eviction_policy: str = _setting(
-        DEFAULT_POLICY, "which chunks L1 and the disk tier keep: adaptive (frequency, whole prompts and an admission share "
-        "learned from the traffic), follow (evicts as whichever of adaptive, arc, s3fifo and lru is winning on "
+        DEFAULT_POLICY, "which chunks L1 and the disk tier keep: switch (runs whichever of adaptive, arc, s3fifo and "
+        "lru is winning on sampled miniature caches, about 2x one policy's CPU), adaptive (frequency, whole prompts and "
+        "an admission share learned from the traffic), follow (evicts as whichever of adaptive, arc, s3fifo and lru is winning on "
         "miniature caches: more hits on agentic traffic for about 7x the policy's CPU; docs/eviction.md), lru, arc "
         "or s3fifo")
     l1_persist: str = _setting(

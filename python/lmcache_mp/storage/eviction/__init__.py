@@ -12,7 +12,7 @@ from lmcache_mp.storage.eviction.s3fifo import S3FifoPolicy
 from lmcache_mp.storage.eviction.switch import SwitchPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (SwitchPolicy, FollowPolicy, AdaptivePolicy, LruPolicy, ArcPolicy, S3FifoPolicy)}
-DEFAULT_POLICY = "adaptive"
+DEFAULT_POLICY = "switch"
 
 
 def make_policy(name: str = DEFAULT_POLICY) -> EvictionPolicy:

@@ -38,7 +38,8 @@ DECAY = 0.5  # of the miniatures' hits, once every DECAY_EVERY x a miniature's s
 DECAY_EVERY = 32
 MIN_WINDOW = 256
 WINDOW_HITS = 2048  # ... and once the best has this many
-NOISE = 9.0  # a challenger leads once ahead by 3 standard deviations of the difference (squared) ...
+NOISE = 16.0  # a challenger leads once ahead by 4 standard deviations of the difference (squared; the test is
+#   repeated at every sampled access, and with 3 a passing lead switched the conversation trace at 2,000 blocks) ...
 LEAD = 0.003  # ... and by this share of the decayed sampled accesses
 THRESHOLD = 1 << 32
 
