@@ -2,8 +2,9 @@
 serves, per eviction policy, next to Belady's offline optimum measured in the same run.
 
   sim      the trace replayed on each policy's own code (storage/eviction/), without a server:
-           LRU, ARC, S3-FIFO, adaptive (the server's default) and Belady's MIN, for every size in
-           seconds; each figure also as a ratio to Belady and to LRU
+           every policy (switch is the server's default) and Belady's MIN, for every size in
+           seconds; each figure also as a ratio to Belady and to LRU, and each policy's CPU time
+           per block as a ratio to the default's
   server   the trace driven through a real server (`lmcache-mp-server --device cpu` in its own
            process) as an engine drives it: per request a lookup with lock of its chunk keys, a
            retrieve of the hits, a store of the rest naming the chunk before it. One block of
@@ -17,7 +18,7 @@ A trace is JSON lines with `hash_ids` (prefix-chained ids of a prompt's 512-toke
 with a fixed seed (SYNTHETIC below says what each models: docs, agent, chat, sessions, scan).
 
     python bench/bench_trace.py [--trace FILE] [--sizes 1000,2000,4000,8000,16000] [--mode sim|server|both]
-        [--policies adaptive,lru,arc,s3fifo] [--server-policies adaptive] [--requests N] [--disk-blocks N|NX]
+        [--policies switch,adaptive,lru,arc,s3fifo] [--server-policies switch] [--requests N] [--disk-blocks N|NX]
         [--json out.json]
 """
 
@@ -155,16 +156,24 @@ def block_tokens(req: dict) -> list[int]:
 
 
 def simulate(requests: list[list[int]], sizes: list[int], policies: list[str]) -> list[dict]:
+    """Each policy's share served at each size, and the CPU time of its replay per block (the
+    replay's own work included: compare policies of the same run)."""
     rows = []
+    blocks = sum(map(len, requests)) or 1
     for size in sizes:
         t0 = time.monotonic()
         best = belady(requests, size)["ratio"]
-        got = {p: replay(requests, p, size)["ratio"] for p in policies}
+        got, cpu = {}, {}
+        for p in policies:
+            c0 = time.process_time()
+            got[p] = replay(requests, p, size)["ratio"]
+            cpu[p] = (time.process_time() - c0) / blocks * 1e6
         lru = got.get("lru") or replay(requests, "lru", size)["ratio"]
         for name, ratio in [*got.items(), ("belady", best)]:
             rows.append({"size": size, "policy": name, "ratio": round(ratio, 4),
                          "vs_belady": round(ratio / best, 3) if best else 0.0,
-                         "vs_lru": round(ratio / lru, 3) if lru else 0.0})
+                         "vs_lru": round(ratio / lru, 3) if lru else 0.0,
+                         "us_per_block": round(cpu.get(name, 0.0), 2)})
         print(f"  simulated {size} blocks in {time.monotonic() - t0:.1f} s", file=sys.stderr)
     return rows
 
@@ -177,6 +186,11 @@ def print_sim(rows: list[dict], policies: list[str]) -> None:
         by = {r["policy"]: r for r in rows if r["size"] == size}
         print(f"{size:>8} " + " ".join(f"{by[n]['ratio']:>8.3f} {by[n]['vs_belady']:>5.2f}x {by[n]['vs_lru']:>5.2f}x"
                                      for n in names))
+    print(f"\nCPU time of the replay per block, µs (x the {DEFAULT_POLICY} policy's):")
+    for size in sorted({r["size"] for r in rows}):
+        by = {r["policy"]: r["us_per_block"] for r in rows if r["size"] == size}
+        ref = by.get(DEFAULT_POLICY) or 0.0
+        print(f"{size:>8} " + " ".join(f"{n:>10} {by[n]:>6.2f} ({by[n] / ref if ref else 0:.2f}x)" for n in policies))
 
 
 # ---- a real server -------------------------------------------------------------------------------
