@@ -4,7 +4,8 @@ serves, per eviction policy, next to Belady's offline optimum measured in the sa
   sim      the trace replayed on each policy's own code (storage/eviction/), without a server:
            every policy (switch is the server's default) and Belady's MIN, for every size in
            seconds; each figure also as a ratio to Belady and to LRU, and each policy's CPU time
-           per block as a ratio to the default's
+           per block as a ratio to the default's; with --next-turn, an offline model of valuing
+           sessions by when their next turn comes (simulate.next_turn) beside Belady
   server   the trace driven through a real server (`lmcache-mp-server --device cpu` in its own
            process) as an engine drives it: per request a lookup with lock of its chunk keys, a
            retrieve of the hits, a store of the rest naming the chunk before it. One block of
@@ -41,7 +42,7 @@ import time
 import numpy as np
 
 from lmcache_mp.storage.eviction import DEFAULT_POLICY, POLICIES
-from lmcache_mp.storage.eviction.simulate import belady, block_key, replay
+from lmcache_mp.storage.eviction.simulate import belady, block_key, next_turn, replay
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TRACE = os.path.join(HERE, "traces", "mooncake_conversation_trace.jsonl.xz")
@@ -155,7 +156,7 @@ def block_tokens(req: dict) -> list[int]:
 # ---- simulation -----------------------------------------------------------------------------------
 
 
-def simulate(requests: list[list[int]], sizes: list[int], policies: list[str]) -> list[dict]:
+def simulate(requests: list[list[int]], sizes: list[int], policies: list[str], sessions: bool = False) -> list[dict]:
     """Each policy's share served at each size, and the CPU time of its replay per block (the
     replay's own work included: compare policies of the same run)."""
     rows = []
@@ -169,7 +170,10 @@ def simulate(requests: list[list[int]], sizes: list[int], policies: list[str]) -
             got[p] = replay(requests, p, size)["ratio"]
             cpu[p] = (time.process_time() - c0) / blocks * 1e6
         lru = got.get("lru") or replay(requests, "lru", size)["ratio"]
-        for name, ratio in [*got.items(), ("belady", best)]:
+        models = [("belady", best)]
+        if sessions:
+            models.append(("next-turn", next_turn(requests, size)["ratio"]))
+        for name, ratio in [*got.items(), *models]:
             rows.append({"size": size, "policy": name, "ratio": round(ratio, 4),
                          "vs_belady": round(ratio / best, 3) if best else 0.0,
                          "vs_lru": round(ratio / lru, 3) if lru else 0.0,
@@ -179,7 +183,7 @@ def simulate(requests: list[list[int]], sizes: list[int], policies: list[str]) -
 
 
 def print_sim(rows: list[dict], policies: list[str]) -> None:
-    names = [*policies, "belady"]
+    names = [*policies, "belady", *(["next-turn"] if any(r["policy"] == "next-turn" for r in rows) else [])]
     print(f"\nshare of requested blocks served (simulation; x Belady, x LRU):")
     print(f"{'blocks':>8} " + " ".join(f"{n:>22}" for n in names))
     for size in sorted({r["size"] for r in rows}):
@@ -345,6 +349,8 @@ def main() -> int:
                     help="a disk tier of this many blocks below L1 (server); NX: N times L1's size")
     ap.add_argument("--disk-codec", default="none", help="the disk tier's codecs, comma-separated: none, fp8")
     ap.add_argument("--heads", type=int, default=1, help="heads of 64 values a chunk has (4 KiB each)")
+    ap.add_argument("--next-turn", action="store_true",
+                    help="also the offline model of valuing sessions by their predicted next turn (simulate.next_turn)")
     ap.add_argument("--json")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -358,7 +364,7 @@ def main() -> int:
     requests = [r["blocks"] for r in trace]
     total = sum(map(len, requests))
     print(f"{args.trace}: {len(trace)} requests, {total} blocks, {len({b for r in requests for b in r})} distinct")
-    sim = simulate(requests, sizes, policies)
+    sim = simulate(requests, sizes, policies, args.next_turn)
     print_sim(sim, policies)
     served = []
     if args.mode in ("server", "both"):

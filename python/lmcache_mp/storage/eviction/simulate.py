@@ -10,6 +10,7 @@ used, the last first. That order gives the figures of the traces' README for LRU
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from typing import Sequence
 
@@ -102,4 +103,56 @@ def belady(requests: Sequence[Sequence[int]], capacity: int) -> dict:
                 far, v = heapq.heappop(heap)
                 if held.get(v) == -far:
                     del held[v]
+    return {"hits": hits, "blocks": total, "ratio": hits / total if total else 0.0}
+
+
+def next_turn(requests: Sequence[Sequence[int]], capacity: int, overdue: float = 3.0) -> dict:
+    """An offline model of valuing sessions by when their next turn comes (not a policy: it scans
+    every session at each eviction). A request's session is its first block (a session's turns
+    re-send its context); its next turn is predicted at its last turn plus a running mean of its
+    gaps between turns, in requests (a session of one turn: the median gap so far). Over
+    capacity, the deepest held block of the session predicted farthest goes; a session more than
+    `overdue` gaps past its prediction has ended, and goes first."""
+    held: dict[int, int] = {}  # block -> the session that stored it
+    chains: dict[int, list[int]] = {}  # session -> its held blocks, in the order stored
+    last: dict[int, int] = {}
+    gap: dict[int, float] = {}
+    gaps: list[int] = []
+    hits = total = 0
+    for i, blocks in enumerate(requests):
+        if not blocks:
+            continue
+        hits += _leading(blocks, held)
+        total += len(blocks)
+        s = blocks[0]
+        if s in last:
+            g = i - last[s]
+            bisect.insort(gaps, g)
+            gap[s] = g if s not in gap else 0.5 * (g + gap[s])
+        last[s] = i
+        new = [b for b in blocks if b not in held]
+        need = len(held) + len(new) - capacity
+        typical = gaps[len(gaps) // 2] if gaps else 1
+
+        def farthest(x: int) -> float:
+            g = gap.get(x, typical)
+            late = i - last[x]
+            return 1e18 + late if late > overdue * g else last[x] + g
+
+        while need > 0:
+            others = [x for x, c in chains.items() if c and x != s]
+            if not others:
+                break
+            chain = chains[max(others, key=farthest)]
+            while need > 0 and chain:
+                del held[chain.pop()]
+                need -= 1
+        mine = chains.setdefault(s, [])
+        for b in new:
+            held[b] = s
+            mine.append(b)
+        while len(held) > capacity and mine:  # (a session larger than the cache)
+            del held[mine.pop()]
+        for x in [x for x, c in chains.items() if not c and x != s]:
+            del chains[x]
     return {"hits": hits, "blocks": total, "ratio": hits / total if total else 0.0}
