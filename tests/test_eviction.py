@@ -17,7 +17,7 @@ from lmcache_mp.native import HostArena
 from lmcache_mp.storage.eviction import DEFAULT_POLICY, POLICIES, make_policy
 from lmcache_mp.storage.eviction.base import GHOST_BYTES, ghost_limit
 from lmcache_mp.storage.eviction.follow import CANDIDATES
-from lmcache_mp.storage.eviction.simulate import SimObject, belady, block_key, replay
+from lmcache_mp.storage.eviction.simulate import SimObject, belady, block_key, next_turn, replay
 from lmcache_mp.storage.l1 import L1Store, ObjectKey
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,6 +58,20 @@ def test_the_default_serves_at_least_the_best_textbook_policy_and_half_again_lru
     assert got[DEFAULT_POLICY] >= best, got
     if size in (2000, 4000):
         assert got[DEFAULT_POLICY] >= 1.5 * got["lru"], got
+
+
+def test_the_next_turn_model_keeps_the_sessions_whose_turn_comes_first():
+    """Six sessions take turns in a round, each re-sending its context and a block more: together
+    larger than the cache, so LRU evicts each just before its turn. Valuing a session by its next
+    turn keeps those due soonest; Belady stays the ceiling."""
+    ctx = {s: [s * 1000 + i for i in range(30)] for s in range(6)}
+    reqs = []
+    for turn in range(40):
+        for s in range(6):
+            ctx[s] = ctx[s] + [s * 1000 + 30 + turn]
+            reqs.append(list(ctx[s]))
+    lru, model, best = replay(reqs, "lru", 100)["ratio"], next_turn(reqs, 100)["ratio"], belady(reqs, 100)["ratio"]
+    assert lru < 0.05 and best >= model > 0.5 * best, (lru, model, best)
 
 
 def _objs(n: int, start: int = 0) -> list[SimObject]:
