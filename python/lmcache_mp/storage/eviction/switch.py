@@ -8,15 +8,15 @@ RATE of the hash space, so a chunk costs one policy and RATE x the candidates' m
 - **Miniatures** (SHARDS, as in follow.py): keys whose digest falls in the sampled share are
   replayed, reads and stores only (never lookups), on one cache per candidate of RATE x the live
   cache's size (at most MINI_OBJECTS objects). The leader changes as follow.py's does: by a
-  margin of the decayed accesses and by NOISE standard deviations of the difference.
+  margin of the decayed accesses and by four standard deviations of the difference.
 - **A switch hands the live objects to the new leader**, O(objects held): the parked ones in the
   old leader's order (its next victims stay the new one's), the held ones held; the chunks read
-  or stored again since they were stored are used once more in the new one (its frequency), the
+  or stored again since they were stored are used once more in the new one (its frequency); the
   part of ARC or S3-FIFO for chunks used again (T2, main) takes the share the new leader's
-  miniature has there (the chunks farthest from eviction), and a new adaptive leader starts from the admission share its miniature learned,
-  ARC from its miniature's target p (scaled). A switch waits
-  until as many reads and stores as objects held have passed since the last one: the hand-over
-  is O(1) amortised.
+  miniature has there (the chunks farthest from eviction); a new adaptive leader starts from the
+  admission share its miniature learned, ARC from its miniature's target p (scaled). A switch
+  waits until as many reads and stores as objects held have passed since the last one: the
+  hand-over is O(1) amortised.
 
 The guarantees of base.py hold as under the leader (it sees only parked objects; a request's
 chunks reach it in prefix order), and a lookup that parks a parked object moves nothing."""
@@ -29,8 +29,8 @@ from typing import Iterator, Sequence
 from lmcache_mp.storage.eviction.adaptive import AdaptivePolicy
 from lmcache_mp.storage.eviction.arc import T1, T2, ArcPolicy
 from lmcache_mp.storage.eviction.base import GHOST_BYTES, EvictionPolicy
-from lmcache_mp.storage.eviction.s3fifo import MAIN, SMALL, S3FifoPolicy
 from lmcache_mp.storage.eviction.follow import CANDIDATES, FILLS, Miniature, UseLruPolicy
+from lmcache_mp.storage.eviction.s3fifo import MAIN, SMALL, S3FifoPolicy
 
 RATE = 0.125  # share of the hash space the miniatures replay
 MINI_OBJECTS = 16384  # objects a miniature holds, at most (the share shrinks for larger caches)
@@ -38,9 +38,11 @@ DECAY = 0.5  # of the miniatures' hits, once every DECAY_EVERY x a miniature's s
 DECAY_EVERY = 32
 MIN_WINDOW = 256
 WINDOW_HITS = 2048  # ... and once the best has this many
-NOISE = 16.0  # a challenger leads once ahead by 4 standard deviations of the difference (squared; the test is
-#   repeated at every sampled access, and with 3 a passing lead switched the conversation trace at 2,000 blocks) ...
-LEAD = 0.003  # ... and by this share of the decayed sampled accesses
+# A challenger leads once ahead by sqrt(NOISE) standard deviations of the difference and by LEAD
+# of the decayed sampled accesses. (The test repeats at every sampled access: with 3 standard
+# deviations a passing lead switched the conversation trace at 2,000 blocks, through the server.)
+NOISE = 16.0
+LEAD = 0.003
 THRESHOLD = 1 << 32
 
 
@@ -71,7 +73,7 @@ class SwitchPolicy(EvictionPolicy):
         self._kinds = tuple(candidates)
         self._mini = [Miniature(c(), {}) for c in candidates]
         self._pol = candidates[0]()
-        self._objs: dict = {}  # live object -> whether it was used since it was stored: what a new leader is handed
+        self._objs: dict = {}  # live object -> used since it was stored: what a new leader is handed
         self.leader = 0
         self.switches = 0
         self.max_rate = rate
