@@ -238,7 +238,9 @@ def drive(url: str, trace: list[dict], digests: dict[int, bytes], heads: int) ->
     most = max(len(r["blocks"]) for r in trace)
     kv = shared_cpu_array((2, most, TOKENS_PER_CHUNK, heads, 64), np.float16)
     kv[...] = np.random.default_rng(0).standard_normal(kv.shape, dtype=np.float32)
-    client = Client(url, timeout=120, name="bench-trace")
+    # (a heartbeat every 10 s: on a busy machine a server deep in a long store may not answer one
+    # within the default 2 s, and the client would take it for gone)
+    client = Client(url, timeout=120, heartbeat_interval=10.0, name="bench-trace")
     try:
         handle = client.register_kv_cache([kv], model="trace")
         blocks = np.arange(most)
