@@ -1,4 +1,4 @@
-"""The default policy (storage/eviction/follow.py): it follows whichever candidate its miniature
+"""The follow policy (storage/eviction/follow.py): it follows whichever candidate its miniature
 caches say is winning, and keeps the guarantees of every policy across a switch of leader: held
 objects are never victims, each parked object is offered once, a prompt goes from its end, what
 it remembers is bounded; and on a small generated trace it serves about what the best textbook

@@ -1,4 +1,4 @@
-"""The adaptive policy (the default's first candidate, follow.py): frequency with ageing, whole
+"""The adaptive policy (the first candidate of switch.py and follow.py): frequency with ageing, whole
 prompts, and an admission share learned from the traffic.
 
 Measured on a production service's conversation trace (docs/eviction.md), a prefix cache differs

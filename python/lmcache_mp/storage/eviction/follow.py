@@ -1,4 +1,4 @@
-"""The default policy: the live cache evicts as whichever candidate policy is winning at its size.
+"""`follow`: the live cache evicts as whichever candidate policy is winning at its size.
 
 No single policy wins on every traffic (docs/eviction.md): frequency with admission (the adaptive
 policy) wins where reuse is rare and late (a conversation service), ARC and S3-FIFO where a few
@@ -17,7 +17,7 @@ reused soon fits. This policy runs them all and follows the winner:
   frequency, recency and queue of every chunk. The victim is the leader's; the others are told it
   was dropped (it enters their ghosts), so each candidate's view stays the live cache's content.
 
-Candidate order breaks ties: the adaptive policy first (the former default).
+Candidate order breaks ties: the adaptive policy first.
 
 Costs: every call is O(1) amortised (each candidate's call, and at most R of the calls again on
 the miniatures; a change of R happens at most a few times and drops the keys no longer sampled).
