@@ -14,6 +14,9 @@ request gets exactly one reply with the same request_id: the op's reply struct, 
 Op codes and error codes are append-only; fields are only ever appended, with defaults.
 Chunk hashes travel packed (16 bytes each), block ids as packed little-endian int32.
 docs/protocol.md describes the schema for other implementations.
+
+One module over 450 lines: it is the wire format's one definition (every request and reply with
+its op code, the framing, the codecs), the module the client shares with the server.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ Either way a request costs one round trip and no thread hand-offs. A heartbeat n
 that went away (requests then fail at once until it is back) or restarted: the client then fails
 what was in flight and registers its KV caches again (client/recovery.py). KV caches registered
 with transfer="engine" are copied by this process (client/engine_transfers.py).
+
+One module over 450 lines: it is the public `Client` of DESIGN.md, a method for each request, and
+what is not a request already lives apart in client/.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ reach vLLM's stats (vllm_stats.py); what of a request enters its keys: vllm_requ
 
 This module is a thin adapter: the logic is in `connector_core` (see
 docs/vllm-connector-notes.md for the vLLM interface it follows).
+
+One module over 450 lines: what is left is vLLM's connector interface itself, a method for each of
+vLLM's calls, each handing over to connector_core; its helpers are the vllm_*.py modules above.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ start the directory is scanned (headers only) and the index rebuilt; the payload
 checked on every read, and a file that fails it is deleted and counted.
 
 Which files stay within the size limit is the eviction policy's choice (storage/eviction/, the
-same as L1's), and L1's victim chooser picks them (storage/eviction/chooser.py), tenants' caps
-(`l2_disk_max`) included: this tier keeps the policy's view of every file and makes room before
+same as L1's), and the victim chooser L1 uses picks them (storage/eviction/chooser.py), tenants'
+caps (`l2_disk_max`) included: this tier keeps the policy's view of every file and makes room before
 each write, so the store's own LRU (by bytes, the last resort) never has to. A read is a use; a
 write batch is admitted as one request's chunks, in the order the writers give them (prefix order).
 """
