@@ -279,6 +279,32 @@ def test_the_disk_tier_keeps_what_is_read_and_resumes_its_files_after_a_restart(
     again.close()
 
 
+def test_a_disk_batch_larger_than_a_tenants_cap_writes_its_leading_chunks_that_fit(tmp_path):
+    """A tenant capped at 4 files whose chunks reach the disk in one batch of 10 gets its first 4
+    written, as when they come one by one: what lands must not depend on how the writer batched
+    them (the whole batch was refused, leaving the tenant nothing on disk)."""
+    from lmcache_mp.storage.eviction.quotas import SEP
+    from lmcache_mp.storage.l2.disk import HEADER_BYTES
+    from lmcache_mp.storage.l2.writers import key_bytes
+
+    disk = _disk(tmp_path, 64, DEFAULT_POLICY)
+    disk.set_quota("bob", 4 * (HEADER_BYTES + N))
+    refusals = []
+    disk.on_over_cap = lambda *refusal: refusals.append(refusal)
+    key = lambda who, i: key_bytes(ObjectKey(f"{who}{SEP}m", 1, 0, i.to_bytes(16, "little"), b""))  # noqa: E731
+    batch = [key("alice", 0), *(key("bob", i) for i in range(10)), key("alice", 1)]
+    assert _put(disk, batch, 1) == [True] * 5 + [False] * 6 + [True]
+    assert disk.tenant_bytes()["bob"] == 4 * (HEADER_BYTES + N)
+    (who, chunks, _, cap), = refusals  # (one audit line: the tenant, its chunks not written, its cap)
+    assert (who, chunks, cap) == ("bob", 6, 4 * (HEADER_BYTES + N)) and disk.stats()["over_tenant_cap"] == 6
+    # the next batch makes room within the cap from bob's own files (the policy picks which), as before
+    assert _put(disk, [key("bob", i) for i in range(10, 13)], 2) == [True] * 3
+    present = [disk.lookup([key("bob", i)])[0] is not None for i in (0, 1, 2, 3, 10, 11, 12)]
+    assert sum(present[:4]) == 1 and present[4:] == [True] * 3
+    assert disk.tenant_bytes()["bob"] == 4 * (HEADER_BYTES + N) and disk.stats()["objects"] == 6
+    disk.close()
+
+
 # ---- the benchmark --------------------------------------------------------------------------------
 
 

@@ -11,7 +11,8 @@ Which files stay within the size limit is the eviction policy's choice (storage/
 same as L1's), and the victim chooser L1 uses picks them (storage/eviction/chooser.py), tenants'
 caps (`l2_disk_max`) included: this tier keeps the policy's view of every file and makes room before
 each write, so the store's own LRU (by bytes, the last resort) never has to. A read is a use; a
-write batch is admitted as one request's chunks, in the order the writers give them (prefix order).
+write batch is admitted as one request's chunks, in the order the writers give them (prefix order):
+of a capped tenant's chunks in a batch larger than its cap, the leading ones that fit are written.
 """
 
 from __future__ import annotations
@@ -133,7 +134,10 @@ class DiskTier(L2Backend):
 
     def _within_caps(self, keys, sizes) -> tuple[list[int], list[bytes], list[tuple[str, int, int, int]]]:
         """The writes that fit their tenants' l2_disk_max once those tenants' own files make
-        room (their indices), the keys of the files that go for it, and the refusals (see on_over_cap)."""
+        room (their indices), the keys of the files that go for it, and the refusals (see on_over_cap).
+        Of a tenant's writes in one batch the leading ones within its cap are admitted (prefix
+        order: once one does not fit, the later ones are of no use), so what a tenant gets on disk
+        does not depend on how many of its chunks the writer happened to batch together."""
         quotas = self._quotas
         if not any(cap for _, cap in quotas.limits):
             return list(range(len(keys))), [], []
@@ -143,12 +147,18 @@ class DiskTier(L2Backend):
         evict = lambda f, cause: self._evict(f, cause, victims)  # noqa: E731
         for owner, idx in want.items():
             cap = quotas.cap_of(owner)
-            need = sum(HEADER_BYTES + sizes[i] for i in idx)
-            if cap and (need > cap or not self._chooser.fit_cap(owner, need, evict)):
-                self._refused += len(idx)
-                over.append((quotas.names[owner], len(idx), quotas.bytes[owner], cap))
-                continue
-            keep += idx
+            fit, need = len(idx), sum(HEADER_BYTES + sizes[i] for i in idx)
+            if cap and need > cap:
+                fit = need = 0
+                while fit < len(idx) and need + HEADER_BYTES + sizes[idx[fit]] <= cap:
+                    need += HEADER_BYTES + sizes[idx[fit]]
+                    fit += 1
+            if cap and fit and not self._chooser.fit_cap(owner, need, evict):
+                fit = 0
+            if fit < len(idx):
+                self._refused += len(idx) - fit
+                over.append((quotas.names[owner], len(idx) - fit, quotas.bytes[owner], cap))
+            keep += idx[:fit]
         return sorted(keep), victims, over
 
     def set_quota(self, tenant: str, l2_disk_max: int) -> None:
