@@ -255,7 +255,7 @@ class MPCacheEngine:
 
         def run() -> None:
             self.l1.expire()
-            self.l1.drop_partial()
+            self.l1.slices.drop()
             self.engine_copies.reap_reservations()
             for client in silent:
                 if self.clients.heard(client) >= deadline:

@@ -32,7 +32,7 @@ def open_l1(config: ServerConfig, device: str, numa: int) -> tuple[HostArena, L1
         raise
     # with tenants, quotas from the start: each chunk the journal re-attaches is counted to its tenant
     l1 = L1Store(arena, policy=config.eviction_policy, quotas=Quotas() if config.tenants else None)
-    l1.partial_ttl = config.tp_shared_timeout
+    l1.slices.ttl = config.tp_shared_timeout
     l1.on_commit = made_long_lived  # (a no-op unless this process is only a server)
     events = EventLog(config.kv_events)
     l1.events = events if config.kv_events else None

@@ -9,14 +9,13 @@ policy counts; lookup hits only refresh LRU's recency. The chunks of one request
 policy deepest first, so that a prompt is evicted from its end.
 
 L1Store owns its parts, each built from the collaborators it names: the index of its objects
-(storage/l1_index.py), the slab moves (memory across sizes), the L2 writeback and, with
---l1-persist, the journal's persistence.
+(storage/l1_index.py), reads, lookups and leases (storage/l1_reads.py), the tp-shared objects being
+filled (storage/l1_slices.py), the application's hints (storage/l1_hints.py), the slab moves
+(memory across sizes), the L2 writeback and, with --l1-persist, the journal's persistence. L1Store
+itself stores, commits and frees objects.
 
 Memory across sizes (storage/slab_moves.py): one eviction order over every size; a size that needs memory
 takes a whole slab from another size by moving that slab's live objects, never by evicting them.
-
-Leases (storage/leases.py): lookup(lock=True) opens a named lease on the found prefix; only
-retrieves that name it consume it.
 
 L2 (storage/l1_writeback.py): which objects the L2 tiers' writers take, in prefix order, and
 which victim eviction picks (a clean one before a dirty one near the eviction end). An object
@@ -26,16 +25,11 @@ has read its bytes.
 All methods are thread-safe under one lock, which no call holds for long: requests are worked
 through in slices of at most SLICE keys with the lock released between them, object moves copy
 without it, and no table of the index is ever rebuilt whole (storage/index.py).
-
-One module over 450 lines: L1Store holds L1's one lock, and each step of a request here (store,
-read, lookup, lease, hint, tp-shared slice) changes the index, the policy's order, the leases and
-the counters together under it; what works from collaborators of its own is in the parts above.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,18 +39,16 @@ from lmcache_mp.storage.eviction import DEFAULT_POLICY, make_policy
 from lmcache_mp.storage.eviction.chooser import VictimChooser
 from lmcache_mp.storage.eviction.quotas import Quotas
 from lmcache_mp.storage.events import REMOVED, STORED
-from lmcache_mp.storage.index import PART_MASK
-from lmcache_mp.storage.l1_index import L1Index
+from lmcache_mp.storage.l1_hints import L1Hints
+from lmcache_mp.storage.l1_index import SLICE, L1Index  # noqa: F401 (SLICE re-exported)
 from lmcache_mp.storage.l1_journal import Entry, L1Journal
 from lmcache_mp.storage.l1_persist import L1Persistence
+from lmcache_mp.storage.l1_reads import L1Reads
+from lmcache_mp.storage.l1_slices import TpSharedSlices
 from lmcache_mp.storage.l1_writeback import SCAN, L1Writeback, busy
 from lmcache_mp.storage.leases import Lease, LeaseTable
 from lmcache_mp.storage.objects import SHARED_RANK, TP_SHARED_WORLD, L1Object, ObjectKey  # noqa: F401 (re-exported)
 from lmcache_mp.storage.slab_moves import MAX_MOVES, SlabMove, SlabMoves
-
-logger = logging.getLogger(__name__)
-
-SLICE = 256  # keys (lookups: key visits x ranks) per hold of the lock
 
 
 @dataclass
@@ -76,7 +68,6 @@ class L1Store:
                  quotas: Quotas | None = None):
         """quotas: tenants' shares of L1 (storage/eviction/quotas.py; a server with a tenants file)."""
         self.arena = arena
-        self._clock = clock
         self.on_commit: Callable[[int], None] | None = None  # (objects committed), called without the lock
         self._lock = threading.Lock()
         self._index = L1Index()
@@ -90,17 +81,22 @@ class L1Store:
         self.events = None  # an EventLog of commits and removals for subscribers (events.py)
         self.counters = {"stored": 0, "evicted": 0, "hits": 0, "lookups": 0, "lookup_chunks": 0, "moved": 0, "slab_moves": 0,
                          "cleared": 0, "replaced": 0, "format_mismatches": 0, "partial_dropped": 0}
-        self._mismatches_logged: set[str] = set()
         self.quotas = quotas
         self.writeback = L1Writeback(arena, self._lock, self._index, self._policy)
         self.chooser = VictimChooser(self._policy, quotas, busy=busy)  # told which are dirty by attach_l2
         self.moves = SlabMoves(arena, self._lock, self._index, self.chooser, evict=self._evict, moved=self._moved,
                                counters=self.counters, evicted=self._evicted)
         self.persistence: L1Persistence | None = None  # with --l1-persist (attach_journal)
-        # tp-shared objects some of whose slices have not landed: dropped once none is being
-        # written and none landed for partial_ttl seconds (drop_partial())
-        self._partial: set[L1Object] = set()
-        self.partial_ttl = 10.0
+        self.reads = L1Reads(self._lock, self._index, self._policy, self._leases, self.counters, clock,
+                             pause=self._pause, use=self._use, park_all=self._park_all)
+        self.slices = TpSharedSlices(self._lock, clock, self.counters, abandon=self._abandon)
+        self.hints = L1Hints(self._lock, self._index, self._policy, pause=self._pause, park=self._park,
+                             evictable=self._evictable, free=self._free)
+        # what the parts answer for L1 (their docstrings say how)
+        r, h = self.reads, self.hints
+        self.begin_read, self.end_read, self.lookup, self.release = r.begin_read, r.end_read, r.lookup, r.release
+        self.lease, self.drop_owner, self.expire = r.lease, r.drop_owner, r.expire
+        self.prefix_objects, self.retain, self.drop_objects = h.prefix_objects, h.retain, h.drop_objects
 
     def _pause(self) -> None:
         """Between slices of one request: let a waiting thread take the lock (and the GIL)."""
@@ -109,9 +105,6 @@ class L1Store:
         self._lock.acquire()
 
     # ---- helpers (lock held) -------------------------------------------------------------------
-
-    def _get(self, key: ObjectKey) -> L1Object | None:
-        return self._index.get(key)
 
     def _put(self, obj: L1Object) -> None:
         self._index.put(obj)
@@ -138,9 +131,6 @@ class L1Store:
         for i in range(len(objs) - 1, -1, -1):
             self._park(objs[i])
 
-    def _unpark(self, obj: L1Object) -> None:
-        self._policy.unpark(obj)
-
     def _use(self, obj: L1Object) -> None:
         obj.uses += 1
         self.writeback.admitted(obj)
@@ -160,7 +150,7 @@ class L1Store:
             self._committed -= 1
             if self.persistence is not None:  # before the slot can go to anyone else
                 self.persistence.freed(obj)
-        self._partial.discard(obj)
+        self.slices.discard(obj)
         self.arena.free(obj.offset)
         if obj.owner >= 0:
             self.quotas.removed(obj.owner, obj.nbytes)
@@ -217,7 +207,7 @@ class L1Store:
                 if i and i % SLICE == 0:
                     self._pause()
                 key = keys[i]
-                obj = self._get(key)
+                obj = self._index.get(key)
                 if obj is not None and obj.format_key != format_key:
                     if not self._evictable(obj):
                         plan.skipped = len(keys) - i
@@ -227,18 +217,16 @@ class L1Store:
                     obj = None
                 if obj is not None:
                     if cover and not obj.committed and obj.heads_full == full:
-                        if (obj.heads_landed | obj.heads_writing) & cover:
-                            plan.present += 1  # another store has these heads
-                        else:
-                            obj.heads_writing |= cover
-                            obj.touched = self._clock()
+                        if self.slices.join(obj, cover):
                             plan.indices.append(i)
                             plan.objects.append(obj)
+                        else:
+                            plan.present += 1  # another store has these heads
                     elif obj.committed:
                         plan.present += 1
                         self._use(obj)
                         self._policy.use(obj)  # a store of existing data counts as a use
-                        self._unpark(obj)
+                        self._policy.unpark(obj)
                         used.append(obj)
                     else:
                         plan.pending.append(obj)
@@ -260,22 +248,21 @@ class L1Store:
                 obj = L1Object(key=key, offset=got, size_class=cls, nbytes=slot_bytes, format_key=format_key,
                                prev=last)
                 if cover:
-                    obj.heads_full, obj.heads_writing, obj.touched = full, cover, self._clock()
-                    self._partial.add(obj)
+                    self.slices.opened(obj, cover, full)
                 last = obj
                 self._put(obj)
                 plan.indices.append(i)
                 plan.objects.append(obj)
                 i += 1
             # (the lock was let go between slices: one may have been replaced meanwhile)
-            self._park_all([obj for obj in used if self._get(obj.key) is obj])
+            self._park_all([obj for obj in used if self._index.get(obj.key) is obj])
         return plan
 
     def commit(self, plan: StorePlan, from_l2: bool = False) -> None:
         """The plan's bytes have landed; from_l2: they were loaded from L2 (not a use; the loader
         set the tiers they came from in l2_copies)."""
         waiters = []
-        objs = self._land_slices(plan) if plan.cover else plan.objects
+        objs = self.slices.land(plan.objects, plan.cover) if plan.cover else plan.objects
         if self.persistence is not None:  # room in the journal's queue, or this store sums its own chunks
             self.persistence.sum_ahead(objs)
         with self._lock:
@@ -301,55 +288,24 @@ class L1Store:
         if self.on_commit is not None and objs:
             self.on_commit(len(objs))
 
-    def _land_slices(self, plan: StorePlan) -> list[L1Object]:
-        """A slice store's heads landed: the objects it completes (the rest wait for theirs)."""
-        done = []
-        with self._lock:
-            now = self._clock()
-            for obj in plan.objects:
-                obj.heads_writing &= ~plan.cover
-                obj.heads_landed |= plan.cover
-                obj.touched = now
-                if obj.heads_landed == obj.heads_full and not obj.heads_writing:
-                    self._partial.discard(obj)
-                    done.append(obj)
-        return done
-
     def abort(self, plan: StorePlan) -> None:
         waiters = []
         with self._lock:
             for i, obj in enumerate(plan.objects):
                 if i and i % SLICE == 0:
                     self._pause()
-                if plan.cover:  # other slices of it may still land: it goes when none is left
-                    obj.heads_writing &= ~plan.cover
-                    if obj.heads_landed or obj.heads_writing:
-                        continue
-                obj.aborted = True
-                self._free(obj)
-                waiters += obj.waiters or ()
-                obj.waiters = None
+                # other slices of a tp-shared object may still land: it goes when none is left
+                if not plan.cover or self.slices.abandoned(obj, plan.cover):
+                    waiters += self._abandon(obj)
         for fn in waiters:
             fn(False)
 
-    def drop_partial(self, now: float | None = None) -> int:
-        """Drop tp-shared objects whose other slices never came: none written now, none landed
-        for partial_ttl seconds. Their slices are never served; returns how many went."""
-        waiters = []
-        with self._lock:
-            cutoff = (self._clock() if now is None else now) - self.partial_ttl
-            stale = [o for o in self._partial if not o.heads_writing and o.touched <= cutoff]
-            for obj in stale:
-                obj.aborted = True
-                self._free(obj)
-                waiters += obj.waiters or ()
-                obj.waiters = None
-            self.counters["partial_dropped"] += len(stale)
-        for fn in waiters:
-            fn(False)
-        if stale:
-            logger.info("dropped %d tp-shared chunks whose other ranks' slices never came", len(stale))
-        return len(stale)
+    def _abandon(self, obj: L1Object) -> list:
+        """(lock held) obj's store is abandoned: it leaves L1; returns its waiters to tell."""
+        obj.aborted = True
+        self._free(obj)
+        waiters, obj.waiters = obj.waiters or [], None
+        return waiters
 
     def when_written(self, objs: Sequence[L1Object], fn: Callable[[int], None]) -> None:
         """Call fn(number abandoned) once every object has been committed or abandoned by the
@@ -379,169 +335,11 @@ class L1Store:
         if done_now:
             fn(state["failed"])
 
-    # ---- read --------------------------------------------------------------------------------
-
-    def begin_read(self, keys: Sequence[ObjectKey], format_key: tuple, lease: int = 0,
-                   fallback: Sequence[ObjectKey] | None = None) -> list[L1Object]:
-        """Pin the leading committed objects of this format; a read under `lease` consumes one
-        use of each object that lease holds (other leases on them are untouched). fallback[i]:
-        the key read when keys[i] is not held (a tenant's reads of the shared namespace)."""
-        out: list[L1Object] = []
-        with self._lock:
-            held = self._leases.get(lease)
-            for i, key in enumerate(keys):
-                if i and i % SLICE == 0:
-                    self._pause()
-                    held = self._leases.get(lease)  # it may have expired meanwhile
-                obj = self._get(key)
-                if fallback is not None and (obj is None or not obj.committed):
-                    obj = self._get(fallback[i])
-                if obj is None or not obj.committed:
-                    break
-                if obj.format_key != format_key:
-                    self._format_mismatch(key.model, obj.format_key, format_key)
-                    break
-                obj.readers += 1
-                self._unpark(obj)
-                self._policy.use(obj)
-                if held is not None:
-                    self._leases.consume(held, obj)
-                out.append(obj)
-        return out
-
-    def _format_mismatch(self, model: str, held: tuple, wanted: tuple) -> None:
-        """A read stopped at a chunk whose bytes are of another format: counted, and logged once
-        per pair of formats (the engine recomputes such chunks; a steady rate of them is a bug)."""
-        self.counters["format_mismatches"] += 1
-        pair = repr((held, wanted))
-        if pair in self._mismatches_logged or len(self._mismatches_logged) >= 64:
-            return
-        self._mismatches_logged.add(pair)
-        logger.warning("a read of model %s stopped at a chunk stored in format %s, not the reader's %s: "
-                       "its bytes are not copied", model, held, wanted)
-
-    def end_read(self, objs: Sequence[L1Object]) -> None:
-        with self._lock:
-            for start in range(0, len(objs), SLICE):
-                if start:
-                    self._pause()
-                part = objs[start:start + SLICE]
-                for obj in part:
-                    obj.readers -= 1
-                self._park_all(part)
-
-    # ---- lookup and leases -------------------------------------------------------------------
-
-    def lookup(
-        self,
-        model: str,
-        world_size: int,
-        digests: Sequence[bytes],
-        salt: bytes = b"",
-        lock: bool = False,
-        owner: bytes = b"",
-        ttl: float = 30.0,
-        extend: int = 0,
-        fallback_model: str = "",
-        tp_shared: bool = False,
-        counted: bool = True,
-    ) -> tuple[int, int]:
-        """(leading chunks present for every rank or as one shared object, lease id). With lock
-        and at least one hit, the found prefix is leased under that id, else the id is 0.
-        extend: a live lease to add the found chunks to instead (returns (0, 0) if it ended).
-        fallback_model: a chunk not found under model is looked for under it (a tenant's reads
-        of the shared namespace). tp_shared: the chunks are tp-shared objects (one object serves
-        every rank of any TP size). counted=False: neither a lookup in the counters nor a use of the
-        chunks found (a pin, server/hints.py). Raises TooManyLeases when the owner holds too many leases."""
-        hits = 0
-        with self._lock:
-            if extend:
-                lease = self._leases.get(extend)
-                if lease is None:
-                    return 0, 0
-            else:
-                lease = self._leases.open(owner, self._clock() + ttl) if lock else None
-            budget = SLICE
-            spaces = None
-            seen: list[L1Object] = []  # hits without a lease: parked deepest first, a slice at a time
-            for digest in digests:
-                if budget <= 0:  # objects already leased stay; unleased hits are advisory anyway
-                    self._park_all(seen)
-                    seen = []
-                    self._pause()
-                    budget, spaces = SLICE, None
-                    if lease is not None and self._leases.get(lease.lease_id) is not lease:
-                        break  # it ended meanwhile (TTL, owner gone): report what it covered
-                if spaces is None:  # the indexes of a namespace come and go with its objects
-                    spaces = [self._index.namespace(m, world_size, salt, tp_shared) for m in (model, fallback_model) if m]
-                budget -= 1 if tp_shared else world_size
-                part = hash(digest) & PART_MASK
-                for shared, ranks in spaces:
-                    found = self._index.found(shared, ranks, part, digest, world_size)
-                    if found:
-                        break
-                if not found:
-                    break
-                hits += 1
-                if lease is not None:
-                    for obj, _ in found:
-                        self._unpark(obj)
-                        if counted:
-                            self._use(obj)
-                    self._leases.add(lease, digest, found)
-                else:
-                    for obj, _ in found:
-                        seen.append(obj)  # a lookup hit: recent (for LRU), and a use for L2 admission
-                        self._use(obj)
-            self._park_all(seen)
-            if extend:
-                return hits, lease.lease_id
-            if counted:
-                self.counters["lookups"] += 1
-                self.counters["lookup_chunks"] += len(digests)
-                self.counters["hits"] += hits
-            if lease is None:
-                return hits, 0
-            self._leases.close(lease)  # no-op unless it holds nothing
-            return hits, (lease.lease_id if hits else 0)
-
-    def _unhold(self, parts: list[Collection]) -> int:
-        """Let go of objects leases no longer hold (one collection per lease), a slice at a time
-        (lock held)."""
-        for i, obj in enumerate(itertools.chain.from_iterable(map(reversed, parts))):  # deepest first
-            if i and i % SLICE == 0:
-                self._pause()
-            self._leases.unhold(obj)
-        return sum(map(len, parts))
-
-    def release(self, lease: int, digests: Sequence[bytes] | None = None) -> int:
-        """Drop what is left of a lease, on these chunks only or on all of them; returns the
-        objects let go (0 for an unknown or ended lease)."""
-        with self._lock:
-            held = self._leases.get(lease)
-            return self._unhold([self._leases.release(held, digests)]) if held is not None else 0
-
-    def lease(self, lease: int) -> Lease | None:
-        """The live lease of this id (for tests and status)."""
-        with self._lock:
-            return self._leases.get(lease)
-
-    def drop_owner(self, owner: bytes) -> int:
-        """End every lease of a client that went away; returns how many."""
-        with self._lock:
-            ended, parts = self._leases.drop_owner(owner)
-            self._unhold(parts)
-            return ended
-
-    def expire(self) -> None:
-        with self._lock:
-            self._unhold(self._leases.expire(self._clock()))
-
     def clear(self) -> int:
         """End every lease and free every object nobody is reading, writing or moving."""
         removed = 0
         with self._lock:
-            self._unhold(self._leases.clear())
+            self.reads.unhold(self._leases.clear())
             while True:
                 victims = list(itertools.islice((o for o in self._policy.order() if not o.moving and not o.l2_writing),
                                                 SLICE))
@@ -567,7 +365,7 @@ class L1Store:
 
     def contains(self, key: ObjectKey) -> bool:
         with self._lock:
-            obj = self._get(key)
+            obj = self._index.get(key)
             return obj is not None and obj.committed
 
     def stats(self) -> dict:
@@ -609,7 +407,7 @@ class L1Store:
     def _adopt(self, e: Entry, cls: int) -> L1Object | None:
         """(lock held) A restored chunk joins the index, unless its key is held already."""
         key = ObjectKey(*e.key)
-        if self._get(key) is not None:
+        if self._index.get(key) is not None:
             return None
         obj = L1Object(key=key, offset=e.offset, size_class=cls, nbytes=self.arena.slot_bytes(cls),
                        format_key=e.format_key, committed=True, checksum=e.checksum)
@@ -651,58 +449,3 @@ class L1Store:
     def l2_flush_order(self) -> list:
         """Every object L1 holds, the most valuable first (what a stopping server writes)."""
         return self.writeback.flush_order()
-
-    # ---- the application's hints (server/hints.py) -------------------------------------------
-
-    def prefix_objects(self, model: str, world_size: int, digests: Sequence[bytes], salt: bytes = b"",
-                       tp_shared: bool = False) -> tuple[int, list[L1Object]]:
-        """(leading chunks present for every rank or shared, their objects in prefix order);
-        nothing is leased, used or counted: the caller names the objects again to act on them.
-        tp_shared: of tp-shared chunks (as lookup)."""
-        out: list[L1Object] = []
-        chunks = 0
-        with self._lock:
-            shared, ranks = self._index.namespace(model, world_size, salt, tp_shared)
-            for i, digest in enumerate(digests):
-                if i and i % SLICE == 0:
-                    self._pause()
-                    shared, ranks = self._index.namespace(model, world_size, salt, tp_shared)
-                found = self._index.found(shared, ranks, hash(digest) & PART_MASK, digest, world_size)
-                if not found:
-                    break
-                chunks += 1
-                out.extend(obj for obj, _ in found)
-        return chunks, out
-
-    def retain(self, objs: Sequence[L1Object], uses: int) -> int:
-        """Count `uses` more uses of each object still held with the eviction policy, as reads
-        would (nothing is read or leased); returns how many objects."""
-        n = 0
-        with self._lock:
-            for i, obj in enumerate(objs):
-                if i and i % SLICE == 0:
-                    self._pause()
-                if self._get(obj.key) is not obj or not obj.committed:
-                    continue
-                self._unpark(obj)
-                for _ in range(uses):
-                    self._policy.use(obj)
-                self._park(obj)
-                n += 1
-        return n
-
-    def drop_objects(self, objs: Sequence[L1Object], written_only: bool = False) -> tuple[int, int]:
-        """Free these objects, deepest first, where nothing holds them (no read, lease, store,
-        move or L2 write); written_only: only those an L2 tier holds a copy of. Returns (objects
-        freed, their bytes)."""
-        freed = nbytes = 0
-        with self._lock:
-            for i, obj in enumerate(reversed(objs)):
-                if i and i % SLICE == 0:
-                    self._pause()
-                if self._get(obj.key) is not obj or not self._evictable(obj) or (written_only and not obj.l2_copies):
-                    continue
-                self._free(obj)
-                freed += 1
-                nbytes += obj.nbytes
-        return freed, nbytes

@@ -6,6 +6,8 @@ from __future__ import annotations
 from lmcache_mp.storage.index import PART_MASK, OffsetShards, Shards
 from lmcache_mp.storage.objects import SHARED_RANK, TP_SHARED_WORLD, L1Object, ObjectKey
 
+SLICE = 256  # keys (lookups: key visits x ranks) per hold of L1's lock
+
 _NO_SPACE = Shards()  # the index of a namespace with no objects (never written)
 EMPTY = _NO_SPACE.parts  # the parts of a namespace with no objects
 
