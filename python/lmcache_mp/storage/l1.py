@@ -112,6 +112,9 @@ class L1Store:
             obj.owner = self.quotas.owner_of(obj.key.model)
             self.quotas.added(obj.owner, obj.nbytes)
 
+    def _get(self, key: ObjectKey) -> L1Object | None:
+        return self._index.get(key)
+
     @staticmethod
     def _parkable(obj: L1Object) -> bool:
         return obj.committed and obj.readers == 0 and not obj.leases
@@ -207,7 +210,7 @@ class L1Store:
                 if i and i % SLICE == 0:
                     self._pause()
                 key = keys[i]
-                obj = self._index.get(key)
+                obj = self._get(key)
                 if obj is not None and obj.format_key != format_key:
                     if not self._evictable(obj):
                         plan.skipped = len(keys) - i
@@ -255,7 +258,7 @@ class L1Store:
                 plan.objects.append(obj)
                 i += 1
             # (the lock was let go between slices: one may have been replaced meanwhile)
-            self._park_all([obj for obj in used if self._index.get(obj.key) is obj])
+            self._park_all([obj for obj in used if self._get(obj.key) is obj])
         return plan
 
     def commit(self, plan: StorePlan, from_l2: bool = False) -> None:
@@ -365,7 +368,7 @@ class L1Store:
 
     def contains(self, key: ObjectKey) -> bool:
         with self._lock:
-            obj = self._index.get(key)
+            obj = self._get(key)
             return obj is not None and obj.committed
 
     def stats(self) -> dict:
@@ -407,7 +410,7 @@ class L1Store:
     def _adopt(self, e: Entry, cls: int) -> L1Object | None:
         """(lock held) A restored chunk joins the index, unless its key is held already."""
         key = ObjectKey(*e.key)
-        if self._index.get(key) is not None:
+        if self._get(key) is not None:
             return None
         obj = L1Object(key=key, offset=e.offset, size_class=cls, nbytes=self.arena.slot_bytes(cls),
                        format_key=e.format_key, committed=True, checksum=e.checksum)
