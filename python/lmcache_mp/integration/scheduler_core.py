@@ -1,23 +1,19 @@
-"""Scheduler half of the lmcache-mp connector: lookups with leases, and per-step plans.
+"""Scheduler half of the lmcache-mp connector: per-step plans of loads and stores.
 
-One module over 450 lines: every scheduler step (lookup, allocation, plan, finish) reads and
-changes one request's state (`_Tracked`) in order, and its helpers already live apart
-(connector_types.py, link.py, request_hints.py).
+SchedulerCore keeps each request's state (tracked_request.py) and owns its parts, each built from
+the collaborators it names: the lookups and the leases they open (scheduler_lookups.py) and the
+application's hints (scheduler_hints.py). Itself it plans the loads of what a lookup found once
+the engine allocated blocks, and the stores of what each step computed.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
-import numpy as np
-
-from lmcache_mp.errors import LMCacheMPError, ServerUnavailable
 from lmcache_mp.integration.connector_types import (
     STATE,
     ConnectorConfig,
@@ -30,47 +26,16 @@ from lmcache_mp.integration.connector_types import (
     group_model_name,
 )
 from lmcache_mp.integration.link import ClientLink
-from lmcache_mp.integration.request_hints import AT_ARRIVAL, RequestHint
-from lmcache_mp.keys import chunk_hashes
+from lmcache_mp.integration.request_hints import RequestHint
+from lmcache_mp.integration.scheduler_hints import HintSender
+from lmcache_mp.integration.scheduler_lookups import SchedulerLookups
+from lmcache_mp.integration.tracked_request import TrackedRequest
 
 logger = logging.getLogger(__name__)
 
-MAX_WAITING_HINTS = 4096  # finished requests whose hints wait for their stores (beyond: the oldest go unsent)
-
-
-@dataclass(eq=False)
-class _Tracked:
-    req_id: str
-    token_ids: Sequence[int]  # live view: grows with generated tokens
-    num_prompt_tokens: int
-    salt: bytes
-    generation: int
-    cacheable: bool = True
-    skip_load: bool = False
-    skip_save: bool = False
-    spans: Sequence[tuple[int, int, bytes]] = ()  # token ranges whose KV depends on more (see below)
-    hashes: list[bytes] = field(default_factory=list)
-    looked_up: bool = False
-    asked_at: float = 0.0  # when the engine first asked for this admission's hit (time.perf_counter())
-    engine_tokens: int = 0  # tokens vLLM's own prefix cache held when it asked
-    hit_chunks: int = 0  # leading chunks every group has
-    # Per group: leading chunks leased by our lookup and not yet loaded/released, and the id of
-    # the server's lease on them.
-    leased_chunks: list[int] = field(default_factory=list)
-    leases: list[int] = field(default_factory=list)
-    stored_chunks: int = 0  # leading chunks known to be on the server or planned to be stored
-    # A store or load was ever planned: the workers then report the request finished once the
-    # server answered them all, and its blocks stay allocated until then.
-    has_transfers: bool = False
-    tables: list[list[int]] = field(default_factory=list)  # block table per group
-    pending: list[cf.Future] | None = None  # the prefix lookups (one per prefix group), while on their way
-    # The state groups' lookups (boundary in chunks, group position, lookup), while on their way.
-    pending_states: list[tuple[int, int, cf.Future]] | None = None
-    hints: tuple[RequestHint, ...] = ()  # what the application asked of the server for it (request_hints.py)
-
 
 class SchedulerCore:
-    """Lookups, leases and plans. Every method is called from the scheduler's thread."""
+    """Requests and their plans. Every method is called from the scheduler's thread."""
 
     def __init__(self, config: ConnectorConfig, *, groups: Sequence[KVGroup] | None = None,
                  link: ClientLink | None = None):
@@ -83,11 +48,7 @@ class SchedulerCore:
         # Groups looked up as prefixes (attention), and state groups, looked up per boundary.
         self._prefix_groups = [i for i, g in enumerate(self.groups) if g.kind != STATE]
         self._state_groups = [i for i, g in enumerate(self.groups) if g.kind == STATE]
-        # A hit ends where every state group has a state: candidate boundaries below the
-        # attention hit looked at, from the deepest down.
-        self.state_candidates = 4
         self._block_lcm = math.lcm(*(g.block_size for g in self.groups))
-        self._no_state_logged = False
         self.link = link or ClientLink(
             config.url,
             name="lmcache-mp scheduler",
@@ -107,23 +68,19 @@ class SchedulerCore:
         # Told of every chunk planned to be stored: (request id, group position, chunk index, hash).
         self.on_store_planned: Callable[[str, int, int, bytes], None] | None = None
         self._pin_ids = itertools.count(1)
-        self._requests: dict[str, _Tracked] = {}
-        # finished requests' hints, sent once the workers report their stores answered: (hashes, hints)
-        self._hints_after_stores: dict[str, tuple[list[bytes], list[RequestHint]]] = {}
+        self._requests: dict[str, TrackedRequest] = {}
         self._pending_loads: list[Transfer] = []
         self._chunk_size: int | None = None
-        self._error_logged = False
-        # Releases must not block the scheduler; one thread keeps them in order.
-        self._releaser = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-mp-release")
         # lookup_tokens: what the server could supply (beyond the engine's own hit); hit_tokens:
         # what it did (loads planned); found_tokens: what it had. lookup_us_*: the time the
         # scheduler loop spent in lookups; answer_us_max: the longest a request waited for its
         # lookup's answer, over the steps that asked.
         self.stats = {"lookups": 0, "lookup_tokens": 0, "hit_tokens": 0, "found_tokens": 0, "store_chunks": 0,
                       "lookup_us_total": 0, "lookup_us_max": 0, "answer_us_max": 0, "hints": 0, "hint_errors": 0}
-        self._hits_logged: tuple[float, int, int] | None = None
         self._first_hit_logged = False
-        self._block_left = config.lookup_block  # what this step may still wait for lookups, all together
+        self.lookups = SchedulerLookups(config, self.models, self._prefix_groups, self._state_groups, self.link,
+                                        self.stats, client=self._client, chunk_size=lambda: self._chunk_size)
+        self.hints = HintSender(config, self.models, self._prefix_groups, self.stats, client=self._client)
 
     def start(self) -> None:
         self.link.connect(wait=self.cfg.connect_timeout)
@@ -150,46 +107,6 @@ class SchedulerCore:
     def async_loads(self) -> bool:
         """Loads complete outside the engine's steps (a model with state groups)."""
         return bool(self._state_groups)
-
-    def _hashes(self, tr: _Tracked, num_chunks: int, chunk_size: int) -> list[bytes]:
-        if len(tr.hashes) < num_chunks:
-            n = num_chunks * chunk_size
-            tokens = np.fromiter(itertools.islice(tr.token_ids, n), dtype=np.int64, count=n)
-            extras: dict[int, bytes] = {}
-            for start, end, what in tr.spans:  # every chunk the span overlaps depends on it
-                for c in range(start // chunk_size, min(num_chunks, -(-end // chunk_size))):
-                    extras[c] = extras.get(c, b"") + what + start.to_bytes(8, "little")
-            tr.hashes = chunk_hashes(tokens, chunk_size, salt=tr.salt, extras=extras)
-        return tr.hashes[:num_chunks]
-
-    def _release(self, lease: int, hashes: list[bytes] | None = None, client=None) -> None:
-        """Drop what is left of a lease (on these chunks only, if given), off the scheduler's thread."""
-        if not lease:
-            return
-        client = client or self.link.get()
-        if client is None:
-            return  # the server drops leases of a client that goes away, or at their TTL
-
-        def run():
-            try:
-                # Short timeout: a lease we fail to drop only lives until its TTL or our goodbye.
-                client.release(hashes, lease=lease, timeout=max(1.0, self.cfg.lookup_timeout))
-            except LMCacheMPError as exc:
-                logger.debug("lmcache-mp: release failed: %s", exc)
-
-        self._releaser.submit(run)
-
-    def _drop_lease(self, tr: _Tracked, upto: int | None = None, group: int | None = None) -> None:
-        """Release the leased chunks [0, upto) (all by default) of every group's lease (or of
-        one group's); the rest is left to a load."""
-        for g in range(len(tr.leased_chunks)) if group is None else (group,):
-            n = tr.leased_chunks[g]
-            if n and self._chunk_size:
-                if upto is None or upto >= n:
-                    self._release(tr.leases[g])
-                elif upto > 0:
-                    self._release(tr.leases[g], tr.hashes[:upto])
-            tr.leased_chunks[g] = 0
 
     # ---- engine hooks ---------------------------------------------------------------------
 
@@ -222,15 +139,15 @@ class SchedulerCore:
         tr = self._requests.get(req_id)
         if tr is None or tr.generation != generation:
             if tr is not None:  # re-admitted after preemption
-                self._forget_lookup(tr)
-                self._drop_lease(tr)
+                self.lookups.forget(tr)
+                self.lookups.drop_lease(tr)
                 tr.generation = generation
                 tr.looked_up = False
                 tr.hit_chunks = 0
                 tr.hashes = []
                 tr.leases, tr.leased_chunks = [], []
             else:
-                tr = _Tracked(
+                tr = TrackedRequest(
                     req_id=req_id,
                     token_ids=token_ids,
                     num_prompt_tokens=len(token_ids) if num_prompt_tokens is None else num_prompt_tokens,
@@ -244,15 +161,12 @@ class SchedulerCore:
                 )
                 self._requests[req_id] = tr
         if not tr.looked_up:
-            if tr.hints and self.cfg.loads and not tr.skip_load:
-                self._send_hints(tr, (len(tr.token_ids) - 1), [h for h in tr.hints if h.action in AT_ARRIVAL])
+            self.hints.arrived(tr)
             tr.looked_up = True
             tr.asked_at = time.perf_counter()
             tr.engine_tokens = num_computed_tokens
-            self._lookup(tr)
-        if tr.pending is not None and not self._lookup_done(tr):
-            return None
-        if tr.pending_states is not None and not self._states_done(tr):
+            self.lookups.lookup(tr)
+        if not self.lookups.answered(tr):
             return None
         if tr.asked_at:
             us = int((time.perf_counter() - tr.asked_at) * 1e6)
@@ -260,204 +174,17 @@ class SchedulerCore:
             tr.asked_at = 0.0
         return self._external_tokens(tr, num_computed_tokens)
 
-    def _lookup(self, tr: _Tracked) -> None:
-        if not tr.cacheable or tr.skip_load or not self.cfg.loads:
-            return
-        client, cs = self._client()
-        if client is None:
-            return
-        max_chunks = (len(tr.token_ids) - 1) // cs
-        if max_chunks <= 0:
-            return
-        hashes = self._hashes(tr, max_chunks, cs)
-        tr.hashes = hashes  # what the answer counts against
-        self.stats["lookups"] += 1
-        tr.leases, tr.leased_chunks = [0] * len(self.groups), [0] * len(self.groups)
-        pending = []
-        try:
-            for gi in self._prefix_groups:
-                pending.append(client.lookup_async(hashes, model=self.models[gi], world_size=self.cfg.world_size,
-                                                   lock=True, timeout=self.cfg.lookup_timeout,
-                                                   tp_shared=self.cfg.tp_shared))
-        except ServerUnavailable as exc:
-            self._abandon(pending)
-            self.link.report_failure(exc)
-            return
-        tr.pending = pending
-        if not self._prefix_groups:  # states only: every boundary of the prompt may be one
-            tr.pending = None
-            tr.hit_chunks = max_chunks
-            self._lookup_states(tr)
-
-    def _lookup_done(self, tr: _Tracked) -> bool:
-        """Take the lookup's answer if it comes within what is left of this step's lookup_block
-        (most come in one round trip); False if it is still on its way. The budget is the step's,
-        not each request's: a server that stops answering costs a step lookup_block once, however
-        many requests wait for their lookups."""
-        t0 = time.perf_counter()
-        pending = tr.pending
-        try:
-            found = [fut.result(timeout=max(0.0, self._block_left - (time.perf_counter() - t0))) for fut in pending]
-        except cf.TimeoutError:
-            return False
-        except ServerUnavailable as exc:
-            # Should the lookup still land, its lease (whose id we never learn) ends with its
-            # TTL or when the server stops hearing from us.
-            tr.pending = None
-            self._abandon(pending)
-            self.link.report_failure(exc)
-            return True
-        except LMCacheMPError as exc:
-            tr.pending = None
-            self._abandon(pending)
-            if not self._error_logged:
-                logger.warning("lmcache-mp: lookup rejected (%s); treating as a miss", exc)
-                self._error_logged = True
-            return True
-        finally:
-            us = int((time.perf_counter() - t0) * 1e6)
-            self._block_left -= us / 1e6
-            self.stats["lookup_us_total"] += us
-            self.stats["lookup_us_max"] = max(self.stats["lookup_us_max"], us)
-        tr.pending = None
-        self.link.report_success()
-        cs, max_chunks = self._chunk_size, len(tr.hashes)
-        n = max(0, min(min(int(f) for f in found), max_chunks))
-        tr.hit_chunks = n
-        for gi, f in zip(self._prefix_groups, found):
-            tr.leases[gi], tr.leased_chunks[gi] = f.lease, n
-            if n == 0:  # a group that found more than all the others
-                self._release(f.lease)
-            elif int(f) > n:
-                self._release(f.lease, tr.hashes[n : int(f)])
-        tr.stored_chunks = n
-        if self._state_groups and n:
-            self._lookup_states(tr)
-            return True
-        self._count_found(tr)
-        return True
-
-    def _count_found(self, tr: _Tracked) -> None:
-        cs = self._chunk_size
-        self.stats["found_tokens"] += tr.hit_chunks * cs
-        self.stats["lookup_tokens"] += max(0, len(tr.hashes) * cs - tr.engine_tokens)
-        self._log_hits()
-
-    def _lookup_states(self, tr: _Tracked) -> None:
-        """Look up the states at the deepest boundaries of the attention hit (each a lookup of
-        one chunk's key in each state group: a state is kept only where the engine named one)."""
-        client = self.link.get()
-        n = tr.hit_chunks
-        pending: list[tuple[int, int, cf.Future]] = []
-        try:
-            if client is None:
-                raise ServerUnavailable("no connection")
-            for b in range(n, max(0, n - self.state_candidates), -1):
-                for gi in self._state_groups:
-                    pending.append((b, gi, client.lookup_async([tr.hashes[b - 1]], model=self.models[gi],
-                                                               world_size=self.cfg.world_size, lock=True,
-                                                               timeout=self.cfg.lookup_timeout)))
-        except ServerUnavailable as exc:
-            self._abandon(f for _, _, f in pending)
-            self.link.report_failure(exc)
-            pending = []
-        tr.pending_states = pending
-
-    def _states_done(self, tr: _Tracked) -> bool:
-        """Take the state lookups' answers (within what is left of this step's lookup_block): the
-        hit ends at the deepest boundary every state group has, attention leases are cut there."""
-        t0 = time.perf_counter()
-        pending = tr.pending_states
-        try:
-            found = [fut.result(timeout=max(0.0, self._block_left - (time.perf_counter() - t0)))
-                     for _, _, fut in pending]
-        except cf.TimeoutError:
-            return False
-        except LMCacheMPError as exc:
-            found = None
-            if isinstance(exc, ServerUnavailable):
-                self.link.report_failure(exc)
-        finally:
-            self._block_left -= time.perf_counter() - t0
-        tr.pending_states = None
-        if found is None:
-            self._abandon(f for _, _, f in pending)
-            best = 0
-        else:
-            have: dict[int, int] = {}
-            for (b, _, _), f in zip(pending, found):
-                have[b] = have.get(b, 0) + (int(f) > 0)
-            best = max((b for b, k in have.items() if k == len(self._state_groups)), default=0)
-            for (b, gi, _), f in zip(pending, found):
-                if b == best:
-                    tr.leases[gi], tr.leased_chunks[gi] = f.lease, best
-                elif f.lease:
-                    self._release(f.lease)
-        n = tr.hit_chunks
-        if best < n:
-            for gi in self._prefix_groups:
-                if best == 0:
-                    self._release(tr.leases[gi])
-                else:
-                    self._release(tr.leases[gi], tr.hashes[best:n])
-                tr.leased_chunks[gi] = best
-            if best == 0:  # (why a hybrid gets no hit: said once at INFO)
-                (logger.debug if self._no_state_logged else logger.info)(
-                    "lmcache-mp: request %s: %d chunks found, but no boundary within the last %d of them where every "
-                    "state group has a state: a miss (vLLM keeps one state per prompt, at its last block boundary)",
-                    tr.req_id, n, self.state_candidates)
-                self._no_state_logged = True
-        tr.hit_chunks = best
-        self._count_found(tr)
-        return True
-
-    def _abandon(self, lookups: Iterable[cf.Future]) -> None:
-        """Lookups no longer wanted: drop their leases once they land."""
-
-        def landed(f: cf.Future) -> None:
-            if not f.cancelled() and f.exception() is None:
-                self._release(f.result().lease)
-
-        for fut in lookups:
-            fut.add_done_callback(landed)
-
-    def _forget_lookup(self, tr: _Tracked) -> None:
-        """A lookup still on its way is no longer wanted: drop its lease once it lands."""
-        pending, tr.pending = tr.pending, None
-        if pending:
-            self._abandon(pending)
-        states, tr.pending_states = tr.pending_states, None
-        if states:
-            self._abandon(f for _, _, f in states)
-
-    def _log_hits(self, every: float = 30.0) -> None:
-        """One INFO line at most every `every` seconds: how much of what the server could supply
-        it did."""
-        now = time.monotonic()
-        last = self._hits_logged
-        if last is None:
-            self._hits_logged = (now, 0, 0)
-            return
-        t0, hit0, seen0 = last
-        if now - t0 < every:
-            return
-        hit, seen = self.stats["hit_tokens"] - hit0, self.stats["lookup_tokens"] - seen0
-        if seen:
-            logger.info("lmcache-mp: loaded %d of the %d prompt tokens looked up beyond vLLM's own prefix cache hits "
-                        "(%.1f%%) in the last %.0f s", hit, seen, 100.0 * hit / seen, now - t0)
-        self._hits_logged = (now, self.stats["hit_tokens"], self.stats["lookup_tokens"])
-
-    def _external_tokens(self, tr: _Tracked, num_computed_tokens: int) -> int:
+    def _external_tokens(self, tr: TrackedRequest, num_computed_tokens: int) -> int:
         if not tr.hit_chunks or not self._chunk_size:
             return 0
         n = tr.hit_chunks * self._chunk_size - num_computed_tokens
         n -= n % self._block_lcm if n > 0 else 0
         if n <= 0:
-            self._drop_lease(tr)  # vLLM already has all of it
+            self.lookups.drop_lease(tr)  # vLLM already has all of it
             return 0
         return n
 
-    def _set_tables(self, tr: _Tracked, ids) -> None:
+    def _set_tables(self, tr: TrackedRequest, ids) -> None:
         tables = block_tables(ids) or []
         tr.tables = [list(tables[g.index]) if g.index < len(tables) else [] for g in self.groups]
 
@@ -469,7 +196,7 @@ class SchedulerCore:
             return
         self._set_tables(tr, block_ids)
         if num_external_tokens <= 0 or not tr.hit_chunks or not self._chunk_size:
-            self._drop_lease(tr)
+            self.lookups.drop_lease(tr)
             return
         cs, hit = self._chunk_size, tr.hit_chunks
         start = hit * cs - num_external_tokens  # first token to load = tokens the engine holds
@@ -484,7 +211,7 @@ class SchedulerCore:
             if unfit:
                 logger.error("lmcache-mp: request %s: %d external tokens do not fit its %d blocks of group %d; "
                              "not loading", req_id, num_external_tokens, len(table), g.index)
-                self._drop_lease(tr)
+                self.lookups.drop_lease(tr)
                 # Loads with no chunks: the worker reports these blocks as failed, so the
                 # engine recomputes the tokens it was promised.
                 for gj, tj in enumerate(tr.tables):
@@ -508,7 +235,7 @@ class SchedulerCore:
                 blocks[:held] = [scratch] * held
             planned.append((gi, c0, blocks))
         for gi, c0, blocks in planned:
-            self._drop_lease(tr, upto=c0, group=gi)  # the load consumes the lease on chunks [c0, hit)
+            self.lookups.drop_lease(tr, upto=c0, group=gi)  # the load consumes the lease on chunks [c0, hit)
             if c0 >= hit:
                 continue
             scratch = self.scratch_block_id
@@ -526,7 +253,7 @@ class SchedulerCore:
                         tr.engine_tokens)
 
     def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
-        self._block_left = self.cfg.lookup_block  # the engine's next step starts its own budget
+        self.lookups.new_step()
         plan = StepPlan(loads=self._pending_loads, preempted=list(preempted), async_loads=self.async_loads)
         self._pending_loads = []
         for rid in plan.preempted:
@@ -566,10 +293,10 @@ class SchedulerCore:
             tr.has_transfers = True
         return plan
 
-    def _plan_stores(self, tr: _Tracked, begin: int, end: int) -> list[Transfer] | None:
+    def _plan_stores(self, tr: TrackedRequest, begin: int, end: int) -> list[Transfer] | None:
         """The stores of chunks [begin, end), one per group; None if a table is too short."""
         cs = self._chunk_size
-        hashes = self._hashes(tr, end, cs)
+        hashes = tr.chunk_keys(end, cs)
         scratch = self.scratch_block_id
         out = []
         for gi, g in enumerate(self.groups):
@@ -607,7 +334,7 @@ class SchedulerCore:
             out.append(t)
         return out
 
-    def _plan_state_stores(self, tr: _Tracked, states: Iterable[tuple[int, int, int]], end: int) -> list[Transfer]:
+    def _plan_state_stores(self, tr: TrackedRequest, states: Iterable[tuple[int, int, int]], end: int) -> list[Transfer]:
         """Stores of the states this step computes at chunk boundaries within the first `end`
         chunks ((group index, block id, boundary) as the engine names them), each under the key
         of the chunk that ends at its boundary. The engine frees or reuses such a block from the
@@ -619,7 +346,7 @@ class SchedulerCore:
             if gi is None or boundary <= 0 or boundary % cs or boundary // cs > end or block == scratch:
                 continue
             c = boundary // cs - 1
-            hashes = self._hashes(tr, c + 1, cs)
+            hashes = tr.chunk_keys(c + 1, cs)
             t = Transfer(req_id=tr.req_id, hashes=[hashes[c]], block_ids=[block], group=gi, scratch_block=scratch,
                          parent=hashes[c - 1] if c else b"")
             if self.on_store_planned is not None:
@@ -655,70 +382,27 @@ class SchedulerCore:
         tr = self._requests.pop(req_id, None)
         if tr is None:
             return False
-        self._forget_lookup(tr)
-        self._drop_lease(tr)
-        later = [h for h in tr.hints if h.action not in AT_ARRIVAL]
-        if later and tr.stored_chunks and self._chunk_size:
-            hashes = self._hashes(tr, tr.stored_chunks, self._chunk_size)
-            if tr.has_transfers:  # (their chunks are on the server once the workers say the stores are over)
-                if len(self._hints_after_stores) >= MAX_WAITING_HINTS:
-                    self._hints_after_stores.pop(next(iter(self._hints_after_stores)))
-                self._hints_after_stores[req_id] = (hashes, later)
-            else:
-                self._send(hashes, later)
+        self.lookups.forget(tr)
+        self.lookups.drop_lease(tr)
+        self.hints.finished(tr, self._chunk_size)
         return tr.has_transfers
 
     @property
     def hints_waiting(self) -> int:
         """Finished requests whose hints wait for the workers to report their stores over."""
-        return len(self._hints_after_stores)
+        return self.hints.waiting
 
     def stores_finished(self, req_ids: Iterable[str]) -> None:
         """The workers report these finished requests' stores answered: send their hints now."""
-        for req_id in req_ids:
-            waiting = self._hints_after_stores.pop(req_id, None)
-            if waiting is not None:
-                self._send(*waiting)
-
-    def _send_hints(self, tr: _Tracked, num_tokens: int, hints: Sequence[RequestHint]) -> None:
-        client, cs = self._client()
-        if client is not None and hints and num_tokens >= cs:
-            self._send(self._hashes(tr, num_tokens // cs, cs), hints)
-
-    def _send(self, hashes: list[bytes], hints: Sequence[RequestHint]) -> None:
-        """Each hint on the leading chunks it names, for every prefix group; not waited for: a
-        hint that fails is counted and logged at DEBUG, and changes nothing else."""
-        client, cs = self._client()
-        if client is None:
-            return
-
-        def answered(f: cf.Future) -> None:
-            if f.exception() is not None:
-                self.stats["hint_errors"] += 1
-                logger.debug("lmcache-mp: a hint failed: %s", f.exception())
-
-        for h in hints:
-            n = len(hashes) if h.tokens is None else min(len(hashes), h.tokens // cs)
-            if n <= 0:
-                continue
-            for gi in self._prefix_groups:
-                try:
-                    f = client.hint_async(h.action, hashes[:n], model=self.models[gi], world_size=self.cfg.world_size,
-                                          ttl=h.ttl, priority=h.priority, timeout=self.cfg.lookup_timeout)
-                except LMCacheMPError as exc:
-                    self.stats["hint_errors"] += 1
-                    logger.debug("lmcache-mp: a hint was not sent: %s", exc)
-                    return
-                self.stats["hints"] += 1
-                f.add_done_callback(answered)
+        self.hints.stores_finished(req_ids)
 
     def flush_releases(self, timeout: float | None = None) -> None:
         """Wait until the releases queued so far reached the server."""
-        self._releaser.submit(lambda: None).result(timeout)
+        self.lookups.flush_releases(timeout)
 
     def close(self) -> None:
         # Closing the client says goodbye to the server, which drops every lease we still hold,
         # so queued releases are moot; a running one must end before its socket is closed.
         self._requests.clear()
-        self._releaser.shutdown(wait=True, cancel_futures=True)
+        self.lookups.close()
         self.link.close()
