@@ -27,7 +27,7 @@ from test_server_e2e import CHUNK, clients, no_internal_errors, register_mha, se
 
 def get(addr: str, path: str) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(f"http://{addr}{path}", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{addr}{path}", timeout=60) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -96,7 +96,7 @@ def test_http_endpoints_after_known_traffic(shm_files, servers, clients, no_inte
     assert metric(text, "lmcache_mp_gc_seconds_total") >= length / 1e9  # (both nanosecond integers / 1e9)
     with pytest.raises(RequestError):  # an error reply: counted by its code
         c._call(p.Store(kv_id=1, hashes=b"h" * 16, block_ids=p.pack_block_ids(range(4)), client_id=c.client_id),
-                p.StoreReply, 5)
+                p.StoreReply, 60)
     assert c.clear() == 8
     text = get(addr, "/metrics")[1].decode()
     assert metric(text, "lmcache_mp_requests_total", op="Clear", outcome="OK") == 1
@@ -215,7 +215,7 @@ def test_curve_lets_in_only_clients_with_the_right_keys(shm_files, servers, clie
 def test_curve_keys_from_the_environment_and_any_client_knowing_the_server_key(servers, keys, monkeypatch):  # noqa: F811
     srv = servers(curve_secret_key=keys["server_secret"])  # no client list
     monkeypatch.setenv("LMCACHE_MP_CURVE_SERVER_KEY", keys["server_public"])
-    c = Client(srv.url, connect_timeout=5)
+    c = Client(srv.url, connect_timeout=60)
     try:
         assert c.curve and c.ping() >= 0
     finally:
@@ -227,14 +227,14 @@ def test_two_curve_servers_in_one_process(servers, keys):  # noqa: F811
     a = servers(curve_secret_key=keys["server_secret"], curve_clients=keys["clients"])
     b = servers(curve_secret_key=keys["server_secret"], curve_clients=keys["clients"])
     for srv in (a, b):
-        with Client(srv.url, connect_timeout=5, curve_server_key=keys["server_public"],
+        with Client(srv.url, connect_timeout=60, curve_server_key=keys["server_public"],
                     curve_client_key=keys["client_secret"]) as c:
             assert c.ping() >= 0
         with pytest.raises(ServerUnavailable):  # and each still checks the client's key
             Client(srv.url, connect_timeout=0.5, curve_server_key=keys["server_public"],
                    curve_client_key=keys["other_client"])
     a.stop()
-    with Client(b.url, connect_timeout=5, curve_server_key=keys["server_public"],
+    with Client(b.url, connect_timeout=60, curve_server_key=keys["server_public"],
                 curve_client_key=keys["client_secret"]) as c:
         assert c.ping() >= 0  # one stopping leaves the other's authenticator running
 
