@@ -232,8 +232,7 @@ def test_no_l1_operation_holds_the_lock_for_long(server_process_settings):
     clear, each holding the L1 lock for at most a few milliseconds at a time."""
     arena = HostArena(64 << 20, 1 << 20)
     clock = [1000.0]
-    l1 = L1Store(arena, clock=lambda: clock[0])
-    l1._lock = TimedLock()
+    l1 = L1Store(arena, clock=lambda: clock[0], lock=TimedLock())
     digests = [secrets.token_bytes(16) for _ in range(N)]
     keys = [ObjectKey("m", 1, 0, d, b"") for d in digests]
     longest = {}

@@ -65,11 +65,12 @@ class StorePlan:
 
 class L1Store:
     def __init__(self, arena, clock: Callable[[], float] = time.monotonic, policy: str = DEFAULT_POLICY,
-                 quotas: Quotas | None = None):
-        """quotas: tenants' shares of L1 (storage/eviction/quotas.py; a server with a tenants file)."""
+                 quotas: Quotas | None = None, lock=None):
+        """quotas: tenants' shares of L1 (storage/eviction/quotas.py; a server with a tenants file).
+        lock: the one lock of L1 and its parts (default a new threading.Lock; tests pass a timed one)."""
         self.arena = arena
         self.on_commit: Callable[[int], None] | None = None  # (objects committed), called without the lock
-        self._lock = threading.Lock()
+        self._lock = threading.Lock() if lock is None else lock
         self._index = L1Index()
         self._at = self._index.at  # arena offset -> object
         self._policy = make_policy(policy)  # orders what may be evicted, every size
