@@ -172,6 +172,66 @@ class Miniature:
             self._evict()
 
 
+class LeaderRace:
+    """The candidates' miniatures racing: each sampled request replayed on every miniature, their
+    hits decayed (by `decay`, once `decay_every` x a miniature's size sampled accesses, at least
+    `min_window`, have passed and the best has `window_hits`), and the sum of the squared
+    differences of two candidates' hits per call (their hits are correlated, mostly the same
+    chunks: the noise is where they differ)."""
+
+    def __init__(self, minis: list, *, decay: float, decay_every: int, min_window: int, window_hits: int,
+                 noise: float, lead: float):
+        self.minis = minis
+        self.decay, self.decay_every, self.min_window, self.window_hits = decay, decay_every, min_window, window_hits
+        self.noise, self.lead = noise, lead
+        self.accesses = 0  # sampled, since the last decay
+        self.seen = 0.0  # sampled accesses, decayed as the hits are
+        self.warm = 0  # sampled accesses since the live cache first evicted
+        self.var = [[0.0] * i for i in range(len(minis))]  # of the difference of two candidates' hits
+
+    def record(self, keys: Sequence) -> None:
+        """One request's sampled keys, replayed on every miniature."""
+        minis = self.minis
+        gained = []
+        for mini in minis:
+            before = mini.hits
+            mini.access(keys)
+            gained.append(mini.hits - before)
+        var = self.var
+        for i, gi in enumerate(gained):
+            for j in range(i):
+                var[i][j] += (gi - gained[j]) ** 2
+        self.accesses += len(keys)
+        self.seen += len(keys)
+        self.warm += len(keys)
+        window = max(self.min_window, self.decay_every * minis[0].capacity)
+        if self.accesses >= window and max(mini.hits for mini in minis) >= self.window_hits:
+            self.accesses = 0
+            self.seen *= self.decay
+            for i, mini in enumerate(minis):
+                mini.hits *= self.decay
+                var[i] = [v * self.decay for v in var[i]]
+
+    def ahead_of(self, leader: int) -> int | None:
+        """The candidate with the most hits, once it is ahead of the leader by `lead` of the
+        decayed accesses and by sqrt(noise) standard deviations of the difference, after at least
+        a miniature's size of accesses since the cache filled; else None."""
+        minis = self.minis
+        best = max(range(len(minis)), key=lambda i: (minis[i].hits, -i))
+        if best == leader or self.warm < minis[0].capacity:
+            return None
+        ahead = minis[best].hits - minis[leader].hits
+        if ahead > self.lead * self.seen and ahead * ahead > self.noise * self.var[max(best, leader)][min(best, leader)]:
+            return best
+        return None
+
+    def restart(self) -> None:
+        """The first eviction: until now every candidate held everything."""
+        self.seen = self.accesses = self.warm = 0
+        for mini in self.minis:
+            mini.hits = 0.0
+
+
 def _hash(key) -> float:
     return int.from_bytes(key.digest[4:8], "little") / 4294967296.0
 
@@ -184,15 +244,13 @@ class FollowPolicy(EvictionPolicy):
         self._live = [c() for c in candidates]
         self._by_key: dict = {}  # key -> live object, while every key is sampled (rate 1)
         self._mini = [Miniature(c(), self._by_key) for c in candidates]
+        self._race = LeaderRace(self._mini, decay=DECAY, decay_every=DECAY_EVERY, min_window=MIN_WINDOW,
+                                window_hits=WINDOW_HITS, noise=NOISE, lead=LEAD)
         self._shadows: dict = {}  # live object -> its shadow in each candidate
         self.leader = 0
         self.switches = 0
         self.rate = 1.0  # share of the hash space sampled
         self._capacity = 0  # objects held when the live cache last evicted
-        self._accesses = 0  # sampled, since the last decay
-        self._seen = 0.0  # sampled accesses, decayed as the hits are
-        self._warm = 0  # sampled accesses since the live cache first evicted
-        self._var = [[0.0] * i for i in range(len(candidates))]  # of the difference of two candidates' hits
         self._fills: collections.deque = collections.deque()  # objects held at the latest first evictions
         self._fresh = True
         self._used = None
@@ -303,41 +361,12 @@ class FollowPolicy(EvictionPolicy):
         got = [k for k in keys if _hash(k) < rate] if rate < 1.0 else list(keys)
         if not got:
             return
-        minis = self._mini
-        gained = []
-        for mini in minis:
-            before = mini.hits
-            mini.access(got)
-            gained.append(mini.hits - before)
-        var = self._var
-        for i, gi in enumerate(gained):
-            for j in range(i):
-                var[i][j] += (gi - gained[j]) ** 2
-        self._accesses += len(got)
-        self._seen += len(got)
-        self._warm += len(got)
-        window = max(MIN_WINDOW, DECAY_EVERY * minis[0].capacity)
-        if self._accesses >= window and max(mini.hits for mini in minis) >= WINDOW_HITS:
-            self._accesses = 0
-            self._seen *= DECAY
-            for i, mini in enumerate(minis):
-                mini.hits *= DECAY
-                var[i] = [v * DECAY for v in var[i]]
+        self._race.record(got)
         self._choose()
 
     def _choose(self) -> None:
-        """The candidate with the most hits leads, once it is ahead of the leader by LEAD of the
-        accesses and by NOISE standard deviations of the difference (the sum of the squared
-        differences of their hits per call: their hits are correlated, mostly the same chunks)."""
-        minis, leader = self._mini, self.leader
-        best = max(range(len(minis)), key=lambda i: (minis[i].hits, -i))
-        if best == leader:
-            return
-        ahead = minis[best].hits - minis[leader].hits
-        var = self._var[max(best, leader)][min(best, leader)]
-        if self._warm < minis[0].capacity:  # (too few accesses since the cache filled to tell)
-            return
-        if ahead > LEAD * self._seen and ahead * ahead > NOISE * var:
+        best = self._race.ahead_of(self.leader)
+        if best is not None:
             self.leader = best
             self.switches += 1
 
@@ -345,9 +374,7 @@ class FollowPolicy(EvictionPolicy):
         """The miniatures' size follows the live cache's; the sampled share only ever shrinks."""
         cap = self._capacity
         if not self._mini[0].capacity:  # the first eviction: until now every candidate held everything
-            self._seen = self._accesses = self._warm = 0
-            for mini in self._mini:
-                mini.hits = 0.0
+            self._race.restart()
         want = min(1.0, MINI_OBJECTS / cap) if cap else 1.0
         rate = self.rate
         if want * RATE_STEP <= rate or (want < rate and want < 1.0 and rate == 1.0):

@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 from lmcache_mp.storage.eviction.adaptive import AdaptivePolicy
 from lmcache_mp.storage.eviction.arc import T1, T2, ArcPolicy
 from lmcache_mp.storage.eviction.base import GHOST_BYTES, EvictionPolicy
-from lmcache_mp.storage.eviction.follow import CANDIDATES, FILLS, Miniature, UseLruPolicy
+from lmcache_mp.storage.eviction.follow import CANDIDATES, FILLS, LeaderRace, Miniature, UseLruPolicy
 from lmcache_mp.storage.eviction.s3fifo import MAIN, SMALL, S3FifoPolicy
 
 RATE = 0.125  # share of the hash space the miniatures replay
@@ -72,6 +72,8 @@ class SwitchPolicy(EvictionPolicy):
         super().__init__()
         self._kinds = tuple(candidates)
         self._mini = [Miniature(c(), {}) for c in candidates]
+        self._race = LeaderRace(self._mini, decay=DECAY, decay_every=DECAY_EVERY, min_window=MIN_WINDOW,
+                                window_hits=WINDOW_HITS, noise=NOISE, lead=LEAD)
         self._pol = candidates[0]()
         self._objs: dict = {}  # live object -> used since it was stored: what a new leader is handed
         self.leader = 0
@@ -82,11 +84,7 @@ class SwitchPolicy(EvictionPolicy):
         self._capacity = 0
         self._fills: collections.deque = collections.deque()
         self._fresh = True
-        self._accesses = 0  # sampled, since the last decay
-        self._seen = 0.0  # sampled accesses, decayed as the hits are
-        self._warm = 0  # sampled accesses since the live cache first evicted
         self._calm = 0  # live reads and stores since the last switch
-        self._var = [[0.0] * i for i in range(len(candidates))]
         self._used = None
 
     # ---- the live cache: the leader's own calls ---------------------------------------------
@@ -208,45 +206,21 @@ class SwitchPolicy(EvictionPolicy):
     # ---- the miniatures ----------------------------------------------------------------------------
 
     def _sample(self, keys: Sequence) -> None:
-        minis = self._mini
-        gained = []
-        for mini in minis:
-            before = mini.hits
-            mini.access(keys)
-            gained.append(mini.hits - before)
-        if any(gained):
-            var = self._var
-            for i, gi in enumerate(gained):
-                for j in range(i):
-                    var[i][j] += (gi - gained[j]) ** 2
-        self._accesses += len(keys)
-        self._seen += len(keys)
-        self._warm += len(keys)
-        if self._accesses >= max(MIN_WINDOW, DECAY_EVERY * minis[0].capacity) and \
-                max(mini.hits for mini in minis) >= WINDOW_HITS:
-            self._accesses = 0
-            self._seen *= DECAY
-            for i, mini in enumerate(minis):
-                mini.hits *= DECAY
-                self._var[i] = [v * DECAY for v in self._var[i]]
+        self._race.record(keys)
         self._choose()
 
     def _choose(self) -> None:
-        minis, leader = self._mini, self.leader
-        best = max(range(len(minis)), key=lambda i: (minis[i].hits, -i))
-        if best == leader or self._warm < minis[0].capacity or self._calm < self.resident:
+        if self._calm < self.resident:  # (a switch at most once per turnover of the live cache)
             return
-        ahead = minis[best].hits - minis[leader].hits
-        if ahead > LEAD * self._seen and ahead * ahead > NOISE * self._var[max(best, leader)][min(best, leader)]:
+        best = self._race.ahead_of(self.leader)
+        if best is not None:
             self._switch(best)
 
     def _fit(self) -> None:
         """The miniatures' size follows the live cache's; the sampled share only ever shrinks."""
         cap = self._capacity
         if not self._mini[0].capacity:  # the first eviction: until now every candidate held everything
-            self._seen = self._accesses = self._warm = 0
-            for mini in self._mini:
-                mini.hits = 0.0
+            self._race.restart()
         want = min(self.max_rate, MINI_OBJECTS / cap) if cap else self.max_rate
         if want * 1.5 <= self.rate:
             self.rate = rate = want
