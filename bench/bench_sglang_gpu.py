@@ -19,8 +19,9 @@ runs in its own process (lmcache-mp-server), as deployed. Arms, each timed as SG
 - ``linker-groups``: the linker with ``lmcache_mp.layer_groups`` (``--layer-groups``, 4): the KV
   pool registered as groups of layers, a load landing group by group; also reports when the first
   group's layers landed (when SGLang's forward could start).
-- ``linker-split``: the linker sending a request's pages as requests of ``--split`` pages each
-  (all in flight at once), so that the server prepares the next while the last is copied.
+- ``linker-split``: the linker with requests of ``--split`` pages each (all in flight at once)
+  instead of its own size (about 32 MiB a request): with the default 64, a call of 64 pages is one
+  request, as the linker sent it until 2026-12-07.
 - ``hicache``: SGLang's HiCache path for the same pages. Offload: SGLang's device -> host-pool
   copy (emulated: the `layer_first` host pool ``[2, layers, tokens, heads, head_dim]`` in pinned
   memory, one torch copy per layer and K/V per run of consecutive pages, as SGLang's ``direct``
@@ -37,7 +38,7 @@ for bit against the pages it came from. The server's L1 is fully pinned before t
     python bench/bench_sglang_gpu.py [--device cuda|cpu] [--kind mha|mla] [--pages 1,64]
         [--page-size 64] [--layers 32] [--heads 8] [--head-dim 128] [--repeat 7] [--quick]
         [--arms linker,linker-engine,linker-groups,hicache]
-        [--layer-groups 4] [--in-flight 2] [--split 16] [--transfer-mode auto] [--trace] [--json out.json]
+        [--layer-groups 4] [--in-flight 2] [--split 64] [--transfer-mode auto] [--trace] [--json out.json]
 
 ``--trace`` also prints where the linker arms' requests spend their time: the stage timestamps of
 every store and retrieve (client and server, one clock), median and p99 per stage.
@@ -65,7 +66,7 @@ import torch  # noqa: E402
 
 from lmcache_mp import Client, _C, shared_cpu_tensor  # noqa: E402
 from lmcache_mp.integration.sglang_keys import namespace, page_digest  # noqa: E402
-from lmcache_mp.integration.sglang_linker_loads import BATCH, IN_FLIGHT, batches, load_batch  # noqa: E402
+from lmcache_mp.integration.sglang_linker_loads import IN_FLIGHT, load_batch, requests_of  # noqa: E402
 from lmcache_mp.integration.sglang_linker_pools import (  # noqa: E402
     KV, describe_pools, page_rows, registration_geometry, split_layer_groups)
 from lmcache_mp.integration.sglang_pages import plan_pages  # noqa: E402
@@ -163,9 +164,9 @@ class LinkerArm:
     """The linker's data plane over the device pool: registration, offload, load (its own code)."""
 
     def __init__(self, client, pool: DevicePool, transfer: str, groups: int = 1, in_flight: int = IN_FLIGHT,
-                 batch: int = BATCH):
+                 batch: int | None = None):
         self.client, self.pool, self.ps, self.in_flight = client, pool, pool.page_size, in_flight
-        self.batch = batch  # pages per request: a longer request is sent as several
+        self.batch = batch  # pages per request (None: the linker's, about 32 MiB each)
         self.last_traces: list = []  # the last offload's or load's request traces (a traced client)
         self.layout = describe_pools(pool, None, {"FULL"}, pool.page_size)
         if groups > 1:
@@ -192,7 +193,7 @@ class LinkerArm:
         self._ready()
         rows = page_rows(slots, self.ps, "an offload")
         futures = [self.client.store(self.handles[id(p)], some, at) for p in self.parts
-                   for some, at in batches(digests, rows, self.batch)]
+                   for some, at in requests_of(p, digests, rows, self.batch)]
         results = [f.result() for f in futures]
         dt = time.perf_counter() - t0
         assert all(r.skipped == 0 for r in results), results
@@ -334,7 +335,7 @@ def main() -> int:
     ap.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="layer groups a load asks for at once")
     ap.add_argument("--order", choices=("contiguous", "shuffled"), default="contiguous",
                     help="device pages of a request: consecutive, or scattered over the pool")
-    ap.add_argument("--split", type=int, default=16, help="pages per request of the linker-split arm")
+    ap.add_argument("--split", type=int, default=64, help="pages per request of the linker-split arm")
     ap.add_argument("--trace", action="store_true", help="print the linker requests' stage times")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -381,7 +382,7 @@ def main() -> int:
                         made[arm] = LinkerArm(c, pool, "engine" if arm == "linker-engine" else "server",
                                               groups=args.layer_groups if arm == "linker-groups" else 1,
                                               in_flight=args.in_flight,
-                                              batch=args.split if arm == "linker-split" else BATCH)
+                                              batch=args.split if arm == "linker-split" else None)
                 except Exception as e:  # noqa: BLE001 - one arm's failure is reported; the others still run
                     errors[arm] = f"{type(e).__name__}: {e}"
                     print(f"!! {arm}: {errors[arm]}", flush=True)

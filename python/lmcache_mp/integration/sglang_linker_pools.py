@@ -44,6 +44,11 @@ class PoolPart:
     row_bytes: int
     group: int = -1  # KV: its layer group (LinkerPools.group_ends); -1: read before every group
 
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of one row's object (every run's row)."""
+        return self.row_bytes * len(self.runs)
+
 
 @dataclass
 class LinkerPools:
