@@ -66,7 +66,7 @@ import torch  # noqa: E402
 
 from lmcache_mp import Client, _C, shared_cpu_tensor  # noqa: E402
 from lmcache_mp.integration.sglang_keys import namespace, page_digest  # noqa: E402
-from lmcache_mp.integration.sglang_linker_loads import IN_FLIGHT, load_batch, requests_of  # noqa: E402
+from lmcache_mp.integration.sglang_linker_loads import IN_FLIGHT, load_batch, split_requests  # noqa: E402
 from lmcache_mp.integration.sglang_linker_pools import (  # noqa: E402
     KV, describe_pools, page_rows, registration_geometry, split_layer_groups)
 from lmcache_mp.integration.sglang_pages import plan_pages  # noqa: E402
@@ -192,8 +192,8 @@ class LinkerArm:
         t0 = time.perf_counter()
         self._ready()
         rows = page_rows(slots, self.ps, "an offload")
-        futures = [self.client.store(self.handles[id(p)], some, at) for p in self.parts
-                   for some, at in requests_of(p, digests, rows, self.batch)]
+        futures = [self.client.store(self.handles[id(p)], some, at)
+                   for (p, _, _), some, at in split_requests([(p, digests, rows) for p in self.parts], self.batch)]
         results = [f.result() for f in futures]
         dt = time.perf_counter() - t0
         assert all(r.skipped == 0 for r in results), results

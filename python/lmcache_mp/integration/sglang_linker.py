@@ -44,7 +44,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 from lmcache_mp.errors import RequestError, ServerUnavailable
 from lmcache_mp.integration.sglang_keys import namespace, page_digest
 from lmcache_mp.integration.sglang_linker_leases import Held, HeldLeases
-from lmcache_mp.integration.sglang_linker_loads import load_batch, requests_of
+from lmcache_mp.integration.sglang_linker_loads import load_batch, split_requests
 from lmcache_mp.integration.sglang_linker_pools import (
     KV, MAMBA, LinkerPools, PoolPart, describe_pools, page_rows, registration_geometry, slot_rows,
     split_layer_groups, total_bytes)
@@ -416,7 +416,7 @@ class LMCacheMPLinker(UnifiedCacheLinker):
         timeout = self.settings.request_timeout
         try:
             futures = [client.store(handles[id(part)], some, at, timeout=timeout)
-                       for part, digests, rows in items for some, at in requests_of(part, digests, rows)]
+                       for (part, _, _), some, at in split_requests(items)]
             results = [fut.result(timeout + 1.0) for fut in futures]
         except (ServerUnavailable, RequestError) as e:
             self._failed("offload", e)

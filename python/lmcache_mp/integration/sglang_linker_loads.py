@@ -28,11 +28,11 @@ BATCH = 4096  # objects per request, at most (a node of page size 1 may hold 100
 # moved at 0.85x / 0.87x memcpy (offload / load) as one request, 0.90x / 0.92x as requests of
 # 128 MiB, 0.94x / 0.94x as requests of 32 MiB (NVIDIA H100, PCIe Gen5, 2026-12-07; docs/sglang.md).
 REQUEST_BYTES = 32 << 20
-MAX_REQUESTS = 64  # of one pool part's objects; larger requests beyond that
+MAX_REQUESTS = 64  # of one call, beyond one per item (the server queues 1,024 a registration)
 
 
 def request_size(object_bytes: int, objects: int) -> int:
-    """Objects per request for `objects` objects of `object_bytes` each."""
+    """Objects per request of `object_bytes` each, in a call of `objects` objects in all."""
     by_bytes = max(1, REQUEST_BYTES // max(1, object_bytes))
     return min(BATCH, max(by_bytes, -(-objects // MAX_REQUESTS)))
 
@@ -43,9 +43,15 @@ def batches(digests: bytes, rows, size: int = BATCH):
         yield digests[start * DIGEST_BYTES:(start + size) * DIGEST_BYTES], rows[start:start + size]
 
 
-def requests_of(part, digests: bytes, rows, size: int | None = None):
-    """A part's objects as the requests they are sent in (`size` objects each; None: request_size)."""
-    return batches(digests, rows, size or request_size(part.object_bytes, len(rows)))
+def split_requests(items, size: int | None = None):
+    """Every item's objects as the requests they are sent in: (item, packed digests, rows) each.
+    items: ``(part, packed digests, rows, ...)``; size: objects per request (None: request_size,
+    so a call is at most MAX_REQUESTS requests beyond one per item)."""
+    total = sum(len(item[2]) for item in items)
+    for item in items:
+        part, digests, rows = item[:3]
+        for some, at in batches(digests, rows, size or request_size(part.object_bytes, total)):
+            yield item, some, at
 
 
 def load_batch(client, handles: dict, requests, group_ends, on_layers: Callable[[int, int], None] | None, *,
@@ -67,9 +73,8 @@ def load_batch(client, handles: dict, requests, group_ends, on_layers: Callable[
 
     def ask(step: int, items: list) -> None:
         out = futures.setdefault(step, [])
-        for part, digests, rows, lease in items:
-            for some, at in requests_of(part, digests, rows, batch):
-                out.append((part, len(at), client.retrieve(handles[id(part)], some, at, lease=lease, timeout=timeout)))
+        for (part, _, _, lease), some, at in split_requests(items, batch):
+            out.append((part, len(at), client.retrieve(handles[id(part)], some, at, lease=lease, timeout=timeout)))
 
     def landed(step: int) -> None:
         for part, n, fut in futures.get(step, ()):
