@@ -302,6 +302,7 @@ def run_server(trace: list[dict], size: int, policy: str, disk_blocks: int, dige
             "l2_token_share": round(got["l2_tokens"] / got["tokens"], 4),
             "recomputed_token_share": round(1 - (got["l1_tokens"] + got["l2_tokens"]) / got["tokens"], 4),
             "evicted": l1["evicted"], "history_bytes": l1["eviction"]["history_bytes"],
+            "leader": {k: l1["eviction"][k] for k in ("leader", "switches", "miniature_hits") if k in l1["eviction"]},
             "requests_per_s": round(got["requests"] / got["seconds"], 1)}
 
 

@@ -9,9 +9,10 @@ from lmcache_mp.storage.eviction.base import EvictionPolicy
 from lmcache_mp.storage.eviction.follow import FollowPolicy
 from lmcache_mp.storage.eviction.lru import LruPolicy
 from lmcache_mp.storage.eviction.s3fifo import S3FifoPolicy
+from lmcache_mp.storage.eviction.sessions import SessionsPolicy
 from lmcache_mp.storage.eviction.switch import SwitchPolicy
 
-POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (SwitchPolicy, FollowPolicy, AdaptivePolicy, LruPolicy, ArcPolicy, S3FifoPolicy)}
+POLICIES: dict[str, type[EvictionPolicy]] = {p.name: p for p in (SwitchPolicy, FollowPolicy, AdaptivePolicy, LruPolicy, ArcPolicy, S3FifoPolicy, SessionsPolicy)}
 DEFAULT_POLICY = "switch"
 
 
