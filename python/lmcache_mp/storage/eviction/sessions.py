@@ -18,16 +18,18 @@ the others go. This policy does that with what a store tells it:
   the running mean of the time from turn to turn (a session of one turn: the median of the latest
   GAP_WINDOW gaps of every session).
 - **The victim**: first the deepest parked chunk of a session that has ended (more than OVERDUE
-  gaps since its last turn), the one that ended first; else a chunk its session's latest turn
-  did not touch (the previous turn's last chunk, whose tokens changed; an abandoned branch); else
-  the deepest chunk of the session whose next turn (its last turn plus its gap) is farthest. A
-  session accessed within the latest ACCESSING reads and stores, and the quiet time of a turn
-  (its request's store is making room), goes last. Within a session the chunks untouched in its latest turn go
-  first, then the deepest, so what stays of it is a prefix.
+  gaps since it was last read or stored), the one that ended first; else a chunk its session's
+  latest turn did not touch (the previous turn's last chunk, whose tokens changed; an abandoned
+  branch); else the deepest chunk of the session whose next turn (its last turn plus its gap) is
+  farthest. A session accessed within the latest ACCESSING reads and stores, and the quiet time
+  of a turn (its request's store is making room), goes last. Within a session the chunks its
+  latest turn did not touch go first, then the deepest, so what stays of it is a prefix.
 
-Sessions sit in two heaps (by the end of their next turn's window, by their next turn), updated
-once per turn, with stale entries skipped: a chunk's call is O(1), a turn's O(log sessions). A walk
-past the first session (a chooser passing over busy chunks) sorts the sessions with parked chunks.
+Sessions of more than one turn sit in two heaps (by when they end, by their next turn), updated once
+per turn; an entry found at the top is skipped if stale, and moved if its session was accessed
+since (it ends later). Sessions of one turn share the typical gap, so they are kept in the order
+they began. A chunk's call is O(1), a turn's O(log sessions). A walk past the first session (a
+chooser passing over busy chunks) sorts the sessions with parked chunks.
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ from lmcache_mp.storage.eviction.base import GHOST_BYTES, EvictionPolicy, ghost_
 from lmcache_mp.storage.index import Lru
 
 BRANCH_SLACK = 2  # a store whose parent is this close to its session's deepest chunk continues it
-OVERDUE = 3.0  # a session this many gaps past its last turn has ended
+OVERDUE = 3.0  # a session this many gaps past its last access has ended
 GAP_WINDOW = 255  # latest gaps between turns, for the typical gap
 QUIET = 16  # a session quiet for 1 / QUIET of the objects held (at least MIN_QUIET) starts a turn
 MIN_QUIET = 8
 ACCESSING = 64  # a session accessed within this many reads and stores is being accessed: it goes last
+STASH = 4  # sessions being accessed passed over at the top of the heap before the sessions are sorted
 
 
 class Session:
@@ -73,6 +76,7 @@ class SessionsPolicy(EvictionPolicy):
         self._known: collections.OrderedDict = collections.OrderedDict()  # first key -> session
         self._live: dict = {}  # sessions with parked chunks (dicts: a reproducible order)
         self._stale: dict = {}  # sessions with parked chunks untouched in their latest turn
+        self._fresh: dict = {}  # sessions of one turn (their gap: the typical one), the oldest first
         self._ends: list = []  # (end of its next turn's window, seq, version, session)
         self._nexts: list = []  # (-its next turn, seq, version, session)
         self._seq = itertools.count()
@@ -119,6 +123,10 @@ class SessionsPolicy(EvictionPolicy):
                     del self._sorted[bisect.bisect_left(self._sorted, self._recent.popleft())]
             s.start = now
             s.turns += 1
+            if s.gap:
+                self._fresh.pop(s, None)
+            else:  # its first turn: ordered by when it began
+                self._fresh[s] = None
             if s.chunks:
                 s.old.take_all(s.chunks)
             if s.old:
@@ -127,10 +135,13 @@ class SessionsPolicy(EvictionPolicy):
         s.last = now
 
     def _schedule(self, s: Session) -> None:
+        """Into the heaps, as of its latest turn (a session of one turn is in _fresh)."""
         s.version += 1
-        gap = s.gap or self._typical()
+        gap = s.gap
+        if not gap:
+            return
         seq = next(self._seq)
-        heapq.heappush(self._ends, (s.start + OVERDUE * gap, seq, s.version, s))
+        heapq.heappush(self._ends, (s.last + OVERDUE * gap, seq, s.version, s))
         heapq.heappush(self._nexts, (-(s.start + gap), seq, s.version, s))
         if len(self._ends) > 4 * len(self._live) + 64:  # stale entries: rebuild
             self._ends = [e for e in self._ends if e[2] == e[3].version and e[3] in self._live]
@@ -206,15 +217,21 @@ class SessionsPolicy(EvictionPolicy):
 
     def remove(self, obj) -> None:
         self.unpark(obj)
-        obj.queue.resident -= 1
+        s = obj.queue
+        s.resident -= 1
         self.resident -= 1
+        if not s.resident:
+            self._fresh.pop(s, None)
 
     # ---- the victims ---------------------------------------------------------------------------
 
     def _top(self, heap: list):
         while heap:
-            _, _, version, s = heap[0]
+            when, seq, version, s = heap[0]
             if version == s.version and (s.chunks or s.old):
+                if heap is self._ends and when < s.last + OVERDUE * s.gap:  # accessed since: later
+                    heapq.heapreplace(heap, (s.last + OVERDUE * s.gap, seq, version, s))
+                    continue
                 return s
             heapq.heappop(heap)
         return None
@@ -224,27 +241,46 @@ class SessionsPolicy(EvictionPolicy):
         gap = s.gap or self._typical()
         if now - s.last <= min(ACCESSING, self._quiet()):
             return (2, 0.0)  # being accessed: last
-        if now > s.start + OVERDUE * gap:
-            return (0, s.start + OVERDUE * gap)
+        if now > s.last + OVERDUE * gap:
+            return (0, s.last + OVERDUE * gap)
         return (1, -(s.start + gap))
 
+    def _fresh_end(self, newest: bool):
+        """The session of one turn, parked chunks and not being accessed, nearest that end of _fresh."""
+        ends = reversed(self._fresh) if newest else iter(self._fresh)
+        for s in itertools.islice(ends, STASH + 1):
+            if s in self._live and self._rank(s)[0] < 2:
+                return s
+        return None
+
     def _first(self):
-        """The first session to lose a chunk, from the heaps' tops (None: sort them all)."""
+        """The first session to lose a chunk, from the heaps' tops and _fresh's ends (None: sort
+        them all)."""
+        now, typical = self.clock, self._typical()
         ended = self._top(self._ends)
-        if ended is not None and self._rank(ended)[0] == 0:
+        if ended is not None and self._rank(ended)[0] != 0:
+            ended = None
+        old = self._fresh_end(newest=False)
+        if old is not None and now > old.last + OVERDUE * typical:
+            if ended is None or old.last + OVERDUE * typical < ended.last + OVERDUE * ended.gap:
+                ended = old
+        if ended is not None:
             return ended
-        stash, found = [], None
-        while len(stash) <= 4:
+        stash, far = [], None
+        while len(stash) <= STASH:
             s = self._top(self._nexts)
             if s is None:
                 break
             if self._rank(s)[0] < 2:
-                found = s
+                far = s
                 break
             stash.append(heapq.heappop(self._nexts))  # being accessed: the next one
         for entry in stash:
             heapq.heappush(self._nexts, entry)
-        return found
+        new = self._fresh_end(newest=True)
+        if new is not None and (far is None or new.start + typical > far.start + far.gap):
+            far = new
+        return far
 
     def _stale_session(self):
         """A session with chunks untouched in its latest turn (not the one being accessed)."""
