@@ -69,6 +69,8 @@ def test_a_chunk_its_sessions_latest_turn_left_behind_goes_first():
     pol.admit(_chain([20, 21], parent=a[8]))
     pol.admit(_chain(list(range(600, 640))))  # traffic of others: the session is quiet again
     assert next(pol.candidates()).block == 9
+    offered = [o.block for o in pol.candidates()]  # and a walk offers each parked chunk once
+    assert len(offered) == len(set(offered)) == len(pol), offered
 
 
 def test_a_conversation_below_a_shared_prompt_is_a_session_of_its_own():
@@ -112,8 +114,9 @@ def test_lists_move_whole():
     a.take_all(b)
     assert [o.block for o in a.oldest()] == list(range(6)) and len(a) == 6 and not len(b)
     assert list(b.oldest()) == []
+    b.to_oldest(SimObject(block_key(255), -1, None))
     b.take_all(a)
-    assert [o.block for o in b.oldest()] == list(range(6)) and not len(a)
+    assert [o.block for o in b.oldest()] == [-1, *range(6)] and not len(a)
 
 
 def test_one_off_prompts_are_not_held_as_sessions():

@@ -126,6 +126,14 @@ class Lru:
         obj.older, obj.newer = last, end
         last.newer = end.older = obj
 
+    def to_oldest(self, obj) -> None:
+        """Put obj (not in the list) at the oldest end."""
+        end = self._end
+        first = end.newer
+        obj.older, obj.newer = end, first
+        first.older = end.newer = obj
+        self._len += 1
+
     def insert_before(self, anchor, obj) -> None:
         """Put obj (not in the list) just older than anchor (in the list)."""
         older = anchor.older

@@ -165,11 +165,7 @@ class SessionsPolicy(EvictionPolicy):
         for obj in objs:  # each deeper than the one before: nearer eviction
             obj.queue, obj.since, obj.stamp = s, depth, turn
             depth += 1
-            oldest = chunks.first(_never)
-            if oldest is None:
-                chunks.to_newest(obj)
-            else:
-                chunks.insert_before(oldest, obj)
+            chunks.to_oldest(obj)
         self._parked += len(objs)
         if not was:
             self._live[s] = None
@@ -291,18 +287,19 @@ class SessionsPolicy(EvictionPolicy):
         return None
 
     def candidates(self) -> Iterator:
+        """Each parked chunk once: an ended session's, else one session's chunks left behind,
+        then the first session's, then every session's in rank order."""
         first = self._first()
-        if first is not None and self._rank(first)[0] == 0:
-            yield from _chunks(first)
-        else:
+        stale = None
+        if first is None or self._rank(first)[0] != 0:
             stale = self._stale_session()
             if stale is not None:
                 yield from stale.old.oldest()
         if first is not None:
-            yield from _chunks(first)
+            yield from first.chunks.oldest() if first is stale else _chunks(first)
         for s in sorted(self._live, key=self._rank):
             if s is not first:
-                yield from _chunks(s)
+                yield from s.chunks.oldest() if s is stale else _chunks(s)
 
     def order(self) -> Iterator:
         for s in sorted(self._live, key=self._rank):
@@ -321,6 +318,3 @@ def _chunks(s: Session) -> Iterator:
     yield from s.old.oldest()
     yield from s.chunks.oldest()
 
-
-def _never(obj) -> bool:
-    return False
