@@ -14,6 +14,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
                                  rule)
 
 from lmcache_mp.native import HostArena
+from lmcache_mp.storage import l1_reads
 from lmcache_mp.storage.eviction import POLICIES
 from lmcache_mp.storage.l1 import SHARED_RANK, L1Store, ObjectKey
 
@@ -429,6 +430,32 @@ def test_lru_order_follows_use(store):
     assert plan.indices == [0]
     assert not store.contains(key(1)), "chunk 1 was the least recently used"
     assert all(store.contains(key(i)) for i in [0] + list(range(2, CAPACITY + 1)))
+
+
+def _evicted_in_turn(l1, n: int) -> list[int]:
+    """The chunks n stores of one new chunk each evict, in turn."""
+    out = []
+    for i in range(n):
+        before = {d for d in range(CAPACITY) if l1.contains(key(d))}
+        _store(l1, [key(CAPACITY + i)])
+        out += sorted(before - {d for d in range(CAPACITY) if l1.contains(key(d))})
+    return out
+
+
+@pytest.mark.parametrize("how", ["read", "lookup"])
+def test_a_prompt_longer_than_a_slice_still_goes_from_its_end(store, monkeypatch, how):
+    """A read (or a lookup) of more chunks than a slice parks them again a slice at a time: the
+    deepest slice first, so that its last chunks go first. (Parked in prefix order, the first
+    slice's chunks were older than the second's and went first, leaving the rest of the prompt
+    held and unreachable.)"""
+    monkeypatch.setattr(l1_reads, "SLICE", 2)
+    for i in range(CAPACITY):  # one chunk a request, the last the newest: reversed by the read
+        _store(store, [key(i)])
+    if how == "read":
+        store.end_read(store.begin_read([key(i) for i in range(CAPACITY)], FMT))
+    else:
+        assert found(store, "m", 1, DIGESTS[:CAPACITY]) == CAPACITY
+    assert _evicted_in_turn(store, 4) == [CAPACITY - 1, CAPACITY - 2, CAPACITY - 3, CAPACITY - 4]
 
 
 def test_aborted_store_leaves_nothing(store):

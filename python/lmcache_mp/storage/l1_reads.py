@@ -82,13 +82,23 @@ class L1Reads:
 
     def end_read(self, objs: Sequence[L1Object]) -> None:
         with self._lock:
-            for start in range(0, len(objs), SLICE):
-                if start:
+            # the deepest slice first: parked in prefix order, a long prompt's first slice would
+            # be older than its second and go first, leaving the rest unreachable
+            for n, start in enumerate(reversed(range(0, len(objs), SLICE))):
+                if n:
                     self._pause()
                 part = objs[start:start + SLICE]
                 for obj in part:
                     obj.readers -= 1
                 self._park_all(part)
+
+    def _repark(self, objs: Sequence[L1Object]) -> None:
+        """(lock held) Park again objs (in prefix order) that are still held, the deepest slice
+        first, letting the lock go between slices (some may have gone while it was let go)."""
+        for n, start in enumerate(reversed(range(0, len(objs), SLICE))):
+            if n:
+                self._pause()
+            self._park_all([obj for obj in objs[start:start + SLICE] if self._index.get(obj.key) is obj])
     def lookup(
         self,
         model: str,
@@ -120,11 +130,9 @@ class L1Reads:
                 lease = self._leases.open(owner, self._clock() + ttl) if lock else None
             budget = SLICE
             spaces = None
-            seen: list[L1Object] = []  # hits without a lease: parked deepest first, a slice at a time
+            seen: list[L1Object] = []  # hits without a lease: parked again at the end, deepest first
             for digest in digests:
                 if budget <= 0:  # objects already leased stay; unleased hits are advisory anyway
-                    self._park_all(seen)
-                    seen = []
                     self._pause()
                     budget, spaces = SLICE, None
                     if lease is not None and self._leases.get(lease.lease_id) is not lease:
@@ -150,7 +158,7 @@ class L1Reads:
                     for obj, _ in found:
                         seen.append(obj)  # a lookup hit: recent (for LRU), and a use for L2 admission
                         self._use(obj)
-            self._park_all(seen)
+            self._repark(seen)
             if extend:
                 return hits, lease.lease_id
             if counted:
