@@ -57,6 +57,49 @@ def test_a_switch_keeps_every_object_and_a_prompt_goes_from_its_end(leader):
     assert {o.block for o in pol.order()} >= set(hold)
 
 
+def _read(pol, objs) -> None:
+    """A read as a server's L1 makes it: each chunk leased and used in prefix order, then parked
+    again deepest first."""
+    for o in objs:
+        pol.unpark(o)
+        pol.use(o)
+    for o in reversed(objs):
+        pol.park(o)
+
+
+@pytest.mark.parametrize("leader", range(len(CANDIDATES)))
+def test_a_prompt_read_in_prefix_order_goes_from_its_end(leader):
+    """(LRU's recency comes from uses: used in prefix order, a read's first chunk was its oldest,
+    and the prompt went from its head, leaving the rest unreachable.)"""
+    pol = SwitchPolicy()
+    pol._switch(leader)
+    a, b = _objs(6), _objs(6, start=100)
+    pol.admit(a)
+    pol.admit(b)
+    _read(pol, a)
+    order = list(pol.order())
+    mine = [order.index(o) for o in a]
+    assert mine == sorted(mine, reverse=True), (leader, mine)
+
+
+def test_a_switch_in_the_middle_of_a_read_keeps_its_chunks_the_most_recent():
+    """A switch comes while a read holds its chunks (a server's read uses them all before it
+    parks any). Under a new LRU leader they are the most recent, not the oldest."""
+    pol = SwitchPolicy()
+    held = _run(pol, _sessions(200), 100)
+    reading = [o for o in held.values() if o.prev is None][:1]
+    while reading[-1] in {o.prev for o in held.values()}:  # the whole prompt of one chain
+        reading.append(next(o for o in held.values() if o.prev is reading[-1]))
+    for o in reading:
+        pol.unpark(o)
+        pol.use(o)
+    pol._switch(CANDIDATES.index(next(c for c in CANDIDATES if c.name == "lru")))
+    for o in reversed(reading):
+        pol.park(o)
+    order = list(pol.order())
+    assert [o.block for o in order[-len(reading):]] == [o.block for o in reversed(reading)]
+
+
 def test_a_switch_keeps_the_next_victims_first():
     """The parked objects nearest eviction under the old leader are the first to go under a new
     LRU leader (it keeps the old order; frequency policies put chunks used again behind)."""

@@ -60,15 +60,23 @@ class UseLruPolicy(LruPolicy):
     def __init__(self):
         super().__init__()
         self._parked = 0
+        self._last = None  # the object used last
+
+    def use(self, obj) -> None:
+        before, last, self._last = obj.prev, self._last, obj
+        if before is not None and before is last and before.newer is not None:
+            # a read in prefix order (as a server's reads go): just behind the chunk before it,
+            # so that the prompt still goes from its end
+            self._list.remove(obj)
+            self._list.insert_before(before, obj)
+        else:
+            self._list.to_newest(obj)
 
     def admit(self, objs: Sequence, lead=None, last: bool = True) -> None:
         super().admit(objs, lead, last)
         for obj in objs:
             obj.queue = 0
         self._parked += len(objs)
-
-    def use(self, obj) -> None:
-        self._list.to_newest(obj)
 
     def park(self, obj) -> None:
         if obj.queue:
@@ -122,8 +130,8 @@ class Miniature:
         self.live = live  # key -> live object, while every key is sampled (else empty)
 
     def access(self, keys: Sequence) -> None:
-        """One request's sampled keys, in prefix order: the held ones are hits (used, the last
-        first), the others are stored after room is made (as replay() does)."""
+        """One request's sampled keys, in prefix order: the held ones are hits (read as replay()
+        reads them), the others are stored after room is made."""
         held, pol = self.held, self.policy
         new, present, prev = [], [], None
         for key in keys:
@@ -144,13 +152,15 @@ class Miniature:
                 if doomed:
                     doomed.pop(live.get(obj.key), None)
             pol.admit(new)
+        present = [obj for obj in present if held.get(obj.key) is obj]
+        for obj in present:  # read as a server reads: used in prefix order, then parked deepest first
+            before = obj.prev
+            if before is None or held.get(before.key) is before:  # (a hit only after its prefix)
+                self.hits += 1
+            pol.unpark(obj)
+            pol.use(obj)
         for obj in reversed(present):
-            if held.get(obj.key) is obj:
-                before = obj.prev
-                if before is None or held.get(before.key) is before:  # (a hit only after its prefix)
-                    self.hits += 1
-                pol.use(obj)
-                pol.park(obj)
+            pol.park(obj)
 
     def _evict(self) -> None:
         victim = next(self.policy.candidates())
@@ -254,12 +264,14 @@ class FollowPolicy(EvictionPolicy):
         self._fills: collections.deque = collections.deque()  # objects held at the latest first evictions
         self._fresh = True
         self._used = None
+        self._reads: list = []  # keys read since the last other call: one read, in prefix order
 
     # ---- the live cache ------------------------------------------------------------------------
 
     def admit(self, objs: Sequence, lead=None, last: bool = True) -> None:
         if not objs:
             return
+        self._flush()
         self.resident += len(objs)
         self._fresh = True
         shadows = self._shadows
@@ -286,9 +298,10 @@ class FollowPolicy(EvictionPolicy):
         shadows = self._shadows[obj]
         for pol, s in zip(self._live, shadows):
             pol.use(s)
-        self._sample((obj.key,))
+        self._reads.append(obj.key)
 
     def park(self, obj) -> None:
+        self._flush()
         shadows = self._shadows[obj]
         if shadows[0].newer is not None and obj is not self._used:  # parked already: a lookup hit
             return
@@ -302,7 +315,16 @@ class FollowPolicy(EvictionPolicy):
             for pol, s in zip(self._live, shadows):
                 pol.unpark(s)
 
+    def _flush(self) -> None:
+        """A read's keys reach the miniatures as one request, as replay() makes it: a server uses a
+        read's chunks one at a time in prefix order and parks them again once it ends (one
+        request a chunk, a miniature's prompts would go from their first chunk)."""
+        if self._reads:
+            keys, self._reads = self._reads, []
+            self._sample(keys)
+
     def evicted(self, obj) -> None:
+        self._flush()
         if self._fresh:  # the first eviction since an admission: the cache was as full as it gets
             self._fresh = False
             fills = self._fills

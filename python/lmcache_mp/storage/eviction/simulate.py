@@ -3,9 +3,12 @@ seconds (bench/bench_trace.py), and Belady's offline optimum beside it.
 
 A trace is a list of requests, each the ids of its blocks in prefix order (a request shares ids
 with another exactly as far as their prompts share a prefix). A request's hits are its leading
-blocks present before it touches anything; then the cache makes room for its new blocks (as a
-store does, before they land), stores them (one admission), and its blocks that were present are
-used, the last first. That order gives the figures of the traces' README for LRU, ARC and S3-FIFO.
+blocks present before it touches anything. The policy then sees what a server's L1 makes of an
+engine's lookup with lock, retrieve of the hits and store of the rest (bench_trace's server mode,
+storage/l1.py), in that order: the hits leased and read (unparked, used), then parked again
+deepest first; the store's blocks already held used and held; room made for its new blocks one
+at a time (a block that finds none ends the store: a request larger than the cache keeps only
+what fits); the held ones parked again; the new ones admitted in parts of SLICE.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Sequence
 import xxhash
 
 from lmcache_mp.storage.eviction import make_policy
+from lmcache_mp.storage.l1_index import SLICE
 from lmcache_mp.storage.objects import ObjectKey
 
 
@@ -53,29 +57,48 @@ def replay(requests: Sequence[Sequence[int]], policy: str, capacity: int) -> dic
     keys: dict[int, ObjectKey] = {}
     hits = total = 0
     for blocks in requests:
-        hits += _leading(blocks, held)
+        n = _leading(blocks, held)
+        hits += n
         total += len(blocks)
-        present = [held[b] for b in blocks if b in held]
+        reads = [held[b] for b in blocks[:n]]
+        for obj in reads:  # leased by the lookup, then read
+            pol.unpark(obj)
+            pol.use(obj)
+        for obj in reversed(reads):  # the read ends
+            pol.park(obj)
+        used: list[SimObject] = []
         new: list[SimObject] = []
-        before = None  # the object of the block before (as a store names its parent)
-        for b in blocks:
-            if b not in held:
+        before = reads[-1] if reads else None  # the object of the block before (a store names it)
+        for b in blocks[n:]:
+            obj = held.get(b)
+            if obj is None:
                 key = keys.get(b)
                 if key is None:
                     key = keys[b] = block_key(b)
-                held[b] = obj = SimObject(key, b, before)
+                obj = SimObject(key, b, before)
                 new.append(obj)
-            before = held[b]
-        while pol.resident and pol.resident + len(new) > capacity:  # room first, as a store makes it
-            victim = next(pol.candidates())
-            pol.evicted(victim)
-            pol.remove(victim)
-            del held[victim.block]
-        pol.admit(new)
-        for obj in reversed(present):
-            if held.get(obj.block) is obj:  # (not evicted for this request's new blocks)
+            else:  # a store of a block held: a use
                 pol.use(obj)
-                pol.park(obj)
+                pol.unpark(obj)
+                used.append(obj)
+            before = obj
+        placed = 0
+        for _ in new:  # a slot each, evicting when none is free
+            if pol.resident + placed >= capacity:
+                victim = next(pol.candidates(), None)
+                if victim is None:
+                    break
+                pol.evicted(victim)
+                pol.remove(victim)
+                del held[victim.block]
+            placed += 1
+        del new[placed:]
+        for obj in reversed(used):
+            pol.park(obj)
+        for obj in new:
+            held[obj.block] = obj
+        for start in range(0, len(new), SLICE):
+            pol.admit(new[start:start + SLICE], new[0], start + SLICE >= len(new))
     return {"hits": hits, "blocks": total, "ratio": hits / total if total else 0.0}
 
 

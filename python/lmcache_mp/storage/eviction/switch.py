@@ -32,7 +32,7 @@ from lmcache_mp.storage.eviction.base import GHOST_BYTES, EvictionPolicy
 from lmcache_mp.storage.eviction.follow import CANDIDATES, FILLS, LeaderRace, Miniature, UseLruPolicy
 from lmcache_mp.storage.eviction.s3fifo import MAIN, SMALL, S3FifoPolicy
 
-RATE = 0.125  # share of the hash space the miniatures replay
+RATE = 0.25  # share of the hash space the miniatures replay
 MINI_OBJECTS = 16384  # objects a miniature holds, at most (the share shrinks for larger caches)
 DECAY = 0.5  # of the miniatures' hits, once every DECAY_EVERY x a miniature's size sampled accesses
 DECAY_EVERY = 32
@@ -168,11 +168,14 @@ class SwitchPolicy(EvictionPolicy):
             new.share = list(taught.share)
         elif isinstance(new, ArcPolicy):
             new._p = taught._p / self.rate
-        for obj in held:
-            new.admit((obj,))
-            new.unpark(obj)
         for obj in order:  # each the newest in turn: the old order stays
             new.admit((obj,))
+        lru = isinstance(new, UseLruPolicy)
+        for obj in reversed(held):  # (a read's chunks, held while the switch comes)
+            new.admit((obj,))
+            new.unpark(obj)
+            if lru:  # in use now: the most recent, the shallowest last (else they would be the
+                new.use(obj)  # oldest, the first to go once parked: LRU's recency is its uses)
         promote = set(reused)  # into the part of the chunks used again (ARC's T2, S3-FIFO's main)
         share = _frequent_share(taught)
         if share:
