@@ -61,38 +61,35 @@ def replay(requests: Sequence[Sequence[int]], policy: str, capacity: int) -> dic
         hits += n
         total += len(blocks)
         reads = [held[b] for b in blocks[:n]]
-        for obj in reads:  # leased by the lookup, then read
+        for obj in reads:  # leased by the lookup
             pol.unpark(obj)
+        for obj in reads:  # read
             pol.use(obj)
         for obj in reversed(reads):  # the read ends
             pol.park(obj)
         used: list[SimObject] = []
         new: list[SimObject] = []
         before = reads[-1] if reads else None  # the object of the block before (a store names it)
-        for b in blocks[n:]:
+        for b in blocks[n:]:  # the store, in prefix order
             obj = held.get(b)
-            if obj is None:
+            if obj is not None:  # a store of a block held: a use
+                pol.use(obj)
+                pol.unpark(obj)
+                used.append(obj)
+            else:  # a slot, evicting when none is free; none to evict: the store ends here
+                if pol.resident + len(new) >= capacity:
+                    victim = next(pol.candidates(), None)
+                    if victim is None:
+                        break
+                    pol.evicted(victim)
+                    pol.remove(victim)
+                    del held[victim.block]
                 key = keys.get(b)
                 if key is None:
                     key = keys[b] = block_key(b)
                 obj = SimObject(key, b, before)
                 new.append(obj)
-            else:  # a store of a block held: a use
-                pol.use(obj)
-                pol.unpark(obj)
-                used.append(obj)
             before = obj
-        placed = 0
-        for _ in new:  # a slot each, evicting when none is free
-            if pol.resident + placed >= capacity:
-                victim = next(pol.candidates(), None)
-                if victim is None:
-                    break
-                pol.evicted(victim)
-                pol.remove(victim)
-                del held[victim.block]
-            placed += 1
-        del new[placed:]
         for obj in reversed(used):
             pol.park(obj)
         for obj in new:
