@@ -100,8 +100,8 @@ def replay(requests: Sequence[Sequence[int]], policy: str, capacity: int) -> dic
 
 
 def belady(requests: Sequence[Sequence[int]], capacity: int) -> dict:
-    """Belady's MIN, offline: over capacity, the block whose next use is farthest goes (blocks are
-    touched as in replay(): a request's new blocks, then the rest, the last first)."""
+    """Belady's MIN, offline: over capacity, the block whose next use is farthest goes (a request's
+    blocks are touched the last first)."""
     never = len(requests)
     next_use: list[list[int]] = [[] for _ in requests]
     last: dict[int, int] = {}
