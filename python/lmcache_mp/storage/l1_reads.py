@@ -99,6 +99,7 @@ class L1Reads:
             if n:
                 self._pause()
             self._park_all([obj for obj in objs[start:start + SLICE] if self._index.get(obj.key) is obj])
+
     def lookup(
         self,
         model: str,
