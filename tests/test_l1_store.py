@@ -458,6 +458,17 @@ def test_a_prompt_longer_than_a_slice_still_goes_from_its_end(store, monkeypatch
     assert _evicted_in_turn(store, 4) == [CAPACITY - 1, CAPACITY - 2, CAPACITY - 3, CAPACITY - 4]
 
 
+def test_a_store_naming_a_held_chunk_twice_under_follow():
+    """A store (or read) may name a chunk twice: `follow` hands its miniatures a request's uses
+    as one request, each chunk once. (Twice, a miniature that did not hold it made two shadows
+    of one key, and a later eviction found the key gone: found by the state machine above.)"""
+    l1 = L1Store(HostArena(SLABS * SLAB, SLAB), clock=Clock(), policy="follow")
+    for chunks in ([1, 2, 3], [0, 1, 2, 3], [6, 7], [0, 4], [0, 1, 2], [0, 3, 3], [4, 5, 6], [0, 3, 3, 5]):
+        _store(l1, [key(i) for i in chunks])
+    for mini in l1._policy._mini:
+        assert len(mini.held) == mini.policy.resident
+
+
 def test_aborted_store_leaves_nothing(store):
     plan = store.begin_store([key(0), key(1)], OBJECT_BYTES, FMT)
     assert found(store, "m", 1, DIGESTS[:2]) == 0  # not visible while being written

@@ -334,7 +334,7 @@ class FollowPolicy(EvictionPolicy):
         read's chunks one at a time in prefix order and parks them again once it ends (one
         request a chunk, a miniature's prompts would go from their first chunk)."""
         if self._reads:
-            keys, self._reads = self._reads, []
+            keys, self._reads = list(dict.fromkeys(self._reads)), []  # (a key read twice: once)
             self._sample(keys)
 
     def evicted(self, obj) -> None:
