@@ -202,11 +202,21 @@ class ValkeyCluster:
     """Three primaries and three replicas on loopback, formed with valkey-cli (about 2 s)."""
 
     def __init__(self, tmp: Path):
+        for attempt in range(3):  # (a port or its cluster bus port, +10,000, taken meanwhile: new ports)
+            try:
+                self._form(tmp / str(attempt))
+                return
+            except subprocess.CalledProcessError as e:
+                self.stop()
+                if attempt == 2:
+                    raise RuntimeError(f"valkey-cli --cluster create failed: {e.stdout!r} {e.stderr!r}") from e
+
+    def _form(self, tmp: Path) -> None:
         self.servers = []
         ports = [cluster_port() for _ in range(6)]
         for port in ports:
             d = tmp / str(port)
-            d.mkdir()
+            d.mkdir(parents=True)
             proc = subprocess.Popen([valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                      "--appendonly", "no", "--dir", str(d), "--cluster-enabled", "yes",
                                      "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "3000",
