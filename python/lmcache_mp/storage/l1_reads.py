@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 from lmcache_mp.storage.eviction.base import EvictionPolicy
 from lmcache_mp.storage.index import PART_MASK
@@ -82,23 +82,25 @@ class L1Reads:
 
     def end_read(self, objs: Sequence[L1Object]) -> None:
         with self._lock:
-            # the deepest slice first: parked in prefix order, a long prompt's first slice would
-            # be older than its second and go first, leaving the rest unreachable
-            for n, start in enumerate(reversed(range(0, len(objs), SLICE))):
-                if n:
-                    self._pause()
-                part = objs[start:start + SLICE]
+            for part in self._deepest_slices(objs):
                 for obj in part:
                     obj.readers -= 1
                 self._park_all(part)
 
-    def _repark(self, objs: Sequence[L1Object]) -> None:
-        """(lock held) Park again objs (in prefix order) that are still held, the deepest slice
-        first, letting the lock go between slices (some may have gone while it was let go)."""
+    def _deepest_slices(self, objs: Sequence[L1Object]) -> Iterator[Sequence[L1Object]]:
+        """(lock held) objs (in prefix order) a slice at a time, the deepest first, letting the
+        lock go between slices: parked in prefix order, a long prompt's first slice would be
+        older than its second and go first, leaving the rest unreachable."""
         for n, start in enumerate(reversed(range(0, len(objs), SLICE))):
             if n:
                 self._pause()
-            self._park_all([obj for obj in objs[start:start + SLICE] if self._index.get(obj.key) is obj])
+            yield objs[start:start + SLICE]
+
+    def _repark(self, objs: Sequence[L1Object]) -> None:
+        """(lock held) Park again the objs a lookup found (in prefix order), the deepest slice
+        first, those still held only (the lookup let the lock go between its slices)."""
+        for part in self._deepest_slices(objs):
+            self._park_all([obj for obj in part if self._index.get(obj.key) is obj])
 
     def lookup(
         self,
