@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from lmcache_mp import Client
+from lmcache_mp import Client, Server, ServerConfig, chunk_hashes
 from lmcache_mp.integration.request_hints import RequestHint, request_hints
 from lmcache_mp.integration.connector_core import ScheduledRequest
-from test_connector_core import CS, engines, matched, server  # noqa: F401
+from test_connector_core import CS, engines, matched, prompt, server  # noqa: F401
 from test_server_e2e import wait_until
 
 torch = pytest.importorskip("torch")
@@ -69,3 +69,55 @@ def test_a_finished_requests_pin_is_sent_once_its_stores_are_answered(server, en
     assert a.sched.stats["hints"] == 3 and a.sched.stats["hint_errors"] == 0
     a.sched.stores_finished({"r"})  # (told twice: sent once)
     assert a.sched.stats["hints"] == 3
+
+
+def test_a_tp_shared_engines_hints_reach_its_chunks(server, engines):  # noqa: F811
+    """lmcache_mp.tp_shared: the chunks are stored once for every TP size, and a finished
+    request's hints must name those objects, not per-rank ones the engine never stored."""
+    a = engines(server.url, world_size=2, tp_shared=True, num_kv_heads=4)
+    tokens = list(range(3 * CS + 10))
+    hints = [RequestHint("pin", ttl=600), RequestHint("retain", priority=2)]
+    assert matched(a.sched, "r", tokens, 0, hints=hints) == 0
+    blocks = a.alloc(-(-len(tokens) // 32))
+    a.sched.on_allocated("r", blocks, 0)
+    plan = a.sched.build_plan([ScheduledRequest("r", 0, len(tokens), blocks)])
+    a.execute(plan, compute=[(tokens, blocks, 0, len(tokens))])
+    assert a.finish("r")
+    a.sched.stores_finished({"r"})
+    st = wait_until(lambda: (s := status(server))["hints"]["requests"]["retain"] == 1 and s, 30, "the hints")
+    assert st["hints"]["tenants"][""]["pinned_objects"] == 3  # the 3 whole chunks, one object each
+    assert a.sched.stats["hint_errors"] == 0
+
+
+def test_a_prefetch_at_arrival_brings_a_demoted_prompt_back_for_its_load(tmp_path, engines):  # noqa: F811
+    """A prefetch hint goes to the server when the request arrives, on its prompt's chunks: a
+    prompt demoted to the disk comes back into L1 and the engine loads it, every byte."""
+    srv = Server(ServerConfig(url="tcp://127.0.0.1:0", l1_size="64MiB", device="cpu", chunk_size=CS,
+                              l2_disk=str(tmp_path), l2_disk_size="64MiB")).start()
+    try:
+        tokens = prompt(5, 3 * CS + 10)
+        hashes = chunk_hashes(tokens, CS)[:3]
+        a = engines(srv.url)
+        a.prefill("r", tokens)
+        assert a.finish("r")
+        with Client(srv.url, timeout=10) as c:
+            assert c.hint("demote", hashes, model="tiny").chunks == 3
+            assert srv.engine.l1.prefix_objects("tiny", 1, hashes)[0] == 0
+
+        b = engines(srv.url)
+        b.free = b.free[::-1]  # other blocks than engine A's
+        ext = matched(b.sched, "q", tokens, 0, hints=[RequestHint("prefetch"), RequestHint("pin", ttl=60)])
+        assert ext == 3 * CS
+        st = wait_until(lambda: (s := srv.engine.status())["hints"]["requests"]["prefetch"] == 1 and s, 30, "the prefetch")
+        assert st["hints"]["requests"]["pin"] == 0  # (a pin goes once the request finished)
+        wait_until(lambda: srv.engine.l1.prefix_objects("tiny", 1, hashes)[0] == 3, 30, "the prefetch to load the chunks")
+        blocks = b.alloc(-(-len(tokens) // 32))
+        b.sched.on_allocated("q", blocks, ext)
+        plan = b.sched.build_plan([ScheduledRequest("q", ext, len(tokens) - ext, blocks)])
+        b.execute(plan, compute=[(tokens, blocks, ext, len(tokens))])
+        assert b.load_errors == set() and b.workers[0].stats["loaded_chunks"] == 3
+        assert b.check(tokens, blocks, 3 * CS)
+        assert b.sched.stats["hints"] == 1 and b.sched.stats["hint_errors"] == 0
+        b.finish("q")
+    finally:
+        srv.stop()

@@ -90,7 +90,8 @@ class HintSender:
             for gi in self._prefix_groups:
                 try:
                     f = client.hint_async(h.action, hashes[:n], model=self.models[gi], world_size=self.cfg.world_size,
-                                          ttl=h.ttl, priority=h.priority, timeout=self.cfg.lookup_timeout)
+                                          ttl=h.ttl, priority=h.priority, timeout=self.cfg.lookup_timeout,
+                                          tp_shared=self.cfg.tp_shared)  # (the objects its lookups find)
                 except LMCacheMPError as exc:
                     self.stats["hint_errors"] += 1
                     logger.debug("lmcache-mp: a hint was not sent: %s", exc)
