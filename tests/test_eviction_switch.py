@@ -10,7 +10,8 @@ import pytest
 
 from lmcache_mp.storage.eviction import make_policy
 from lmcache_mp.storage.eviction.base import GHOST_BYTES, ghost_limit
-from lmcache_mp.storage.eviction.follow import CANDIDATES
+from lmcache_mp.storage.eviction.adaptive import CLASS, INNER, LUCKY, AdaptivePolicy
+from lmcache_mp.storage.eviction.follow import CANDIDATES, UseLruPolicy
 from lmcache_mp.storage.eviction.simulate import replay
 from lmcache_mp.storage.eviction.switch import MINI_OBJECTS, RATE, SwitchPolicy
 from test_eviction_follow import _evict, _objs, _run, _sessions
@@ -98,6 +99,34 @@ def test_a_switch_in_the_middle_of_a_read_keeps_its_chunks_the_most_recent():
         pol.park(o)
     order = list(pol.order())
     assert [o.block for o in order[-len(reading):]] == [o.block for o in reversed(reading)]
+
+
+def test_the_miniatures_take_a_store_with_its_lot_and_a_read_as_one_request():
+    """A miniature must run its candidate as the live cache runs it, or the race misjudges it:
+    the adaptive policy draws one lot for a store (its parts of a slice share it), and a prompt
+    read goes from its end. (Each part drawing its own lot, and each chunk of a read reaching the
+    miniatures alone, as the last chunk of a store of its own, made the adaptive miniature serve
+    1.29x S3-FIFO's miniature on the conversation trace at 2,000 blocks, where the live caches
+    serve 1.38x: now 1.42x.)"""
+    pol = SwitchPolicy(rate=1.0)  # every key sampled
+    ada = next(m for m in pol._mini if isinstance(m.policy, AdaptivePolicy))
+    lru = next(m for m in pol._mini if isinstance(m.policy, UseLruPolicy))
+    ada.policy.share = [0.5, 0.5]  # half the stores are admitted in full
+    prompts = [_objs(8, start=100 * i) for i in range(12)]
+    for objs in prompts:  # each stored in two parts, as L1 admits a store larger than a slice
+        pol.admit(objs[:4], lead=objs[0], last=False)
+        pol.admit(objs[4:], lead=objs[0], last=True)
+    lots = [{ada.held[o.key].queue & LUCKY for o in objs} for objs in prompts]
+    assert all(len(lot) == 1 for lot in lots) and set.union(*lots) == {0, LUCKY}, lots
+
+    for mini in pol._mini:  # the miniatures have let them go; the live cache still holds them
+        mini.drop_unsampled(lambda key: False)
+    read = prompts[0]
+    _read(pol, read)
+    assert len({ada.held[o.key].queue for o in read}) == 1  # one lot, the read's
+    assert all(ada.held[o.key].queue & CLASS == INNER for o in read)
+    order = [o.key for o in lru.policy.order()]
+    assert order == [o.key for o in reversed(read)]  # the deepest goes first
 
 
 def test_a_switch_keeps_the_next_victims_first():

@@ -137,9 +137,10 @@ class Miniature:
         self.live = live  # key -> live object, while every key is sampled (else empty)
         self.leased = leased
 
-    def access(self, keys: Sequence) -> None:
+    def access(self, keys: Sequence, lead=None, last: bool = True) -> None:
         """One request's sampled keys, in prefix order: the held ones are hits (read as
-        `leased` says), the others are stored after room is made."""
+        `leased` says), the others are stored after room is made (lead, last: as the live
+        cache's admit says)."""
         held, pol = self.held, self.policy
         new, present, prev = [], [], None
         for key in keys:
@@ -159,7 +160,7 @@ class Miniature:
                 held[obj.key] = obj
                 if doomed:
                     doomed.pop(live.get(obj.key), None)
-            pol.admit(new)
+            pol.admit(new, lead, last)
         present = [obj for obj in present if held.get(obj.key) is obj]
         for obj in present:
             before = obj.prev
@@ -213,13 +214,13 @@ class LeaderRace:
         self.warm = 0  # sampled accesses since the live cache first evicted
         self.var = [[0.0] * i for i in range(len(minis))]  # of the difference of two candidates' hits
 
-    def record(self, keys: Sequence) -> None:
-        """One request's sampled keys, replayed on every miniature."""
+    def record(self, keys: Sequence, lead=None, last: bool = True) -> None:
+        """One request's sampled keys, replayed on every miniature (lead, last: Miniature.access)."""
         minis = self.minis
         gained = []
         for mini in minis:
             before = mini.hits
-            mini.access(keys)
+            mini.access(keys, lead, last)
             gained.append(mini.hits - before)
         var = self.var
         for i, gi in enumerate(gained):
