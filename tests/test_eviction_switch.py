@@ -11,7 +11,7 @@ import pytest
 from lmcache_mp.storage.eviction import make_policy
 from lmcache_mp.storage.eviction.base import GHOST_BYTES, ghost_limit
 from lmcache_mp.storage.eviction.adaptive import CLASS, INNER, LUCKY, AdaptivePolicy
-from lmcache_mp.storage.eviction.follow import CANDIDATES, UseLruPolicy
+from lmcache_mp.storage.eviction.follow import CANDIDATES, Miniature, UseLruPolicy
 from lmcache_mp.storage.eviction.simulate import replay
 from lmcache_mp.storage.eviction.switch import MINI_OBJECTS, RATE, SwitchPolicy
 from test_eviction_follow import _evict, _objs, _run, _sessions
@@ -127,6 +127,28 @@ def test_the_miniatures_take_a_store_with_its_lot_and_a_read_as_one_request():
     assert all(ada.held[o.key].queue & CLASS == INNER for o in read)
     order = [o.key for o in lru.policy.order()]
     assert order == [o.key for o in reversed(read)]  # the deepest goes first
+
+
+def test_a_miniatures_hits_are_a_lookups_and_a_store_continues_its_prompt():
+    """A miniature's hits are what a lookup would find there: the leading chunks held, not a
+    chunk after a hole. A store that continues a prompt just read goes behind it in the
+    miniatures, as in the live cache (a prompt goes from its end, not from the end of what
+    was read). Both had made LRU's miniature serve 0.96x S3-FIFO's on agentic coding at 4,000
+    blocks with every key sampled, where the live caches serve 1.03x: now 1.03x."""
+    mini = Miniature(UseLruPolicy(), {})
+    keys = [o.key for o in _objs(4)]
+    mini.access(keys)
+    mini.policy.remove(mini.held.pop(keys[1]))  # a hole
+    mini.access(keys)
+    assert mini.hits == 1  # the first only
+
+    pol = SwitchPolicy(rate=1.0)
+    lru = next(m for m in pol._mini if isinstance(m.policy, UseLruPolicy))
+    objs = _objs(8)
+    pol.admit(objs[:4], lead=objs[0])
+    _read(pol, objs[:4])
+    pol.admit(objs[4:], lead=objs[4])  # the next turn's store: its parent is the last chunk read
+    assert [o.key for o in lru.policy.order()] == [o.key for o in reversed(objs)]
 
 
 def test_a_switch_keeps_the_next_victims_first():

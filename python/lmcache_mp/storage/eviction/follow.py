@@ -137,18 +137,25 @@ class Miniature:
         self.live = live  # key -> live object, while every key is sampled (else empty)
         self.leased = leased
 
-    def access(self, keys: Sequence, lead=None, last: bool = True) -> None:
-        """One request's sampled keys, in prefix order: the held ones are hits (read as
-        `leased` says), the others are stored after room is made (lead, last: as the live
-        cache's admit says)."""
+    def access(self, keys: Sequence, lead=None, last: bool = True, parent=None) -> None:
+        """One request's sampled keys, in prefix order: the leading held ones are hits (a
+        lookup's, after `parent`, the key of the sampled chunk before them, when it is held);
+        the held ones are read as `leased` says, the others stored after room is made (lead,
+        last: as the live cache's admit says)."""
         held, pol = self.held, self.policy
-        new, present, prev = [], [], None
+        new, present, prev = [], [], None if parent is None else held.get(parent)
+        run = True  # the hits: the leading chunks held, after a prefix held (a lookup's)
         for key in keys:
             obj = held.get(key)
             if obj is None:
                 obj = Shadow(None, key, prev)
                 new.append(obj)
+                run = False
             else:
+                if run and (present or obj.prev is None or held.get(obj.prev.key) is obj.prev):
+                    self.hits += 1
+                else:
+                    run = False
                 present.append(obj)
             prev = obj
         if new:
@@ -162,10 +169,6 @@ class Miniature:
                     doomed.pop(live.get(obj.key), None)
             pol.admit(new, lead, last)
         present = [obj for obj in present if held.get(obj.key) is obj]
-        for obj in present:
-            before = obj.prev
-            if before is None or held.get(before.key) is before:  # (a hit only after its prefix)
-                self.hits += 1
         if self.leased:
             for obj in present:
                 pol.unpark(obj)
@@ -214,13 +217,13 @@ class LeaderRace:
         self.warm = 0  # sampled accesses since the live cache first evicted
         self.var = [[0.0] * i for i in range(len(minis))]  # of the difference of two candidates' hits
 
-    def record(self, keys: Sequence, lead=None, last: bool = True) -> None:
-        """One request's sampled keys, replayed on every miniature (lead, last: Miniature.access)."""
+    def record(self, keys: Sequence, lead=None, last: bool = True, parent=None) -> None:
+        """One request's sampled keys, replayed on every miniature (lead, last, parent: Miniature.access)."""
         minis = self.minis
         gained = []
         for mini in minis:
             before = mini.hits
-            mini.access(keys, lead, last)
+            mini.access(keys, lead, last, parent)
             gained.append(mini.hits - before)
         var = self.var
         for i, gi in enumerate(gained):

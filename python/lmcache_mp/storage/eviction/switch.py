@@ -8,8 +8,9 @@ RATE of the hash space, so a chunk costs one policy and RATE x the candidates' m
 - **Miniatures** (SHARDS, as in follow.py): keys whose digest falls in the sampled share are
   replayed, reads and stores only (never lookups), on one cache per candidate of RATE x the live
   cache's size (at most MINI_OBJECTS objects). The leader changes as follow.py's does: by a
-  margin of the decayed accesses and by 1.5 standard deviations of the difference. A read
-  reaches them as one request, and a store with the live store's lot.
+  margin of the decayed accesses and by 1.5 standard deviations of the difference. They run
+  their candidate as the live cache does: a read reaches them as one request, a store with the
+  live store's lot and its parent, and their hits are a lookup's (the leading chunks held).
 - **A switch hands the live objects to the new leader**, O(objects held): the parked ones in the
   old leader's order (its next victims stay the new one's), the held ones held; the chunks read
   or stored again since they were stored are used once more in the new one (its frequency); the
@@ -46,6 +47,8 @@ WINDOW_HITS = 2048  # ... and once the best has this many
 NOISE = 2.25
 LEAD = 0.003
 THRESHOLD = 1 << 32
+PARENT_STEPS = 64  # a store's first sampled chunk continues its nearest sampled ancestor this near
+READ_PIECE = 128  # sampled keys of a read that reach the miniatures in one call, at most
 
 
 def _point(key) -> int:
@@ -88,7 +91,7 @@ class SwitchPolicy(EvictionPolicy):
         self._fresh = True
         self._calm = 0  # live reads and stores since the last switch
         self._used = None
-        self._read_lead = None
+        self._read_lead = self._read_parent = None
         self._reads: list = []  # the sampled keys of the read going on
 
     # ---- the live cache: the leader's own calls ---------------------------------------------
@@ -107,18 +110,20 @@ class SwitchPolicy(EvictionPolicy):
         below = self._below
         got = [obj.key for obj in objs if _point(obj.key) < below]
         if got:  # (the lot of the live store; its last chunk's class only where it is sampled)
-            self._sample(got, lead or objs[0], last and _point(objs[-1].key) < below)
+            self._sample(got, lead or objs[0], last and _point(objs[-1].key) < below, self._sampled_parent(objs[0]))
 
     def use(self, obj) -> None:
         if obj.prev is None or obj.prev is not self._used:  # (a read goes in prefix order: this begins one)
             self._flush()
-            self._read_lead = obj
+            self._read_lead, self._read_parent = obj, None
         self._used = obj  # (a park of it that follows is the use's, not a lookup's)
         self._pol.use(obj)
         self._objs[obj] = True
         self._calm += 1
         if _point(obj.key) < self._below:
             self._reads.append(obj.key)
+            if len(self._reads) >= READ_PIECE:
+                self._flush()
 
     def park(self, obj) -> None:
         self._flush()
@@ -220,13 +225,27 @@ class SwitchPolicy(EvictionPolicy):
     def _flush(self) -> None:
         """The sampled chunks of the read that ended reach the miniatures as one request (in one
         call, they go from their end in every miniature, as they do in the live cache; a
-        miniature that stores them draws the read's lot, for inner chunks)."""
+        miniature that stores them draws the read's lot, for inner chunks); a long read in
+        pieces of READ_PIECE, each continuing the one before (a call holds L1's lock)."""
         if self._reads:
             keys, self._reads = self._reads, []
-            self._sample(keys, self._read_lead, False)
+            self._sample(keys, self._read_lead, False, self._read_parent)
+            self._read_parent = keys[-1]
 
-    def _sample(self, keys: Sequence, lead, last: bool) -> None:
-        self._race.record(keys, lead, last)
+    def _sampled_parent(self, obj):
+        """The key of the nearest sampled chunk before obj in its prompt (None past PARENT_STEPS)."""
+        below = self._below
+        p = obj.prev
+        for _ in range(PARENT_STEPS):
+            if p is None:
+                return None
+            if _point(p.key) < below:
+                return p.key
+            p = p.prev
+        return None
+
+    def _sample(self, keys: Sequence, lead, last: bool, parent=None) -> None:
+        self._race.record(keys, lead, last, parent)
         self._choose()
 
     def _choose(self) -> None:
