@@ -198,9 +198,10 @@ class Engine:
         for w in self.workers:
             w.start_stores(plan)
 
-    def prefill(self, rid: str, tokens, local_hit: int = 0, local_blocks=()):
-        """Admit a request and run its whole prompt in one step; returns (external tokens, blocks)."""
-        ext = matched(self.sched, rid, tokens, local_hit)
+    def prefill(self, rid: str, tokens, local_hit: int = 0, local_blocks=(), **kw):
+        """Admit a request (kw: num_new_matched_tokens's, its hints) and run its whole prompt in
+        one step; returns (external tokens, blocks)."""
+        ext = matched(self.sched, rid, tokens, local_hit, **kw)
         blocks = list(local_blocks) + self.alloc(-(-len(tokens) // BS) - len(local_blocks))
         self.sched.on_allocated(rid, blocks, ext)
         computed = local_hit + ext

@@ -76,12 +76,7 @@ def test_a_tp_shared_engines_hints_reach_its_chunks(server, engines):  # noqa: F
     request's hints must name those objects, not per-rank ones the engine never stored."""
     a = engines(server.url, world_size=2, tp_shared=True, num_kv_heads=4)
     tokens = list(range(3 * CS + 10))
-    hints = [RequestHint("pin", ttl=600), RequestHint("retain", priority=2)]
-    assert matched(a.sched, "r", tokens, 0, hints=hints) == 0
-    blocks = a.alloc(-(-len(tokens) // 32))
-    a.sched.on_allocated("r", blocks, 0)
-    plan = a.sched.build_plan([ScheduledRequest("r", 0, len(tokens), blocks)])
-    a.execute(plan, compute=[(tokens, blocks, 0, len(tokens))])
+    assert a.prefill("r", tokens, hints=[RequestHint("pin", ttl=600), RequestHint("retain", priority=2)])[0] == 0
     assert a.finish("r")
     a.sched.stores_finished({"r"})
     st = wait_until(lambda: (s := status(server))["hints"]["requests"]["retain"] == 1 and s, 30, "the hints")
@@ -108,9 +103,11 @@ def test_a_prefetch_at_arrival_brings_a_demoted_prompt_back_for_its_load(tmp_pat
         b.free = b.free[::-1]  # other blocks than engine A's
         ext = matched(b.sched, "q", tokens, 0, hints=[RequestHint("prefetch"), RequestHint("pin", ttl=60)])
         assert ext == 3 * CS
-        st = wait_until(lambda: (s := srv.engine.status())["hints"]["requests"]["prefetch"] == 1 and s, 30, "the prefetch")
+        st = wait_until(lambda: (s := srv.engine.status())["hints"]["requests"]["prefetch"] == 1 and s, 30,
+                        "the prefetch")
         assert st["hints"]["requests"]["pin"] == 0  # (a pin goes once the request finished)
-        wait_until(lambda: srv.engine.l1.prefix_objects("tiny", 1, hashes)[0] == 3, 30, "the prefetch to load the chunks")
+        wait_until(lambda: srv.engine.l1.prefix_objects("tiny", 1, hashes)[0] == 3, 30,
+                   "the prefetch to load the chunks")
         blocks = b.alloc(-(-len(tokens) // 32))
         b.sched.on_allocated("q", blocks, ext)
         plan = b.sched.build_plan([ScheduledRequest("q", ext, len(tokens) - ext, blocks)])

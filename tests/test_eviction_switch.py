@@ -101,6 +101,10 @@ def test_a_switch_in_the_middle_of_a_read_keeps_its_chunks_the_most_recent():
     assert [o.block for o in order[-len(reading):]] == [o.block for o in reversed(reading)]
 
 
+def _mini(pol, kind) -> Miniature:
+    return next(m for m in pol._mini if isinstance(m.policy, kind))
+
+
 def test_the_miniatures_take_a_store_with_its_lot_and_a_read_as_one_request():
     """A miniature must run its candidate as the live cache runs it, or the race misjudges it:
     the adaptive policy draws one lot for a store (its parts of a slice share it), and a prompt
@@ -109,8 +113,7 @@ def test_the_miniatures_take_a_store_with_its_lot_and_a_read_as_one_request():
     1.29x S3-FIFO's miniature on the conversation trace at 2,000 blocks, where the live caches
     serve 1.38x: now 1.42x.)"""
     pol = SwitchPolicy(rate=1.0)  # every key sampled
-    ada = next(m for m in pol._mini if isinstance(m.policy, AdaptivePolicy))
-    lru = next(m for m in pol._mini if isinstance(m.policy, UseLruPolicy))
+    ada, lru = _mini(pol, AdaptivePolicy), _mini(pol, UseLruPolicy)
     ada.policy.share = [0.5, 0.5]  # half the stores are admitted in full
     prompts = [_objs(8, start=100 * i) for i in range(12)]
     for objs in prompts:  # each stored in two parts, as L1 admits a store larger than a slice
@@ -143,7 +146,7 @@ def test_a_miniatures_hits_are_a_lookups_and_a_store_continues_its_prompt():
     assert mini.hits == 1  # the first only
 
     pol = SwitchPolicy(rate=1.0)
-    lru = next(m for m in pol._mini if isinstance(m.policy, UseLruPolicy))
+    lru = _mini(pol, UseLruPolicy)
     objs = _objs(8)
     pol.admit(objs[:4], lead=objs[0])
     _read(pol, objs[:4])

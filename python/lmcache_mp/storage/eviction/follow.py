@@ -139,9 +139,10 @@ class Miniature:
 
     def access(self, keys: Sequence, lead=None, last: bool = True, parent=None) -> None:
         """One request's sampled keys, in prefix order: the leading held ones are hits (a
-        lookup's, after `parent`, the key of the sampled chunk before them, when it is held);
-        the held ones are read as `leased` says, the others stored after room is made (lead,
-        last: as the live cache's admit says)."""
+        lookup's; the first only where the sampled chunk before it is held), the held ones are
+        read as `leased` says, the others stored after room is made (lead, last: as the live
+        cache's admit says; parent: the key of the sampled chunk before the first, which the
+        new ones continue)."""
         held, pol = self.held, self.policy
         new, present, prev = [], [], None if parent is None else held.get(parent)
         run = True  # the hits: the leading chunks held, after a prefix held (a lookup's)
