@@ -154,6 +154,20 @@ def test_a_miniatures_hits_are_a_lookups_and_a_store_continues_its_prompt():
     assert [o.key for o in lru.policy.order()] == [o.key for o in reversed(objs)]
 
 
+def test_a_prompt_stored_before_the_sampled_share_went_down_still_hits():
+    """When the sampled share goes down (a cache larger than the miniatures at a quarter), a
+    chunk kept follows the nearest chunk still sampled before it. It named a forgotten chunk, so
+    its prompt never hit again in any miniature: the race then went by new prompts only."""
+    mini = Miniature(UseLruPolicy(), {})
+    keys = [o.key for o in _objs(6)]
+    mini.access(keys)
+    kept = set(keys[1::2])  # the first chunk is no longer sampled
+    mini.drop_unsampled(lambda key: key in kept)
+    mini.access(keys[1::2])
+    assert mini.hits == 3
+    assert [mini.held[k].prev for k in keys[1::2]] == [None, mini.held[keys[1]], mini.held[keys[3]]]
+
+
 def test_a_switch_keeps_the_next_victims_first():
     """The parked objects nearest eviction under the old leader are the first to go under a new
     LRU leader (it keeps the old order; frequency policies put chunks used again behind)."""
