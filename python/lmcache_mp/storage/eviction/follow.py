@@ -192,9 +192,9 @@ class Miniature:
 
     def drop_unsampled(self, sampled) -> None:
         """Forget the keys no longer sampled (R went down). A chunk kept now follows the nearest
-        sampled chunk before it: its first hit is checked against that one (it named a chunk
-        forgotten here, so that prompts stored before R went down never hit again: on every
-        trace at 16,000 blocks, R going from 1 to 0.256 cost 0.001-0.039 served)."""
+        chunk still sampled before it, against which its first hit is checked (it named one
+        forgotten here, and prompts stored before R went down never hit again: docs/eviction.md,
+        2026-12-08)."""
         for key in [k for k in self.held if not sampled(k)]:
             self.policy.remove(self.held.pop(key))
         for obj in self.held.values():
